@@ -1,0 +1,354 @@
+"""`ProRLConfig` (a `trl.GRPOConfig` with phases, hard resets, overlong penalty and dynamic sampling) and `PhaseConfig`.
+
+A ProRL run is a list of phases. Each `PhaseConfig` field left at `None` carries over from the previous phase (the
+first phase takes it from the base `ProRLConfig`, and the LoRA fields from the trainer's `peft_config`).
+`resolve_phases` turns the list into fully specified `ResolvedPhase` objects before any model is loaded, so a bad
+phase fails fast with a message that names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from trl import GRPOConfig
+
+# PhaseConfig fields that mirror a GRPOConfig field of the same name (carried over from the base config).
+GRPO_PHASE_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "num_generations",
+    "max_completion_length",
+    "generation_batch_size",
+    "learning_rate",
+    "beta",
+    "epsilon",
+    "epsilon_high",
+    "reward_weights",
+)
+# PhaseConfig fields that mirror a ProRLConfig (not GRPOConfig) field of the same name.
+PRORL_PHASE_FIELDS = ("overlong_buffer", "overlong_penalty_factor", "plateau_patience", "plateau_min_delta")
+# PhaseConfig fields that mirror a peft.LoraConfig field: phase field -> LoraConfig attribute.
+LORA_PHASE_FIELDS = {"lora_r": "r", "lora_alpha": "lora_alpha", "lora_target_modules": "target_modules"}
+
+
+@dataclass
+class PhaseConfig:
+    r"""
+    One phase of a ProRL run. Every field left at `None` carries over from the previous phase (the first phase from
+    the base [`ProRLConfig`] and the trainer's `peft_config`).
+
+    Parameters:
+        > Identity and length
+
+        name (`str`, *optional*): Name shown in logs and reports; defaults to `phase-<index>`.
+        max_steps (`int`): Optimizer steps of this phase (the phase may end earlier on a validation plateau).
+        hard_reset (`bool`, *optional*): Whether to hard-reset when entering this phase (merge LoRA, fresh adapter,
+            optimizer, reference). Defaults to `ProRLConfig.hard_reset_between_phases`; ignored for the first phase.
+
+        > Sampling (reaches both generation and the loss's log-prob temperature)
+
+        temperature, top_p, top_k, min_p, repetition_penalty, num_generations, max_completion_length,
+        generation_batch_size: as in `GRPOConfig`. When `num_generations` changes and `generation_batch_size` is not
+        set, the number of prompts per generation batch is kept.
+
+        > Overlong penalty (DAPO eq. 13)
+
+        overlong_buffer (`int`, *optional*): Length of the soft-penalty buffer before `max_completion_length`;
+            `0` disables the penalty.
+        overlong_penalty_factor (`float`, *optional*): Penalty at the cap (the penalty is linear in the buffer).
+
+        > LoRA (a change of shape is applied at the phase boundary)
+
+        lora_r, lora_alpha, lora_target_modules: rank, alpha and target modules of the phase's fresh adapter.
+
+        > Optimisation
+
+        learning_rate, beta, epsilon, epsilon_high, reward_weights: as in `GRPOConfig`.
+
+        > Plateau rule
+
+        plateau_patience (`int`, *optional*): End the phase when the validation metric has not improved by
+            `plateau_min_delta` for this many evaluations. `0`/unset: never.
+        plateau_min_delta (`float`, *optional*): Smallest improvement that counts.
+    """
+
+    max_steps: int = field(metadata={"help": "Optimizer steps of this phase (it may end earlier on a plateau)."})
+    name: str | None = field(default=None, metadata={"help": "Phase name for logs and reports (default `phase-<i>`)."})
+    hard_reset: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Hard-reset when entering this phase (merge LoRA, fresh adapter/optimizer, reference reset). "
+            "None: `ProRLConfig.hard_reset_between_phases`. Ignored for the first phase."
+        },
+    )
+    temperature: float | None = field(default=None, metadata={"help": "Sampling and log-prob temperature."})
+    top_p: float | None = field(default=None, metadata={"help": "Nucleus sampling probability mass."})
+    top_k: int | None = field(default=None, metadata={"help": "Top-k sampling (0 disables)."})
+    min_p: float | None = field(default=None, metadata={"help": "Min-p sampling threshold."})
+    repetition_penalty: float | None = field(default=None, metadata={"help": "Generation repetition penalty."})
+    num_generations: int | None = field(
+        default=None, metadata={"help": "Completions per prompt (group size, >= 2); may change only between phases."}
+    )
+    max_completion_length: int | None = field(default=None, metadata={"help": "Maximum completion tokens."})
+    generation_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Completions per generation batch (global). None: keep the previous phase's prompts per "
+            "generation batch, times this phase's `num_generations`."
+        },
+    )
+    overlong_buffer: int | None = field(
+        default=None, metadata={"help": "DAPO soft overlong buffer length in tokens (0 disables the penalty)."}
+    )
+    overlong_penalty_factor: float | None = field(
+        default=None, metadata={"help": "Overlong penalty at the completion cap (linear inside the buffer)."}
+    )
+    lora_r: int | None = field(default=None, metadata={"help": "LoRA rank of this phase's adapter."})
+    lora_alpha: float | None = field(default=None, metadata={"help": "LoRA alpha of this phase's adapter."})
+    lora_target_modules: list[str] | str | None = field(
+        default=None, metadata={"help": "LoRA target modules of this phase's adapter (list, or 'all-linear')."}
+    )
+    learning_rate: float | None = field(default=None, metadata={"help": "Learning rate of this phase."})
+    beta: float | None = field(default=None, metadata={"help": "KL coefficient (0 <-> non-0 cannot change mid-run)."})
+    epsilon: float | None = field(default=None, metadata={"help": "Lower clip range epsilon."})
+    epsilon_high: float | None = field(default=None, metadata={"help": "Upper clip range epsilon (clip-higher)."})
+    reward_weights: list[float] | None = field(default=None, metadata={"help": "Weights of the reward functions."})
+    plateau_patience: int | None = field(
+        default=None, metadata={"help": "Evaluations without improvement that end the phase (0: never)."}
+    )
+    plateau_min_delta: float | None = field(default=None, metadata={"help": "Smallest validation improvement."})
+
+
+@dataclass
+class ResolvedPhase:
+    """A phase with every setting filled in (see `resolve_phases`). Plain data: the trainer applies it."""
+
+    index: int
+    name: str
+    max_steps: int
+    hard_reset: bool
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float | None
+    repetition_penalty: float
+    num_generations: int
+    max_completion_length: int
+    generation_batch_size: int
+    overlong_buffer: int
+    overlong_penalty_factor: float
+    lora_r: int | None
+    lora_alpha: float | None
+    lora_target_modules: list[str] | str | None
+    learning_rate: float
+    beta: float
+    epsilon: float
+    epsilon_high: float | None
+    reward_weights: list[float] | None
+    plateau_patience: int
+    plateau_min_delta: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def lora_shape(self) -> tuple:
+        """What decides whether a new adapter is needed: rank, alpha, targets."""
+        targets = self.lora_target_modules
+        targets = tuple(sorted(targets)) if isinstance(targets, (list, tuple, set)) else targets
+        return (self.lora_r, self.lora_alpha, targets)
+
+
+@dataclass
+class ProRLConfig(GRPOConfig):
+    r"""
+    Configuration of [`ProRLTrainer`]: every `trl.GRPOConfig` field, plus the following.
+
+    Parameters:
+        > Phases
+
+        phases (`list[PhaseConfig | dict]`, *optional*): The phases to run in order. None: one phase of
+            `max_steps` with the base settings.
+        reseed_phases (`bool`, defaults to `True`): Shift the data seed per phase, so phase k+1 does not re-read
+            the prompts of phase k in the same order (TRL rebuilds its sampler from `seed` on every `train()`).
+
+        > Hard reset
+
+        hard_reset_between_phases (`bool`, defaults to `True`): Hard-reset at every phase boundary.
+        reset_optimizer (`bool`, defaults to `True`): A reset starts a fresh optimizer state and LR schedule
+            (ProRL v1). False keeps the moments (ProRL v2).
+        reset_reference (`bool`, defaults to `True`): A reset moves the KL reference to the current policy.
+        save_merged_on_reset (`bool`, defaults to `True`): Save the merged model under
+            `<output_dir>/merged/reset-<k>/` at every reset.
+
+        > Overlong penalty
+
+        overlong_buffer (`int`, defaults to `0`): DAPO soft overlong buffer (tokens); 0 disables.
+        overlong_penalty_factor (`float`, defaults to `1.0`): Penalty at the cap.
+
+        > Dynamic sampling
+
+        dynamic_sampling (`bool`, defaults to `False`): Drop groups whose correctness is uniform, refill with
+            fresh prompts.
+        dynamic_sampling_reward (`str`, *optional*): `__name__` of the correctness reward it keys on (default:
+            the first reward function).
+        dynamic_sampling_max_rounds (`int`, defaults to `3`): Extra generation rounds per step to refill.
+
+        > Minibatch early stop (RLinf)
+
+        early_stop_importance_ratio (`float`, *optional*): Zero a micro-batch's loss when its token-masked mean
+            importance ratio exceeds this. None: off (RLinf uses 5.0).
+
+        > Plateau rule
+
+        plateau_metric (`str`, defaults to `"eval_reward"`): Logged metric the plateau rule watches.
+        plateau_mode (`str`, defaults to `"max"`): `"max"` (higher is better) or `"min"`.
+        plateau_patience (`int`, defaults to `0`): Base patience for phases that do not set one (0: off).
+        plateau_min_delta (`float`, defaults to `0.0`): Base minimum improvement.
+    """
+
+    phases: list[Any] | None = field(
+        default=None,
+        metadata={"help": "The phases, in order (PhaseConfig or dicts). None: one phase of `max_steps`."},
+    )
+    reseed_phases: bool = field(
+        default=True, metadata={"help": "Shift the data seed per phase so phases do not replay the same prompts."}
+    )
+    hard_reset_between_phases: bool = field(
+        default=True, metadata={"help": "Hard-reset (merge LoRA, fresh adapter/optimizer/reference) between phases."}
+    )
+    reset_optimizer: bool = field(
+        default=True, metadata={"help": "A hard reset clears the optimizer state and restarts the LR schedule."}
+    )
+    reset_reference: bool = field(
+        default=True, metadata={"help": "A hard reset moves the KL reference policy to the current policy."}
+    )
+    save_merged_on_reset: bool = field(
+        default=True, metadata={"help": "Save the merged model under <output_dir>/merged/reset-<k>/ at each reset."}
+    )
+    overlong_buffer: int = field(
+        default=0, metadata={"help": "DAPO soft overlong buffer length in tokens before the cap; 0 disables."}
+    )
+    overlong_penalty_factor: float = field(
+        default=1.0, metadata={"help": "Overlong penalty at the completion cap (linear inside the buffer)."}
+    )
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={"help": "Drop groups whose correctness is all-right or all-wrong and refill with fresh prompts."},
+    )
+    dynamic_sampling_reward: str | None = field(
+        default=None,
+        metadata={"help": "Name of the correctness reward dynamic sampling keys on (default: the first reward)."},
+    )
+    dynamic_sampling_max_rounds: int = field(
+        default=3, metadata={"help": "Extra generation rounds per step used to refill dropped groups."}
+    )
+    early_stop_importance_ratio: float | None = field(
+        default=None,
+        metadata={"help": "Zero a micro-batch's loss when its mean importance ratio exceeds this (RLinf: 5.0)."},
+    )
+    plateau_metric: str = field(
+        default="eval_reward", metadata={"help": "Logged metric the plateau rule watches (e.g. `eval_pass@1`)."}
+    )
+    plateau_mode: str = field(default="max", metadata={"help": "'max': higher is better; 'min': lower is better."})
+    plateau_patience: int = field(
+        default=0, metadata={"help": "Evaluations without improvement that end a phase (0: never)."}
+    )
+    plateau_min_delta: float = field(default=0.0, metadata={"help": "Smallest improvement of the plateau metric."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.phases is not None:
+            self.phases = [p if isinstance(p, PhaseConfig) else PhaseConfig(**p) for p in self.phases]
+            if not self.phases:
+                raise ValueError("`phases` is empty: give at least one phase, or leave it unset for a single phase.")
+        if self.plateau_mode not in ("max", "min"):
+            raise ValueError(f"plateau_mode must be 'max' or 'min', got {self.plateau_mode!r}.")
+        if self.overlong_buffer < 0:
+            raise ValueError(f"overlong_buffer must be >= 0, got {self.overlong_buffer}.")
+        if self.dynamic_sampling_max_rounds < 0:
+            raise ValueError(f"dynamic_sampling_max_rounds must be >= 0, got {self.dynamic_sampling_max_rounds}.")
+
+
+def _lora_value(peft_config: Any, attribute: str) -> Any:
+    value = getattr(peft_config, attribute, None) if peft_config is not None else None
+    return sorted(value) if isinstance(value, set) else value
+
+
+def resolve_phases(args: ProRLConfig, peft_config: Any = None, world_size: int = 1) -> list[ResolvedPhase]:
+    """Fill every phase's unset fields from the previous phase (the first from `args` / `peft_config`) and check them.
+
+    Raises `ValueError` naming the phase and field for any value TRL would reject later (group size < 2, a
+    generation batch not divisible by the group size or by the global micro-batch, a buffer not shorter than the
+    cap, a LoRA rank without a `peft_config`, ...).
+    """
+    phases = args.phases or [PhaseConfig(max_steps=args.max_steps if args.max_steps > 0 else 1, name="main")]
+    previous: dict[str, Any] = {name: getattr(args, name) for name in GRPO_PHASE_FIELDS + PRORL_PHASE_FIELDS}
+    previous["num_generations"] = previous["num_generations"] or 8
+    previous.update({field_: _lora_value(peft_config, attr) for field_, attr in LORA_PHASE_FIELDS.items()})
+    prompts_per_generation = max(1, previous["generation_batch_size"] // previous["num_generations"])
+    micro_batch = args.per_device_train_batch_size * world_size
+    resolved = []
+    for index, phase in enumerate(phases):
+        values = dict(previous)
+        explicit = {f.name: getattr(phase, f.name) for f in dataclasses.fields(phase) if getattr(phase, f.name) is not None}
+        values.update({k: v for k, v in explicit.items() if k in previous})
+        where = f"phase {index} ({phase.name or f'phase-{index}'})"
+        if "generation_batch_size" not in explicit:
+            values["generation_batch_size"] = prompts_per_generation * values["num_generations"]
+        prompts_per_generation = max(1, values["generation_batch_size"] // values["num_generations"])
+        hard_reset = args.hard_reset_between_phases if phase.hard_reset is None else phase.hard_reset
+        _check_phase(where, phase.max_steps, values, micro_batch, peft_config)
+        resolved.append(
+            ResolvedPhase(
+                index=index,
+                name=phase.name or f"phase-{index}",
+                max_steps=phase.max_steps,
+                hard_reset=bool(hard_reset) and index > 0,
+                **{k: values[k] for k in GRPO_PHASE_FIELDS + PRORL_PHASE_FIELDS + tuple(LORA_PHASE_FIELDS)},
+            )
+        )
+        previous = values
+    return resolved
+
+
+def _check_phase(where: str, max_steps: int, v: dict[str, Any], micro_batch: int, peft_config: Any) -> None:
+    problems = []
+    if max_steps is None or max_steps < 1:
+        problems.append(f"max_steps must be >= 1, got {max_steps}")
+    if v["num_generations"] < 2:
+        problems.append(f"num_generations must be >= 2 (GRPO needs a group), got {v['num_generations']}")
+    elif v["generation_batch_size"] % v["num_generations"]:
+        problems.append(
+            f"generation_batch_size {v['generation_batch_size']} is not divisible by num_generations "
+            f"{v['num_generations']}"
+        )
+    if v["generation_batch_size"] % micro_batch:
+        problems.append(
+            f"generation_batch_size {v['generation_batch_size']} is not divisible by per_device_train_batch_size x "
+            f"processes = {micro_batch}"
+        )
+    if v["max_completion_length"] is None or v["max_completion_length"] < 1:
+        problems.append(f"max_completion_length must be >= 1, got {v['max_completion_length']}")
+    elif v["overlong_buffer"] and not 0 <= v["overlong_buffer"] < v["max_completion_length"]:
+        problems.append(
+            f"overlong_buffer ({v['overlong_buffer']}) must be shorter than max_completion_length "
+            f"({v['max_completion_length']})"
+        )
+    if v["temperature"] <= 0:
+        problems.append(f"temperature must be > 0, got {v['temperature']}")
+    if not 0 < v["top_p"] <= 1:
+        problems.append(f"top_p must be in (0, 1], got {v['top_p']}")
+    if v["learning_rate"] < 0:
+        problems.append(f"learning_rate must be >= 0, got {v['learning_rate']}")
+    if v["lora_r"] is not None and peft_config is None and v["lora_r"] != _lora_value(peft_config, "r"):
+        problems.append("sets lora_r but the trainer has no peft_config (LoRA fields need a LoRA run)")
+    if v["lora_r"] is not None and v["lora_r"] < 1:
+        problems.append(f"lora_r must be >= 1, got {v['lora_r']}")
+    if problems:
+        raise ValueError(f"ProRLConfig {where}: " + "; ".join(problems) + ".")

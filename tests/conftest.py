@@ -1,0 +1,40 @@
+"""Shared fixtures. Tests run on CPU, offline, with tiny models built in-process (`prorl_trl.tiny`)."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# The shared data sets live beside the project, never inside it (see ../shared/data/README.md).
+SHARED_DATA = Path(os.environ.get("PRORL_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data not found at {SHARED_DATA} (set PRORL_SHARED_DATA)")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A tiny model + tokenizer saved with `save_pretrained`, loadable by path."""
+    from prorl_trl.tiny import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture
+def tiny():
+    """A fresh `(model, tokenizer)` pair; seed 0."""
+    from prorl_trl.tiny import build_tiny
+
+    return build_tiny(seed=0)
