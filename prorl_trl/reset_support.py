@@ -1,0 +1,178 @@
+"""Which models and launches a hard reset supports, checked before training (see `check_reset_support`).
+
+Kept apart from the mechanics in `prorl_trl.reset` so the rules read in one place; `prorl_trl.reset` re-exports
+`check_reset_support` and `ResetNotSupportedError`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from torch import nn
+
+ADAPTER_NAME = "default"
+SUPPORTED_INIT_LORA_WEIGHTS = (True, "gaussian")
+
+
+class ResetNotSupportedError(ValueError):
+    """A hard reset cannot be done correctly for this model or launch configuration (raised before training)."""
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The PeftModel/PreTrainedModel under DDP (`.module`) or `torch.compile` (`._orig_mod`) wrappers."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def peft_model_of(model: nn.Module):
+    from peft import PeftModel
+
+    model = unwrap_model(model)
+    if not isinstance(model, PeftModel):
+        raise TypeError(
+            f"Expected a peft.PeftModel with a LoRA adapter named {ADAPTER_NAME!r}, got {type(model).__name__}. "
+            "LoRA hard resets need the policy wrapped by PEFT (pass `peft_config=LoraConfig(...)` to the trainer); "
+            "for full fine-tuning only the optimizer and the reference model are reset."
+        )
+    return model
+
+
+def lora_layers(model: nn.Module, adapter_name: str = ADAPTER_NAME) -> list[tuple[str, nn.Module]]:
+    """`(name, layer)` for every LoRA layer that holds `adapter_name`, in module order (deterministic)."""
+    from peft.tuners.lora import LoraLayer
+
+    return [
+        (name, module)
+        for name, module in unwrap_model(model).named_modules()
+        if isinstance(module, LoraLayer)
+        and (adapter_name in module.lora_A or adapter_name in getattr(module, "lora_embedding_A", {}))
+    ]
+
+
+def check_lora_supported(model: nn.Module) -> None:
+    """Raise `ResetNotSupportedError` unless the "default" adapter is plain LoRA on Linear layers."""
+    from peft import LoraConfig
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    peft_model = peft_model_of(model)
+    config = peft_model.peft_config.get(ADAPTER_NAME)
+    supported = (
+        "Supported: LoraConfig on Linear layers with init_lora_weights=True or 'gaussian', use_dora=False, "
+        "no modules_to_save / target_parameters / trainable_token_indices."
+    )
+    if not isinstance(config, LoraConfig):
+        raise ResetNotSupportedError(
+            f"Hard reset needs a LoRA adapter named {ADAPTER_NAME!r}; found adapters "
+            f"{ {name: type(cfg).__name__ for name, cfg in peft_model.peft_config.items()} }. {supported}"
+        )
+    problems = []
+    if config.use_dora:
+        problems.append("use_dora=True (the DoRA magnitude vector cannot be merged and re-initialised like LoRA)")
+    if config.init_lora_weights not in SUPPORTED_INIT_LORA_WEIGHTS:
+        problems.append(
+            f"init_lora_weights={config.init_lora_weights!r} (PiSSA/OLoRA/LoftQ/EVA/CorDA/... initialise A and B from "
+            "the base weights, so a fresh adapter would not be function-preserving)"
+        )
+    if config.modules_to_save:
+        problems.append(f"modules_to_save={sorted(config.modules_to_save)} (their trained copies are not merged)")
+    if getattr(config, "target_parameters", None):
+        problems.append("target_parameters (LoRA on raw parameters) is set")
+    if getattr(config, "trainable_token_indices", None):
+        problems.append("trainable_token_indices is set")
+    for name, layer in lora_layers(peft_model):
+        if type(layer) is not LoraLinear:
+            problems.append(f"layer {name} is a {type(layer).__module__}.{type(layer).__name__}, not a LoRA Linear")
+            break
+        if ADAPTER_NAME in getattr(layer, "lora_variant", {}):
+            problems.append(f"layer {name} uses a LoRA variant ({type(layer.lora_variant[ADAPTER_NAME]).__name__})")
+            break
+    if problems:
+        raise ResetNotSupportedError("Hard reset is not supported for this adapter: " + "; ".join(problems) + f". {supported}")
+
+
+def _distributed_backend(args: Any, accelerator: Any) -> str | None:
+    """'DeepSpeed', 'FSDP' or 'Megatron-LM' when the run shards parameters/optimizer state, else None."""
+    kind = str(getattr(getattr(accelerator, "distributed_type", None), "value", "") or "")
+    if getattr(args, "deepspeed", None) or kind == "DEEPSPEED" or _env_flag("ACCELERATE_USE_DEEPSPEED"):
+        return "DeepSpeed"
+    if getattr(args, "fsdp", None) or kind == "FSDP" or _env_flag("ACCELERATE_USE_FSDP"):
+        return "FSDP"
+    if kind == "MEGATRON_LM" or _env_flag("ACCELERATE_USE_MEGATRON_LM"):
+        return "Megatron-LM"
+    return None
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "false").strip().lower() in ("1", "true", "yes", "on")
+
+
+def quantization_method(model: nn.Module) -> str | None:
+    """The quantisation of the (base) model's weights, e.g. 'bitsandbytes 4-bit', or None for float weights.
+
+    Inspects flags and config only (no bitsandbytes import): `is_loaded_in_4bit/8bit`, `hf_quantizer`,
+    `config.quantization_config`, and integer-typed weights.
+    """
+    base = unwrap_model(model)
+    if hasattr(base, "get_base_model"):
+        base = base.get_base_model()
+    if getattr(base, "is_loaded_in_4bit", False):
+        return "bitsandbytes 4-bit"
+    if getattr(base, "is_loaded_in_8bit", False):
+        return "bitsandbytes 8-bit"
+    config = getattr(getattr(base, "config", None), "quantization_config", None)
+    if config is not None:
+        values = config if isinstance(config, dict) else vars(config) if hasattr(config, "__dict__") else {}
+        if values.get("load_in_4bit") or values.get("_load_in_4bit"):
+            return "bitsandbytes 4-bit"
+        if values.get("load_in_8bit") or values.get("_load_in_8bit"):
+            return "bitsandbytes 8-bit"
+        method = values.get("quant_method") or getattr(config, "quant_method", None)
+        return str(getattr(method, "value", method) or "quantization_config")
+    if getattr(base, "hf_quantizer", None) is not None:
+        return type(base.hf_quantizer).__name__
+    for param in base.parameters():
+        if not param.dtype.is_floating_point:
+            return f"{param.dtype} weights"
+    return None
+
+
+def check_reset_support(args: Any, model: nn.Module, accelerator: Any = None) -> None:
+    """Raise `ResetNotSupportedError` before training if a hard reset cannot be done correctly here.
+
+    Call it once, before the first step, whenever the run will hard-reset. Refused:
+    * DeepSpeed ZeRO / FSDP / Megatron: parameters and fp32 master weights are sharded or flattened and owned by the
+      engine, so in-place edits are overwritten at the next step and the optimizer cannot be swapped.
+    * A quantised base (QLoRA, GPTQ, ...): merging re-quantises the base at every reset and the rounding error
+      accumulates over a long run. We refuse rather than merge silently lossily; merging through full precision would
+      need a float copy of the base, which is what QLoRA exists to avoid.
+    * LoRA variants we do not merge/re-init (see `check_lora_supported`).
+    Full fine-tuning (no PeftModel) is supported: only the optimizer and the reference model are reset.
+    """
+    backend = _distributed_backend(args, accelerator)
+    if backend is not None:
+        raise ResetNotSupportedError(
+            f"Hard resets are not supported under {backend}: it shards or flattens the parameters and keeps fp32 master "
+            "weights in its own optimizer, so an in-place LoRA merge/re-init would be overwritten at the next step. "
+            "Supported launches: single process (one GPU or CPU) and multi-GPU DDP (`accelerate launch "
+            "--multi_gpu` / `torchrun`). Either launch without DeepSpeed/FSDP (LoRA on a <=8B model fits one GPU per "
+            "replica), or disable resets (`hard_reset_between_phases: false` and no phase with `hard_reset: true`)."
+        )
+    method = quantization_method(model)
+    if method is not None:
+        raise ResetNotSupportedError(
+            f"Hard resets are not supported on a quantised base model ({method}, e.g. QLoRA): merging the LoRA delta "
+            "re-quantises the base at every reset and the rounding error accumulates over the run. Supported: LoRA on a "
+            "bf16/fp16/fp32 base. Either load the base unquantised (drop `load_in_4bit`/`quantization_config`), or keep "
+            "QLoRA and disable resets (`hard_reset_between_phases: false`, no phase with `hard_reset: true`, and no "
+            "LoRA shape change between phases)."
+        )
+    from peft import PeftModel
+
+    if isinstance(unwrap_model(model), PeftModel):
+        check_lora_supported(model)

@@ -1,0 +1,280 @@
+"""Hard-reset mechanics on a real PeftModel over the tiny Qwen2 model (prorl_trl.reset)."""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from prorl_trl.reset import (
+    ResetNotSupportedError,
+    broadcast_adapter,
+    check_reset_support,
+    lora_layers,
+    lora_parameters,
+    merge_lora_in_place,
+    reinit_adapter,
+    reset_optimizer_state,
+    save_merged_model,
+    sync_reference,
+)
+from prorl_trl.tiny import build_tiny
+
+INPUT_IDS = torch.tensor([[5, 17, 42, 99, 130, 7, 250, 3], [60, 61, 62, 63, 64, 65, 66, 67]])
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_model(r=4, targets=("q_proj", "k_proj"), seed=0, **lora_kwargs):
+    """A PeftModel whose adapter has been 'trained': B is random, so the delta is non-zero."""
+    model, _ = build_tiny(seed=seed)
+    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets), task_type="CAUSAL_LM", **lora_kwargs)
+    peft_model = get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for _, layer in lora_layers(peft_model):
+            weight = layer.lora_B["default"].weight
+            weight.copy_(torch.randn(weight.shape, generator=generator) * 0.5)
+    return peft_model.eval()
+
+
+def logits(model):
+    with torch.no_grad():
+        return model(input_ids=INPUT_IDS).logits
+
+
+def b_weights(model):
+    return [layer.lora_B["default"].weight for _, layer in lora_layers(model)]
+
+
+def test_merge_and_same_shape_reinit_preserve_function_and_parameters():
+    model = lora_model()
+    before = logits(model)
+    base_before = {name: layer.base_layer.weight.detach().clone() for name, layer in lora_layers(model)}
+    identities = {name: id(param) for name, param in model.named_parameters()}
+    base_storage = [layer.base_layer.weight.data_ptr() for _, layer in lora_layers(model)]
+
+    merge_lora_in_place(model)
+    assert reinit_adapter(model) is False
+
+    assert (logits(model) - before).abs().max() < 1e-5
+    assert all(torch.count_nonzero(w) == 0 for w in b_weights(model))
+    assert all(layer.merged_adapters == [] for _, layer in lora_layers(model))
+    assert {name: id(param) for name, param in model.named_parameters()} == identities
+    assert [layer.base_layer.weight.data_ptr() for _, layer in lora_layers(model)] == base_storage
+    assert all(not torch.equal(layer.base_layer.weight, base_before[name]) for name, layer in lora_layers(model))
+    # The delta is now part of the base: disabling or unmerging the adapter must not remove it.
+    with pytest.warns(UserWarning, match="Already unmerged"):
+        model.unmerge_adapter()
+    assert (logits(model) - before).abs().max() < 1e-5
+    with model.disable_adapter():
+        assert (logits(model) - before).abs().max() < 1e-5
+
+
+def test_merge_when_adapter_is_already_merged_adds_it_once():
+    model = lora_model()
+    before = logits(model)
+    model.merge_adapter()  # as TRL's vLLM weight sync does around a push
+    merge_lora_in_place(model)
+    reinit_adapter(model)
+    assert (logits(model) - before).abs().max() < 1e-5
+
+
+def test_reinit_draws_a_fresh_kaiming_a():
+    model = lora_model()
+    old_a = [layer.lora_A["default"].weight.detach().clone() for _, layer in lora_layers(model)]
+    merge_lora_in_place(model)
+    reinit_adapter(model, seed=3)
+    for (_, layer), previous in zip(lora_layers(model), old_a):
+        weight = layer.lora_A["default"].weight
+        bound = 1 / weight.shape[1] ** 0.5  # kaiming_uniform(a=sqrt(5)) on (r, in_features)
+        assert not torch.equal(weight, previous)
+        assert weight.abs().max() <= bound and weight.abs().max() > 0.5 * bound
+
+
+def test_seeded_reinit_is_deterministic_and_leaves_global_rng_alone():
+    first, second = lora_model(seed=0), lora_model(seed=5)
+    state = torch.random.get_rng_state()
+    reinit_adapter(first, seed=11)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    reinit_adapter(second, seed=11)
+    for (_, a), (_, b) in zip(lora_parameters(first), lora_parameters(second)):
+        assert torch.equal(a, b)
+    reinit_adapter(second, seed=12)
+    assert not all(torch.equal(a, b) for (_, a), (_, b) in zip(lora_parameters(first), lora_parameters(second)))
+
+
+def test_shape_change_rank_and_targets_builds_a_new_trainable_default_adapter():
+    model = lora_model(r=4, targets=("q_proj", "k_proj"))
+    before = logits(model)
+    old_params = {id(p) for _, p in lora_parameters(model)}
+
+    merge_lora_in_place(model)
+    assert reinit_adapter(model, r=8, target_modules=ALL_LINEAR, seed=0) is True
+
+    assert (logits(model) - before).abs().max() < 1e-5
+    assert list(model.peft_config) == ["default"] and model.active_adapters == ["default"]
+    assert model.peft_config["default"].r == 8
+    layers = lora_layers(model)
+    assert len(layers) == 2 * len(ALL_LINEAR)
+    assert all(layer.lora_A["default"].weight.shape[0] == 8 for _, layer in layers)
+    assert all(torch.count_nonzero(w) == 0 for w in b_weights(model))
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {name for name, _ in lora_parameters(model)} and all(".default." in n for n in trainable)
+    assert not old_params & {id(p) for _, p in lora_parameters(model)}
+
+
+def test_alpha_only_change_keeps_parameters_and_updates_scaling():
+    model = lora_model(r=4)
+    identities = [id(p) for _, p in lora_parameters(model)]
+    assert reinit_adapter(model, lora_alpha=32) is False
+    assert [id(p) for _, p in lora_parameters(model)] == identities
+    assert all(layer.scaling["default"] == 8.0 for _, layer in lora_layers(model))
+
+
+def test_reset_optimizer_state_on_adamw_after_steps():
+    model = lora_model()
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    for _ in range(2):
+        model(input_ids=INPUT_IDS, labels=INPUT_IDS).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert len(optimizer.state) > 0
+    groups = [list(map(id, group["params"])) for group in optimizer.param_groups]
+    reset_optimizer_state(optimizer)
+    assert len(optimizer.state) == 0
+    assert [list(map(id, group["params"])) for group in optimizer.param_groups] == groups
+    model(input_ids=INPUT_IDS, labels=INPUT_IDS).loss.backward()
+    optimizer.step()  # state is rebuilt lazily, as for a new optimizer
+    assert all(state["step"].item() == 1 for state in optimizer.state.values())
+
+
+def test_reset_optimizer_state_through_accelerate_wrapper():
+    from accelerate import Accelerator
+
+    model = lora_model().train()
+    accelerator = Accelerator(cpu=True)
+    optimizer = accelerator.prepare(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3))
+    model(input_ids=INPUT_IDS, labels=INPUT_IDS).loss.backward()
+    optimizer.step()
+    assert len(optimizer.optimizer.state) > 0
+    reset_optimizer_state(optimizer)
+    assert len(optimizer.optimizer.state) == 0 and len(optimizer.state) == 0
+
+
+def test_save_merged_model_reloads_with_equal_logits_and_keeps_live_model(tmp_path):
+    model = lora_model(targets=ALL_LINEAR)
+    _, tokenizer = build_tiny()
+    before = logits(model)
+    path = save_merged_model(model, tokenizer, tmp_path / "merged")
+    reloaded = AutoModelForCausalLM.from_pretrained(path).eval()
+    assert (logits(reloaded) - before).abs().max() < 1e-5
+    assert not any("lora" in name for name in reloaded.state_dict())
+    assert (logits(model) - before).abs().max() == 0  # live PeftModel untouched (still unmerged)
+    assert all(layer.merged_adapters == [] for _, layer in lora_layers(model))
+    assert (path / "tokenizer_config.json").exists()
+
+    # Overwrite after a reset: the saved model now reflects base+old delta+new delta.
+    merge_lora_in_place(model)
+    reinit_adapter(model, seed=0)
+    with torch.no_grad():
+        for weight in b_weights(model):
+            weight.fill_(0.01)
+    save_merged_model(model, tokenizer, path)
+    reloaded = AutoModelForCausalLM.from_pretrained(path).eval()
+    assert (logits(reloaded) - logits(model)).abs().max() < 1e-5
+    assert not list(tmp_path.glob(".merged*"))  # no temp/old directories left behind
+
+
+def test_interrupted_save_keeps_previous_save(tmp_path, monkeypatch):
+    model = lora_model()
+    _, tokenizer = build_tiny()
+    path = save_merged_model(model, tokenizer, tmp_path / "merged")
+    saved = sorted(p.name for p in path.iterdir())
+
+    class Interrupted(Exception):
+        pass
+
+    def fail(*args, **kwargs):
+        raise Interrupted
+
+    monkeypatch.setattr(type(tokenizer), "save_pretrained", fail)  # crash after the weights were written
+    with pytest.raises(Interrupted):
+        save_merged_model(model, tokenizer, path)
+    assert sorted(p.name for p in path.iterdir()) == saved
+    assert not list(tmp_path.glob(".merged*"))
+    AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_sync_reference_copies_policy_into_reference_in_place():
+    policy, _ = build_tiny(seed=0)
+    reference, _ = build_tiny(seed=1)
+    identities = [id(p) for p in reference.parameters()]
+    sync_reference(reference, policy)
+    assert [id(p) for p in reference.parameters()] == identities
+    assert all(torch.equal(a, b) for a, b in zip(reference.state_dict().values(), policy.state_dict().values()))
+    with pytest.raises(TypeError, match="PeftModel"):
+        sync_reference(reference, lora_model())
+
+
+def test_broadcast_is_a_no_op_without_process_group():
+    model = lora_model()
+    before = [p.detach().clone() for _, p in lora_parameters(model)]
+    broadcast_adapter(model)
+    assert all(torch.equal(a, p) for a, (_, p) in zip(before, lora_parameters(model)))
+
+
+@pytest.mark.parametrize(
+    "lora_kwargs, message",
+    [
+        ({"use_dora": True}, "use_dora"),
+        ({"init_lora_weights": "pissa"}, "init_lora_weights='pissa'"),
+        ({"init_lora_weights": "olora"}, "init_lora_weights='olora'"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ],
+)
+def test_unsupported_lora_variants_are_refused(lora_kwargs, message):
+    model = lora_model(**lora_kwargs)
+    with pytest.raises(ResetNotSupportedError, match=message):
+        check_reset_support(None, model)
+    with pytest.raises(ResetNotSupportedError, match="Supported: LoraConfig"):
+        merge_lora_in_place(model)
+
+
+def test_non_linear_lora_layers_are_refused():
+    model, _ = build_tiny()
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"], task_type="CAUSAL_LM"))
+    with pytest.raises(ResetNotSupportedError, match="embed_tokens is a .*Embedding, not a LoRA Linear"):
+        reinit_adapter(model)
+
+
+def test_supported_configurations_pass_the_check():
+    check_reset_support(None, lora_model())
+    check_reset_support(None, lora_model(init_lora_weights="gaussian"))
+    check_reset_support(None, build_tiny()[0])  # full fine-tuning
+
+
+def test_fsdp_and_deepspeed_launches_are_refused(monkeypatch, tmp_path):
+    from trl import GRPOConfig
+
+    args = GRPOConfig(output_dir=str(tmp_path), fsdp="full_shard", use_cpu=True, report_to=[])
+    with pytest.raises(ResetNotSupportedError, match="not supported under FSDP.*DDP"):
+        check_reset_support(args, lora_model())
+    plain = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    check_reset_support(plain, lora_model())
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what `accelerate launch --use_deepspeed` exports
+    with pytest.raises(ResetNotSupportedError, match="not supported under DeepSpeed"):
+        check_reset_support(plain, lora_model())
+
+
+def test_quantised_base_is_refused_from_its_config():
+    from transformers import BitsAndBytesConfig
+
+    model, _ = build_tiny()
+    model.config.quantization_config = BitsAndBytesConfig(load_in_4bit=True)  # as from_pretrained records QLoRA
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    with pytest.raises(ResetNotSupportedError, match="quantised base model \\(bitsandbytes 4-bit.*unquantised"):
+        check_reset_support(None, peft_model)
+    model, _ = build_tiny()
+    model.is_loaded_in_8bit = True
+    with pytest.raises(ResetNotSupportedError, match="bitsandbytes 8-bit"):
+        check_reset_support(None, model)
