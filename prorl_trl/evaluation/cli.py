@@ -1,0 +1,129 @@
+"""`prorl-trl eval`: sample n completions per problem per model, grade with the reward registry, report pass@k.
+
+`prorl_trl.cli` wires `add_eval_arguments` / `run_eval` as the `eval` subcommand; `python -m prorl_trl.evaluation.cli`
+runs it standalone. Every argument is checked before a model or dataset is loaded and before `--out` is created.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from .grading import DEFAULT_REWARDS, grade, resolve_reward, reward_name
+from .problems import DATASETS, check_breakdown, load_rows, select, with_problem_ids
+from .runner import ModelSpec, sample_model
+from .sampling import SamplingSettings
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = parser
+    p.add_argument("--model", action="append", required=True, metavar="NAME=PATH",
+                   help="Model to evaluate (local dir or hub id); repeat for several models.")
+    p.add_argument("--dataset", required=True, choices=DATASETS, help="Problem set (rows with a prompt and gold columns).")
+    p.add_argument("--data-files", nargs="+", default=None, help="JSONL file(s) for --dataset jsonl (or to override).")
+    p.add_argument("--limit", type=int, default=None, help="Evaluate only the first N problems (after --subset non-integer).")
+    p.add_argument("--n", type=int, default=32, help="Completions sampled per problem.")
+    p.add_argument("--k", default="1,2,4,8,16,32", help="Comma-separated k values of pass@k (each <= --n).")
+    p.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature.")
+    p.add_argument("--top-p", type=float, default=0.7, help="Nucleus sampling mass (1.0: off).")
+    p.add_argument("--max-new-tokens", type=int, default=1024, help="Maximum new tokens per completion.")
+    p.add_argument("--batch-size", type=int, default=None, help="Sequences per generate call (default: 256 on GPU, 32 on CPU).")
+    p.add_argument("--breakdown", default="", help="Comma-separated columns to break pass@k down by (e.g. level,subject).")
+    p.add_argument("--subset", default=None, metavar="non-integer|always-wrong:NAME",
+                   help="non-integer: problems whose gold answer is not an integer; always-wrong:NAME: problems model "
+                        "NAME got wrong in all n samples (the others are sampled on those only).")
+    p.add_argument("--reward", default=None, help="Registry reward that grades (default per dataset: "
+                   + ", ".join(f"{d}: {r}" for d, r in DEFAULT_REWARDS.items()) + ").")
+    p.add_argument("--out", required=True, help="Output directory (re-running with it resumes sampling).")
+    p.add_argument("--seed", type=int, default=0, help="Seed of sampling and of the bootstrap.")
+    p.add_argument("--num-resamples", type=int, default=1000, help="Bootstrap resamples of the problems.")
+    p.add_argument("--confidence", type=float, default=0.95, help="Bootstrap interval coverage.")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="Model dtype (auto: bfloat16 on GPU, float32 on CPU).")
+    p.add_argument("--backend", default="auto", choices=["auto", "transformers", "vllm"],
+                   help="auto: vLLM when importable and on GPU, else transformers generate.")
+    p.add_argument("--trust-remote-code", action="store_true", help="Allow model repos' own code (off by default).")
+    p.add_argument("--no-plots", action="store_true", help="Skip the PNG plots (no matplotlib needed).")
+    p.add_argument("--no-progress", action="store_true", help="No progress bars.")
+    return p
+
+
+def _parse(args: argparse.Namespace) -> dict[str, Any]:
+    """Check and normalise every argument; raises ValueError with a message for the user."""
+    models = [ModelSpec.parse(text) for text in args.model]
+    names = [m.name for m in models]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--model names must be unique, got {names}; write NAME=PATH with distinct names.")
+    try:
+        ks = sorted({int(k) for k in str(args.k).split(",") if k.strip()})
+    except ValueError:
+        raise ValueError(f"--k {args.k!r}: expected comma-separated integers such as 1,2,4,8.") from None
+    if not ks or ks[0] < 1:
+        raise ValueError(f"--k {args.k!r}: every k must be >= 1.")
+    if ks[-1] > args.n:
+        raise ValueError(f"--k asks for pass@{ks[-1]} but --n is {args.n}: sample at least as many completions as the largest k.")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}.")
+    if not 0 < args.confidence < 1:
+        raise ValueError(f"--confidence must be in (0, 1), got {args.confidence}.")
+    reference = None
+    if args.subset is not None:
+        if args.subset.startswith("always-wrong:"):
+            reference = args.subset.split(":", 1)[1]
+            if reference not in names:
+                raise ValueError(f"--subset {args.subset}: {reference!r} is not one of the --model names {names}.")
+            if len(models) < 2:
+                raise ValueError("--subset always-wrong:NAME compares models: give at least one other --model.")
+        elif args.subset != "non-integer":
+            raise ValueError(f"--subset {args.subset!r}: expected 'non-integer' or 'always-wrong:NAME'.")
+    if args.dataset == "jsonl" and not args.data_files:
+        raise ValueError("--dataset jsonl needs --data-files FILE.jsonl (rows with a `prompt` column and gold columns).")
+    batch_size = args.batch_size
+    if batch_size is None:
+        import torch
+
+        batch_size = 256 if (args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())) else 32
+    settings = SamplingSettings(
+        num_samples=args.n, temperature=args.temperature, top_p=args.top_p,
+        max_completion_length=args.max_new_tokens, batch_size=batch_size, seed=args.seed,
+    )
+    reward = resolve_reward(args.reward or DEFAULT_REWARDS[args.dataset])
+    breakdown = [f.strip() for f in args.breakdown.split(",") if f.strip()]
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory.")
+    return {"models": models, "ks": ks, "reference": reference, "settings": settings, "reward": reward,
+            "breakdown": breakdown, "out": out}
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """The `eval` subcommand; returns the exit status (2 for bad arguments, before any work)."""
+    try:
+        opts = _parse(args)
+        rows = select(with_problem_ids(load_rows(args.dataset, args.data_files)),
+                      "non-integer" if args.subset == "non-integer" else None, args.limit)
+        if not rows:
+            raise ValueError(f"No problems left in {args.dataset} after --subset/--limit; nothing to evaluate.")
+        check_breakdown(rows, opts["breakdown"])
+    except (ValueError, FileNotFoundError) as error:
+        print(f"prorl-trl eval: error: {error}", file=sys.stderr)
+        return 2
+    from .evaluate import evaluate
+
+    evaluate(rows, **opts, dataset=args.dataset, device=args.device, dtype=args.dtype, backend=args.backend,
+             trust_remote_code=args.trust_remote_code, num_resamples=args.num_resamples, confidence=args.confidence,
+             plots=not args.no_plots, progress=not args.no_progress)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_eval_arguments(argparse.ArgumentParser(prog="prorl-trl eval", description=__doc__))
+    return run_eval(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,170 @@
+"""Sample one model over a problem set into a resumable per-model samples file, then grade.
+
+`<out>/samples/<model>.jsonl` gets one line per completion as soon as its batch is done, so an interrupted run
+(or a run with a larger `--n` or `--limit`) only draws what is missing. `<model>.meta.json` records the sampling
+settings; resuming with different ones is refused, because mixing them would make pass@k meaningless.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .sampling import Completion, SamplingSettings, render_prompt, sample_transformers, sample_vllm, vllm_available
+
+# Settings that change what a sample means; `num_samples`, `batch_size` and `seed` may differ between resumed runs.
+_RESUME_KEYS = ("temperature", "top_p", "max_completion_length")
+
+
+@dataclass
+class ModelSpec:
+    name: str
+    path: str
+
+    @classmethod
+    def parse(cls, text: str) -> ModelSpec:
+        """`NAME=PATH`, or a bare `PATH` (named after its last path component)."""
+        name, sep, path = text.partition("=")
+        if not sep:
+            name, path = Path(text.rstrip("/")).name, text
+        if not name or not path:
+            raise ValueError(f"--model {text!r}: expected NAME=PATH (e.g. base=Qwen/Qwen2.5-0.5B).")
+        if any(ch in name for ch in "/\\:") or name.startswith("."):
+            raise ValueError(f"--model {text!r}: the name {name!r} must not contain '/', '\\' or ':' (it names files).")
+        return cls(name, path)
+
+
+def prompt_sha(text: str) -> str:
+    return hashlib.sha1(text.encode("utf-8")).hexdigest()[:12]
+
+
+def samples_file(out_dir: str | Path, name: str) -> Path:
+    return Path(out_dir) / "samples" / f"{name}.jsonl"
+
+
+def read_samples(path: Path) -> dict[tuple[str, int], dict[str, Any]]:
+    """Existing samples keyed by (problem_id, sample_index); a truncated last line (a killed run) is skipped."""
+    found: dict[tuple[str, int], dict[str, Any]] = {}
+    if not path.exists():
+        return found
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            found[(str(record["problem_id"]), int(record["sample_index"]))] = record
+    return found
+
+
+def _check_meta(meta_path: Path, meta: dict[str, Any], name: str) -> None:
+    if meta_path.exists():
+        old = json.loads(meta_path.read_text())
+        changed = [k for k in _RESUME_KEYS + ("model",) if k in old and old[k] != meta[k]]
+        if changed:
+            diff = ", ".join(f"{k}: {old[k]!r} -> {meta[k]!r}" for k in changed)
+            raise ValueError(
+                f"{meta_path.parent / (name + '.jsonl')} was sampled with other settings ({diff}); "
+                "use another --out, or delete that file to resample."
+            )
+    meta_path.parent.mkdir(parents=True, exist_ok=True)
+    meta_path.write_text(json.dumps(meta, indent=2))
+
+
+def load_model(path: str, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False):
+    """`(model, tokenizer)` in eval mode on `device` ("auto": cuda if available); dtype "auto": bf16 on GPU, fp32 on CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = resolve_device(device)
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code)
+    return model.to(device).eval(), tokenizer
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available on this machine; use --device cpu.")
+    return device
+
+
+def sample_model(
+    spec: ModelSpec,
+    problems: list[dict[str, Any]],
+    settings: SamplingSettings,
+    out_dir: str | Path,
+    backend: str = "auto",
+    device: str = "auto",
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+    progress: bool = True,
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """All `settings.num_samples` samples of every problem (read back or drawn), and the throughput of new ones.
+
+    The model is loaded only when something is missing, so re-reporting a finished run is cheap.
+    """
+    path = samples_file(out_dir, spec.name)
+    meta = {"model": spec.path, **{k: getattr(settings, k) for k in _RESUME_KEYS}}
+    _check_meta(path.with_suffix(".meta.json"), meta, spec.name)
+    existing = read_samples(path)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(spec.path, trust_remote_code=trust_remote_code)
+    texts = [render_prompt(p["prompt"], tokenizer) for p in problems]
+    shas = {p["problem_id"]: prompt_sha(text) for p, text in zip(problems, texts)}
+    stale = sorted({pid for (pid, _), r in existing.items() if pid in shas and r.get("prompt_sha", shas[pid]) != shas[pid]})
+    if stale:
+        raise ValueError(
+            f"{path}: the stored samples of problems {stale[:5]} were drawn from other prompts (dataset or chat "
+            "template changed); use another --out, or delete that file to resample."
+        )
+    wanted = {(p["problem_id"], s) for p in problems for s in range(settings.num_samples)}
+    missing = sorted(wanted - set(existing))
+    stats: dict[str, Any] = {"completions": 0, "completion_tokens": 0, "seconds": 0.0, "backend": "none"}
+    if missing:
+        if backend == "auto":
+            backend = "vllm" if vllm_available() and resolve_device(device).startswith("cuda") else "transformers"
+        if backend not in ("transformers", "vllm"):
+            raise ValueError(f"--backend {backend!r}: choose auto, transformers or vllm.")
+        stats["backend"] = backend
+        position = {p["problem_id"]: i for i, p in enumerate(problems)}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as handle:
+
+            def append(batch: list[Completion]) -> None:
+                for c in batch:
+                    pid = problems[c.prompt_index]["problem_id"]
+                    if (pid, c.sample_index) in existing:
+                        continue
+                    record = {
+                        "problem_id": pid, "sample_index": c.sample_index, "completion": c.text,
+                        "num_tokens": c.num_tokens, "finished": c.finished, "prompt_sha": shas[pid],
+                    }
+                    existing[(pid, c.sample_index)] = record
+                    handle.write(json.dumps(record) + "\n")
+                handle.flush()
+
+            if backend == "transformers":
+                model, tokenizer = load_model(spec.path, device, dtype, trust_remote_code)
+                jobs = [(position[pid], s) for pid, s in missing]
+                _, new = sample_transformers(
+                    model, tokenizer, texts, settings, jobs=jobs, on_batch=append,
+                    progress=progress, desc=f"sampling {spec.name}",
+                )
+                del model
+            else:
+                indices = sorted({position[pid] for pid, _ in missing})
+                completions, new = sample_vllm(spec.path, texts, settings, indices, dtype, trust_remote_code)
+                append(completions)
+        stats.update(new)
+    records = [existing[key] for key in sorted(wanted)]
+    return records, stats
