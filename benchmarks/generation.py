@@ -1,0 +1,376 @@
+"""Rollout throughput (tokens/s) for the Qwen2-0.5B architecture on TRL's generation paths, and the decode limit.
+
+Methods (each reproduces what `trl==1.16.0` `GRPOTrainer._generate_single_turn` runs, in plain transformers, so the
+GPU machine needs no TRL):
+  trl_default          `model.generate(generation_config=GenerationConfig(**generation_kwargs, disable_compile=True))`
+                       under `torch.no_grad()`, model in train mode: dynamic KV cache, eager decode steps.
+  static_compile       the same config after `prorl_trl.generation.enable_compiled_generation` (static cache sized
+                       prompt + completion, `torch.compile(mode="reduce-overhead", dynamic=False)` of the decode step).
+  static_compile_top_p1  diagnostic: static_compile without top-p (no vocabulary sort per step).
+  continuous_batching  `model.generate_batch(prompt_ids, generation_config=..., continuous_batching_config=
+                       ContinuousBatchingConfig(max_memory_percent=0.5))` as TRL's `use_transformers_continuous_batching`.
+  continuous_batching_cuda_graph  the same with `transformers_continuous_batching_config={"use_cuda_graph": True}`.
+
+The model is random (no download), so lengths are fixed with `min_new_tokens = max_new_tokens`. Each (shape, model,
+method) is called once to warm up (allocator growth, compilation, CUDA-graph capture), then `--repeats` times; the
+steady figure is the median. The first call's extra time is reported as the compile/first-call overhead and amortised
+over a phase of `--phase-steps` generations (shapes are fixed within a phase).
+
+Decode limit: each decode step must read every weight once and the K/V of every cached token; that many bytes over the
+bandwidth of a large device-to-device copy (bytes read + written) is the floor, and tokens / floor the limit.
+
+    python benchmarks/generation.py                      # one GPU: the full table (markdown) on stdout
+    python benchmarks/generation.py --smoke              # CPU, tiny model, a few tokens (< 30 s)
+    python benchmarks/generation.py --from-json a.json b.json   # one table from several runs' --json files
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from prorl_trl.generation import enable_compiled_generation, kv_cache_bytes_per_token  # noqa: E402
+
+METHODS = (
+    "trl_default",
+    "static_compile",
+    "static_compile_top_p1",
+    "continuous_batching",
+    "continuous_batching_cuda_graph",
+)
+QWEN2_05B_EOS, QWEN2_05B_PAD = 151645, 151643
+
+
+def qwen2_05b_config() -> Qwen2Config:
+    """Qwen2-0.5B(-Instruct)'s architecture; weights are random."""
+    return Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        max_window_layers=24,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        tie_word_embeddings=True,
+        bos_token_id=QWEN2_05B_PAD,
+        eos_token_id=QWEN2_05B_EOS,
+        pad_token_id=QWEN2_05B_PAD,
+    )
+
+
+def build_model(smoke: bool, device: torch.device, dtype: torch.dtype, lora_rank: int):
+    """`(model, eos_token_id, pad_token_id)`: random Qwen2-0.5B (or the tiny test model), optionally LoRA-wrapped.
+
+    LoRA mirrors the trainer: `get_peft_model` (adapter weights upcast to fp32, PEFT's default) and
+    `enable_input_require_grads` (TRL does it for PEFT + gradient checkpointing); adapters stay unmerged.
+    """
+    if smoke:
+        from prorl_trl.tiny import build_tiny
+
+        model, tokenizer = build_tiny(seed=0)
+        eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    else:
+        with torch.device(device), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = Qwen2ForCausalLM(qwen2_05b_config())
+        eos, pad = QWEN2_05B_EOS, QWEN2_05B_PAD
+    model = model.to(device=device, dtype=dtype)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = eos, pad
+    if lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=["q_proj", "k_proj"])
+        model = get_peft_model(model, lora)
+        model.enable_input_require_grads()
+    model.train()  # TRL generates inside `training_step`, after `model.train()`
+    return model, eos, pad
+
+
+def trl_generation_config(args, max_new_tokens: int, eos: int, pad: int, top_p: float) -> GenerationConfig:
+    """`GRPOTrainer.generation_config` as trl 1.16 builds it, with `generation_kwargs={"min_new_tokens": N}`."""
+    generation_kwargs = {
+        "max_new_tokens": max_new_tokens,
+        "do_sample": True,
+        "pad_token_id": pad,
+        "bos_token_id": None,
+        "eos_token_id": [eos],
+        "temperature": args.temperature,
+        "top_p": top_p,
+        "top_k": 0,
+        "min_p": None,
+        "repetition_penalty": 1.0,
+        "cache_implementation": None,
+    }
+    generation_kwargs.update({"min_new_tokens": max_new_tokens})  # GRPOConfig.generation_kwargs: fixed lengths
+    return GenerationConfig(**generation_kwargs, disable_compile=True)
+
+
+def make_prompts(num_prompts: int, num_generations: int, prompt_length: int, vocab: int, device, pad: int):
+    """Left-padded prompt batch like TRL's: `num_prompts` random prompts (lengths prompt_length, prompt_length - 1/8),
+    each repeated `num_generations` times. Returns (input_ids, attention_mask, list of unpadded id lists)."""
+    generator = torch.Generator().manual_seed(1)
+    lengths = [prompt_length - (i % 2) * (prompt_length // 8) for i in range(num_prompts)]
+    prompts = [torch.randint(0, min(vocab, QWEN2_05B_PAD) - 1, (n,), generator=generator).tolist() for n in lengths]
+    rows = [p for p in prompts for _ in range(num_generations)]
+    input_ids = torch.full((len(rows), prompt_length), pad, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, row in enumerate(rows):
+        input_ids[i, prompt_length - len(row) :] = torch.tensor(row)
+        attention_mask[i, prompt_length - len(row) :] = 1
+    return input_ids.to(device), attention_mask.to(device), rows
+
+
+def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
+    """A zero-argument callable that generates once and returns the number of new tokens."""
+    num_sequences, max_new_tokens = shape
+    input_ids, attention_mask, rows = make_prompts(
+        args.num_prompts, num_sequences // args.num_prompts, args.prompt_length, model.config.vocab_size, device, pad
+    )
+    top_p = 1.0 if method == "static_compile_top_p1" else args.top_p
+    config = trl_generation_config(args, max_new_tokens, eos, pad, top_p)
+    if method.startswith("static_compile"):
+        enable_compiled_generation(config, max_cache_len=args.prompt_length + max_new_tokens)
+    if method.startswith("continuous_batching"):
+        from transformers.generation import ContinuousBatchingConfig
+
+        cb_kwargs = {"max_memory_percent": 0.5}  # TRL's training-aware default
+        if method.endswith("cuda_graph"):
+            cb_kwargs["use_cuda_graph"] = True
+        cb_config = ContinuousBatchingConfig(**cb_kwargs)
+
+        def run() -> int:
+            with torch.no_grad():
+                outputs = model.generate_batch(
+                    rows, generation_config=config, continuous_batching_config=cb_config, progress_bar=False
+                )
+            model.train()
+            return sum(len(output.generated_tokens) for output in outputs.values())
+
+        return run
+
+    def run() -> int:
+        with torch.no_grad():
+            output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+        new_tokens = output.shape[1] - input_ids.shape[1]
+        if new_tokens != max_new_tokens:
+            raise RuntimeError(f"generated {new_tokens} tokens per sequence, expected {max_new_tokens}")
+        return output.shape[0] * new_tokens
+
+    return run
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(run, device) -> tuple[float, int]:
+    synchronize(device)
+    start = time.perf_counter()
+    tokens = run()
+    synchronize(device)
+    return time.perf_counter() - start, tokens
+
+
+def copy_bandwidth(device: torch.device, num_bytes: int) -> float:
+    """Bytes/s of a large device-to-device copy, counting bytes read plus bytes written (random data)."""
+    source = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    for _ in range(3):
+        target.copy_(source)
+    repeats, samples = 10, []
+    for _ in range(3):
+        seconds, _ = timed(lambda: [target.copy_(source) for _ in range(repeats)], device)
+        samples.append(2 * num_bytes * repeats / seconds)
+    del source, target
+    return statistics.median(samples)
+
+
+def decode_floor_seconds(weight_bytes: int, kv_bytes: int, shape, prompt_length: int, bandwidth: float) -> float:
+    """Least time to generate: per token position, read all weights once and the K/V of every cached token."""
+    num_sequences, max_new_tokens = shape
+    cached_tokens = num_sequences * sum(prompt_length + step for step in range(max_new_tokens))
+    return (max_new_tokens * weight_bytes + cached_tokens * kv_bytes) / bandwidth
+
+
+def measure(method, model, args, shape, eos, pad, device, weight_bytes, kv_bytes, bandwidth) -> dict:
+    row = {"shape": f"{shape[0]}x{shape[1]}", "model": "lora" if args.lora_rank_now else "base", "method": method}
+    try:
+        run = make_runner(method, model, args, shape, eos, pad, device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        first_seconds, tokens = timed(run, device)
+        steady = [timed(run, device) for _ in range(args.repeats)]
+    except Exception as error:  # one failing path must not hide the others' numbers
+        row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+        print(f"  {row['shape']} {row['model']} {method}: FAILED {row['error']}", flush=True)
+        return row
+    steady_seconds = statistics.median(seconds for seconds, _ in steady)
+    tokens = statistics.median(count for _, count in steady)
+    overhead = max(first_seconds - steady_seconds, 0.0)
+    floor = decode_floor_seconds(weight_bytes, kv_bytes, shape, args.prompt_length, bandwidth)
+    row.update(
+        tokens=tokens,
+        first_seconds=first_seconds,
+        steady_seconds=[round(seconds, 4) for seconds, _ in steady],
+        tokens_per_s=tokens / steady_seconds,
+        first_call_overhead_s=overhead,
+        amortised_tokens_per_s=args.phase_steps * tokens / (args.phase_steps * steady_seconds + overhead),
+        ms_per_step=1000 * steady_seconds / shape[1],
+        floor_ms_per_step=1000 * floor / shape[1],
+        decode_limit_tokens_per_s=tokens / floor,
+        peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+    )
+    print(f"  {row['shape']} {row['model']} {method}: {row['tokens_per_s']:.0f} tok/s steady, first call "
+          f"{first_seconds:.1f}s, steady {row['steady_seconds']}", flush=True)
+    return row
+
+
+def render(meta: dict, rows: list[dict]) -> str:
+    """The markdown report: environment, decode limits, one line per (shape, model, method)."""
+    lines = [
+        f"Device: {meta['device']} | date (UTC): {meta['date']} | torch {meta['torch']} | transformers "
+        f"{meta['transformers']} | peft {meta.get('peft')} | dtype {meta['dtype']} | prompts "
+        f"{meta['num_prompts']} x prompt length {meta['prompt_length']} | temperature {meta['temperature']}, "
+        f"top_p {meta['top_p']} | copy bandwidth {meta['bandwidth_gb_s']:.0f} GB/s (read + write) | "
+        f"amortised over {meta['phase_steps']} generations per phase",
+        "",
+        "| shape (seqs x new tokens) | model | method | tokens/s (steady) | x TRL default | first-call overhead "
+        "(s) | tokens/s amortised | x TRL default (amortised) | ms/step | decode floor ms/step | % of decode "
+        "limit | peak GiB |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    baseline = {(r["shape"], r["model"]): r for r in rows if r["method"] == "trl_default" and "error" not in r}
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['shape']} | {r['model']} | {r['method']} | failed: {r['error']} |" + " |" * 8)
+            continue
+        base = baseline.get((r["shape"], r["model"]))
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
+        amortised_ratio = f"{r['amortised_tokens_per_s'] / base['amortised_tokens_per_s']:.2f}" if base else "-"
+        peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
+        lines.append(
+            f"| {r['shape']} | {r['model']} | {r['method']} | {r['tokens_per_s']:,.0f} | {ratio} | "
+            f"{r['first_call_overhead_s']:.1f} | {r['amortised_tokens_per_s']:,.0f} | {amortised_ratio} | "
+            f"{r['ms_per_step']:.2f} | {r['floor_ms_per_step']:.3f} | "
+            f"{100 * r['tokens_per_s'] / r['decode_limit_tokens_per_s']:.1f} | {peak} |"
+        )
+    limits = sorted({(r["shape"], r["model"], round(r["decode_limit_tokens_per_s"])) for r in rows if "error" not in r})
+    lines += ["", "Decode limit (tokens/s): " + "; ".join(f"{s} {m}: {lim:,}" for s, m, lim in limits)]
+    return "\n".join(lines)
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    shapes = []
+    for item in text.split(","):
+        sequences, _, new_tokens = item.strip().partition("x")
+        if not (sequences.isdigit() and new_tokens.isdigit()):
+            raise SystemExit(f"--shapes: {item!r} is not SEQUENCESxNEW_TOKENS (e.g. 32x256)")
+        shapes.append((int(sequences), int(new_tokens)))
+    return shapes
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, a few tokens (for the test)")
+    parser.add_argument("--shapes", default="32x256,64x256,32x1024", help="SEQSxNEW_TOKENS, comma separated")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma separated, from {METHODS}")
+    parser.add_argument("--long-methods", default="trl_default,static_compile",
+                        help="methods run at shapes after the first (continuous batching is slow)")
+    parser.add_argument("--models", default="base,lora", help="base and/or lora (LoRA r=--lora-rank on q,k)")
+    parser.add_argument("--lora-rank", type=int, default=32)
+    parser.add_argument("--num-prompts", type=int, default=2, help="distinct prompts; sequences / this = group size")
+    parser.add_argument("--prompt-length", type=int, default=128, help="padded prompt tokens")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=0.7)
+    parser.add_argument("--repeats", type=int, default=2, help="timed calls after the warm-up call")
+    parser.add_argument("--phase-steps", type=int, default=50, help="generations a compile is amortised over")
+    parser.add_argument("--budget-s", type=float, default=520, help="skip what is left after this many seconds")
+    parser.add_argument("--json", type=Path, help="write raw results here")
+    parser.add_argument("--out", type=Path, help="write the markdown table here")
+    parser.add_argument("--from-json", type=Path, nargs="+", help="render one table from earlier --json files")
+    args = parser.parse_args(argv)
+
+    if args.from_json:
+        runs = [json.loads(path.read_text()) for path in args.from_json]
+        report = render(runs[0]["meta"], [row for run in runs for row in run["rows"]])
+        print(report)
+        if args.out:
+            args.out.write_text(report + "\n")
+        return {"meta": runs[0]["meta"], "rows": [row for run in runs for row in run["rows"]]}
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise SystemExit(f"--methods: unknown {unknown}; choose from {METHODS}")
+    if args.smoke:
+        args.shapes, args.prompt_length, args.repeats, args.lora_rank = "4x6", 12, 1, 4
+        methods = [m for m in methods if not m.startswith("continuous_batching")]
+    shapes = parse_shapes(args.shapes)
+    for sequences, _ in shapes:
+        if sequences % args.num_prompts:
+            raise SystemExit(f"--shapes: {sequences} sequences is not a multiple of --num-prompts={args.num_prompts}")
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.set_float32_matmul_precision("high")
+    bandwidth = copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**24)
+    try:
+        import peft
+
+        peft_version = peft.__version__
+    except ImportError:
+        peft_version = None
+    meta = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor()})",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "torch": torch.__version__, "transformers": transformers.__version__, "peft": peft_version,
+        "dtype": str(dtype).removeprefix("torch."), "num_prompts": args.num_prompts,
+        "prompt_length": args.prompt_length, "temperature": args.temperature, "top_p": args.top_p,
+        "bandwidth_gb_s": bandwidth / 1e9, "phase_steps": args.phase_steps,
+    }
+    print(f"# {meta}", flush=True)
+    start, rows = time.perf_counter(), []
+    for model_kind in [m.strip() for m in args.models.split(",") if m.strip()]:
+        args.lora_rank_now = args.lora_rank if model_kind == "lora" else 0
+        model, eos, pad = build_model(args.smoke, device, dtype, args.lora_rank_now)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        kv_bytes = kv_cache_bytes_per_token(model.config, dtype)
+        for index, shape in enumerate(shapes):
+            for method in methods:
+                if index > 0 and method not in args.long_methods.split(","):
+                    continue
+                if model_kind == "lora" and method.startswith("continuous_batching"):
+                    continue
+                if time.perf_counter() - start > args.budget_s:
+                    rows.append({"shape": f"{shape[0]}x{shape[1]}", "model": model_kind, "method": method,
+                                 "error": "skipped: --budget-s reached"})
+                    continue
+                rows.append(measure(method, model, args, shape, eos, pad, device, weight_bytes, kv_bytes, bandwidth))
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    report = render(meta, rows)
+    print(report, flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    if args.out:
+        args.out.write_text(report + "\n")
+    return {"meta": meta, "rows": rows}
+
+
+if __name__ == "__main__":
+    main()
