@@ -22,6 +22,7 @@ import math
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +134,9 @@ def reinit_adapter(
         return False
     dtype, device = _adapter_dtype_device(peft_model)
     active_elsewhere = [name for name in peft_model.peft_config if name != ADAPTER_NAME]
-    peft_model.delete_adapter(ADAPTER_NAME)
+    with warnings.catch_warnings():  # "Adapter default was active which is now deleted": we re-add it right away
+        warnings.simplefilter("ignore", UserWarning)
+        peft_model.delete_adapter(ADAPTER_NAME)
     new.inference_mode = False
     if seed is not None:
         with torch.random.fork_rng(devices=[]):  # PEFT's own init draws from the global RNG; keep it untouched
@@ -280,3 +283,20 @@ def _replace_dir(src: Path, dst: Path) -> None:
         os.replace(old, dst)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+@torch.no_grad()
+def reset_reference_adapter(model: nn.Module, adapter_name: str = "ref") -> bool:
+    """Zero the B matrices of TRL's frozen reference adapter, so the reference becomes the (merged) base.
+
+    TRL adds a "ref" adapter (a copy of "default") when it is given a ready PeftModel and `beta > 0`. After
+    `merge_lora_in_place` that reference is "new base + old ref delta", i.e. neither the old nor the current policy;
+    zeroing its B makes it exactly the current policy (the hard reset of the KL anchor). Returns False if the model
+    has no such adapter (then the reference is the adapter-disabled base, which the merge already moved).
+    """
+    layers = lora_layers(model, adapter_name)
+    for _, layer in layers:
+        layer.lora_B[adapter_name].weight.zero_()
+        if layer.lora_B[adapter_name].bias is not None:
+            layer.lora_B[adapter_name].bias.zero_()
+    return bool(layers)

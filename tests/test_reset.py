@@ -278,3 +278,22 @@ def test_quantised_base_is_refused_from_its_config():
     model.is_loaded_in_8bit = True
     with pytest.raises(ResetNotSupportedError, match="bitsandbytes 8-bit"):
         check_reset_support(None, model)
+
+
+def test_reference_adapter_is_reset_to_the_merged_policy_and_stays_frozen():
+    """TRL's "ref" adapter (PeftModel + beta>0): after a reset, the reference equals the current policy."""
+    from prorl_trl.reset import reset_reference_adapter
+
+    model = lora_model()
+    model.add_adapter("ref", model.peft_config["default"])  # as GRPOTrainer does: a copy of "default"
+    model.set_adapter("default")
+    policy = logits(model)
+    merge_lora_in_place(model)
+    assert reinit_adapter(model, r=8, target_modules=ALL_LINEAR) is True
+    assert reset_reference_adapter(model) is True
+    model.set_adapter("ref")
+    assert (logits(model) - policy).abs().max() < 1e-5
+    model.set_adapter("default")
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".default." in name for name in trainable)
+    assert reset_reference_adapter(lora_model()) is False
