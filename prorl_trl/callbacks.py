@@ -1,0 +1,176 @@
+"""Callbacks that act on a running `ProRLTrainer`: hard resets inside a phase and sampling schedules.
+
+Convention: `ProRLTrainer` calls `callback.bind(trainer)` on every callback that has a `bind` method, because HF
+callbacks only receive the model/optimizer/scheduler, while a reset or a temperature change needs the trainer (its
+generation config, fused LM head, reference model, optimizer and LR schedule). The callbacks only decide *when*; the
+trainer's `hard_reset` / `request_hard_reset` / `apply_sampling` do the work, so a phase boundary and a callback go
+through exactly the same code.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from transformers import TrainerCallback
+
+if TYPE_CHECKING:  # pragma: no cover
+    from prorl_trl.trainer import ProRLTrainer
+
+
+@dataclass
+class PlateauTracker:
+    """Counts evaluations without an improvement of at least `min_delta`; `update` says when `patience` is reached.
+
+    >>> tracker = PlateauTracker(patience=2)
+    >>> [tracker.update(v) for v in (0.5, 0.6, 0.6, 0.6)]
+    [False, False, False, True]
+    """
+
+    patience: int
+    min_delta: float = 0.0
+    mode: str = "max"
+    best: float | None = None
+    bad_evaluations: int = 0
+
+    def update(self, value: float) -> bool:
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return False
+        sign = 1.0 if self.mode == "max" else -1.0
+        if self.best is None or sign * (value - self.best) > self.min_delta:
+            self.best = value
+            self.bad_evaluations = 0
+            return False
+        self.bad_evaluations += 1
+        return self.patience > 0 and self.bad_evaluations >= self.patience
+
+    def restart_patience(self) -> None:
+        """Give the metric `patience` new evaluations (after a reset) while keeping the best value seen."""
+        self.bad_evaluations = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "bad_evaluations": self.bad_evaluations}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.bad_evaluations = state.get("best"), state.get("bad_evaluations", 0)
+
+
+class _BoundCallback(TrainerCallback):
+    trainer: ProRLTrainer | None = None
+
+    def bind(self, trainer: ProRLTrainer) -> None:
+        self.trainer = trainer
+
+    def _require_trainer(self) -> ProRLTrainer:
+        if self.trainer is None:
+            raise RuntimeError(
+                f"{type(self).__name__} needs a ProRLTrainer: pass it in `ProRLTrainer(callbacks=[...])` (the trainer "
+                "binds its callbacks), or call `callback.bind(trainer)` yourself."
+            )
+        return self.trainer
+
+
+@dataclass
+class HardResetCallback(_BoundCallback):
+    """Hard-reset inside a phase (same adapter shape): every `every_steps` optimizer steps and/or on a plateau.
+
+    Args:
+        every_steps: Reset when the continuous ProRL global step is a multiple of this (ProRL v2 used 200-500).
+            A step that ends a phase is skipped (the phase boundary decides there).
+        on_plateau: Reset when the validation metric `args.plateau_metric` (e.g. `eval_pass@1` from the
+            ValidationCallback, or `eval_reward` from TRL's `evaluate()`) has not improved by `min_delta` for
+            `patience` evaluations (ProRL v1's trigger). `True` uses `args.plateau_patience`/`plateau_min_delta`;
+            an int is the patience.
+        min_delta: Smallest improvement that counts (with an int `on_plateau`).
+
+    The reset itself follows the trainer's switches (`reset_optimizer`, `reset_reference`, `save_merged_on_reset`).
+    Plateau resets run at the start of the next step (evaluation happens after `on_step_end`).
+    """
+
+    every_steps: int | None = None
+    on_plateau: bool | int = False
+    min_delta: float | None = None
+    tracker: PlateauTracker | None = field(default=None, init=False)
+
+    def __post_init__(self):
+        if self.every_steps is not None and self.every_steps < 1:
+            raise ValueError(f"HardResetCallback(every_steps=...) must be >= 1, got {self.every_steps}.")
+        if not self.every_steps and not self.on_plateau:
+            raise ValueError("HardResetCallback needs `every_steps=N` and/or `on_plateau=True` (or a patience).")
+
+    def bind(self, trainer: ProRLTrainer) -> None:
+        super().bind(trainer)
+        if self.on_plateau:
+            args = trainer.args
+            patience = args.plateau_patience if self.on_plateau is True else int(self.on_plateau)
+            if patience < 1:
+                raise ValueError(
+                    "HardResetCallback(on_plateau=True) uses ProRLConfig.plateau_patience, which is 0; set "
+                    "plateau_patience >= 1 or pass the patience directly: HardResetCallback(on_plateau=3)."
+                )
+            min_delta = args.plateau_min_delta if self.min_delta is None else self.min_delta
+            if self.tracker is None:
+                self.tracker = PlateauTracker(patience=patience, min_delta=min_delta, mode=args.plateau_mode)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trainer = self._require_trainer()
+        if self.every_steps and trainer.prorl_global_step % self.every_steps == 0 and state.global_step < state.max_steps:
+            trainer.hard_reset(reason=f"every {self.every_steps} steps")
+            if self.tracker is not None:
+                self.tracker.restart_patience()
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.tracker is None or not logs or args.plateau_metric not in logs:
+            return control
+        if self.tracker.update(logs[args.plateau_metric]):
+            self._require_trainer().request_hard_reset(reason=f"{args.plateau_metric} plateau")
+            self.tracker.restart_patience()
+        return control
+
+
+SamplingSchedule = Callable[[int], dict[str, float]]
+
+
+class SamplingScheduleCallback(_BoundCallback):
+    """Change sampling settings inside a phase, e.g. a temperature ramp, at `on_step_begin` (before generation).
+
+    Args:
+        schedule: `schedule(global_step) -> {"temperature": ..., "top_p": ..., ...}` with the continuous ProRL global
+            step; allowed keys: temperature, top_p, top_k, min_p, repetition_penalty, max_completion_length.
+            Settings reach generation (transformers or vLLM), the loss's log-prob temperature and the overlong
+            penalty exactly like a phase's settings. Return `{}` to leave the phase's settings alone.
+
+    Example:
+        >>> ramp = SamplingScheduleCallback.linear("temperature", start=1.0, end=1.2, num_steps=100)
+        >>> ramp.schedule(0), ramp.schedule(50), ramp.schedule(500)
+        ({'temperature': 1.0}, {'temperature': 1.1}, {'temperature': 1.2})
+    """
+
+    def __init__(self, schedule: SamplingSchedule):
+        if not callable(schedule):
+            raise TypeError("SamplingScheduleCallback(schedule) needs a callable: global_step -> dict of settings.")
+        self.schedule = schedule
+        self.trainer = None
+
+    @classmethod
+    def linear(cls, key: str, start: float, end: float, num_steps: int, start_step: int = 0) -> SamplingScheduleCallback:
+        """Linear ramp of one setting from `start` (at `start_step`) to `end` (after `num_steps`), then constant."""
+        if num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}.")
+
+        def schedule(step: int) -> dict[str, float]:
+            fraction = min(max((step - start_step) / num_steps, 0.0), 1.0)
+            value = start + (end - start) * fraction
+            return {key: round(value, 10) if isinstance(value, float) else value}
+
+        return cls(schedule)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        trainer = self._require_trainer()
+        settings = self.schedule(trainer.prorl_global_step)
+        if settings:
+            trainer.apply_sampling(**settings)
+        return control
