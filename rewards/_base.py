@@ -1,0 +1,159 @@
+"""What every registry reward shares: TRL's call signature, a unique stable `__name__`, the gold-column lookup and
+the rule that one bad completion never crashes a training step.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from ._text import completion_text
+
+# Keyword arguments GRPOTrainer passes that are not dataset columns (trl 1.16 `_calculate_rewards`).
+TRL_NON_COLUMN_KWARGS = frozenset(
+    {"trainer_state", "log_extra", "log_metric", "environments", "prompts", "completions", "completion_ids"}
+)
+
+
+class MissingColumnError(ValueError):
+    """A reward needs a dataset column that the batch does not have."""
+
+
+def missing_column_error(reward_name: str, column: str, kwargs: dict[str, Any], hint: str = "") -> MissingColumnError:
+    present = sorted(key for key in kwargs if key not in TRL_NON_COLUMN_KWARGS)
+    return MissingColumnError(
+        f"reward '{reward_name}' needs the dataset column '{column}', but the batch only has {present}. "
+        f"Add the column to the dataset (GRPOConfig keeps it with remove_unused_columns=False){hint}."
+    )
+
+
+def _format_param(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(getattr(value, "__name__", value))
+
+
+class Reward:
+    """Base of the registry rewards: a picklable callable class with TRL's reward signature.
+
+    Subclasses set `registry_name`, store their parameters as attributes named like their `__init__` arguments, call
+    `self._set_name(name)` at the end of `__init__`, and implement `_score(text, ids, index, columns)`; `fallback`
+    is what a completion scores when scoring it raised. The instance `__name__` (TRL's metric name
+    `rewards/<__name__>/mean`) is the registry name plus one `_<param><value>` suffix per non-default parameter, so two
+    configurations never collide; `name=` overrides it.
+    """
+
+    registry_name: ClassVar[str] = "reward"
+    fallback: ClassVar[float | None] = 0.0
+
+    def _set_name(self, name: str | None) -> None:
+        if name is not None:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"name must be a non-empty string, got {name!r}")
+            self.__name__ = name
+            return
+        suffix = ""
+        for parameter in inspect.signature(type(self).__init__).parameters.values():
+            if parameter.name in ("self", "name") or parameter.default is inspect.Parameter.empty:
+                continue
+            value = getattr(self, parameter.name)
+            if value != parameter.default:
+                suffix += f"_{parameter.name}{_format_param(value)}"
+        self.__name__ = self.registry_name + suffix
+
+    def __repr__(self) -> str:
+        return f"<reward {self.__name__}>"
+
+    def _columns(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Dataset columns this reward needs, checked once per call (subclasses override)."""
+        return {}
+
+    def _score(self, text: str, ids: Sequence[int] | None, index: int, columns: dict[str, Any]) -> float | None:
+        raise NotImplementedError
+
+    def __call__(
+        self,
+        prompts: list | None = None,
+        completions: list | None = None,
+        completion_ids: list | None = None,
+        **kwargs: Any,
+    ) -> list[float | None]:
+        completions = _require_completions(self.__name__, completions, completion_ids)
+        columns = self._columns({"prompts": prompts, "completion_ids": completion_ids, **kwargs})
+        rewards = []
+        for index, completion in enumerate(completions):
+            try:
+                ids = completion_ids[index] if completion_ids is not None else None
+                reward = self._score(completion_text(completion), ids, index, columns)
+                if reward is not None and not math.isfinite(reward):
+                    reward = self.fallback
+            except Exception:  # a malformed completion scores the fallback; it never stops training
+                reward = self.fallback
+            rewards.append(reward)
+        return rewards
+
+
+def _require_completions(reward_name: str, completions: Any, completion_ids: Any) -> list:
+    if completions is None:
+        if completion_ids is None:
+            raise TypeError(f"reward '{reward_name}' was called without completions or completion_ids")
+        return [None] * len(completion_ids)
+    if completion_ids is not None and len(completion_ids) != len(completions):
+        raise ValueError(
+            f"reward '{reward_name}': {len(completions)} completions but {len(completion_ids)} completion_ids"
+        )
+    return completions
+
+
+class GoldReward(Reward):
+    """A reward that compares each completion with a gold answer read from the column `answer_key`."""
+
+    answer_key: str = "answer"
+
+    def _columns(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if self.answer_key not in kwargs:
+            hint = f" or pass answer_key=<your column> (get_reward('{self.registry_name}', answer_key=...))"
+            raise missing_column_error(self.__name__, self.answer_key, kwargs, hint)
+        return {"gold": kwargs[self.answer_key]}
+
+
+class CorrectnessReward(GoldReward):
+    """A binary reward: `correct` when the completion's answer matches the gold, else `incorrect`.
+
+    Other code asks for binary correctness with `is_correct(...)` (same arguments as the reward call): True/False per
+    completion, None where the gold is unusable. Dynamic sampling, `cosine_scaled` and `kimi_length` use it.
+    """
+
+    correct: float = 1.0
+    incorrect: float = 0.0
+
+    @property
+    def fallback(self) -> float:  # type: ignore[override]
+        return self.incorrect
+
+    def _check(self, text: str, gold: Any) -> bool | None:
+        raise NotImplementedError
+
+    def _check_batch(self, texts: list[str], golds: list[Any]) -> list[bool | None]:
+        results: list[bool | None] = []
+        for text, gold in zip(texts, golds):
+            try:
+                results.append(self._check(text, gold))
+            except Exception:
+                results.append(False)
+        return results
+
+    def is_correct(
+        self, prompts: list | None = None, completions: list | None = None, completion_ids: list | None = None, **kwargs
+    ) -> list[bool | None]:
+        completions = _require_completions(self.__name__, completions, completion_ids)
+        golds = self._columns(kwargs)["gold"]
+        if len(golds) != len(completions):
+            raise ValueError(f"reward '{self.__name__}': {len(completions)} completions but {len(golds)} gold answers")
+        return self._check_batch([completion_text(c) for c in completions], list(golds))
+
+    def __call__(self, prompts=None, completions=None, completion_ids=None, **kwargs) -> list[float | None]:
+        verdicts = self.is_correct(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+        return [None if verdict is None else (self.correct if verdict else self.incorrect) for verdict in verdicts]
