@@ -1,0 +1,214 @@
+"""Loaders for each data source, and `build_dataset`, which templates prompts and filters them by length.
+
+Every loader returns a `datasets.Dataset` with a `question` column (the problem text, or a message list) plus the
+gold columns its rewards read; `build_dataset` adds `prompt`. Sources are hub ids or local files/folders: a local
+folder is read as `<folder>/<split>.jsonl` (kk: `<folder>/<N>ppl_<split>.jsonl`, as in ../shared/data).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from . import BUILDERS
+from .templates import render_prompt
+
+if TYPE_CHECKING:  # pragma: no cover
+    from datasets import Dataset
+
+    from ..recipe_schema import DataSection
+
+logger = logging.getLogger(__name__)
+
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def is_local_source(source: str) -> bool:
+    """Whether a `source` names a local file or folder rather than a hub id (checked before loading anything)."""
+    return (
+        source.startswith(("/", "./", "../", "~")) or source.endswith(LOCAL_SUFFIXES) or Path(source).exists()
+    )
+
+
+def read_local(path: str | Path) -> Dataset:
+    """A local `.jsonl`/`.json`/`.parquet` file as a `Dataset`."""
+    from datasets import Dataset
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"data file not found: {path}")
+    if path.suffix == ".parquet":
+        return Dataset.from_parquet(str(path))
+    return Dataset.from_json(str(path))
+
+
+def load_source(source: str, config: str | None, split: str, local_name: str | None = None, hub_split: str | None = None):
+    """Load a split from a local file, a local folder (`<folder>/<local_name or split>.jsonl|.parquet`) or the hub."""
+    if is_local_source(source):
+        path = Path(source).expanduser()
+        if path.is_dir():
+            stem = local_name or split
+            candidates = [path / f"{stem}{suffix}" for suffix in LOCAL_SUFFIXES]
+            found = next((c for c in candidates if c.is_file()), None)
+            if found is None:
+                present = ", ".join(sorted(p.name for p in path.iterdir())) or "nothing"
+                raise FileNotFoundError(f"no {stem}.jsonl/.json/.parquet in {path} (it holds: {present})")
+            path = found
+        return read_local(path)
+    from datasets import load_dataset
+
+    return load_dataset(source, config, split=hub_split or split)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loaders (one per source format)
+# ---------------------------------------------------------------------------------------------------------------
+
+GSM8K_ANSWER = re.compile(r"####\s*(-?[0-9][0-9.,]*)")
+
+
+def gsm8k_gold(worked_solution: str) -> str:
+    """The number after `####` with thousands separators removed (GSM8K's official extraction)."""
+    match = GSM8K_ANSWER.search(worked_solution)
+    if match is None:
+        raise ValueError(f"GSM8K answer has no '#### <number>' line: {worked_solution[-80:]!r}")
+    return match.group(1).replace(",", "").rstrip(".")
+
+
+def load_gsm8k(source: str, config: str | None, split: str, columns: dict[str, str]) -> Dataset:
+    data = load_source(source, config, split)
+    return data.map(
+        lambda row: {"question": row["question"], "answer": gsm8k_gold(row["answer"])},
+        remove_columns=data.column_names,
+    )
+
+
+def load_math500(source: str, config: str | None, split: str, columns: dict[str, str]) -> Dataset:
+    data = load_source(source, config, split)
+    keep = ["answer", "level", "subject", "unique_id"]
+    data = data.rename_column("problem", "question")
+    return data.remove_columns([c for c in data.column_names if c not in ["question", *keep]])
+
+
+def load_kk(source: str, config: str | None, split: str, columns: dict[str, str], num_people: int = 5) -> Dataset:
+    # Hub layout: config = train/test, split = "<N>ppl"; shared-data layout: "<N>ppl_<split>.jsonl".
+    data = load_source(source, split, split, local_name=f"{num_people}ppl_{split}", hub_split=f"{num_people}ppl")
+    data = data.rename_column("quiz", "question")
+    keep = ["question", "names", "solution", "solution_text_format"]
+    return data.remove_columns([c for c in data.column_names if c not in keep])
+
+
+BOXED = "\\boxed{"
+
+
+def last_boxed_content(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (brace-matched), or None."""
+    start = text.rfind(BOXED)
+    if start < 0:
+        return None
+    depth, begin = 1, start + len(BOXED)
+    for index in range(begin, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[index], 0)
+        if depth == 0:
+            return text[begin:index]
+    return None
+
+
+def load_areal(source: str, config: str | None, split: str, columns: dict[str, str]) -> Dataset:
+    """AReaL-style math rows: `prompt` (already templated text) and `solutions` (list; usually `\\boxed{X}`)."""
+    data = load_source(source, config, split)
+    missing = {"prompt", "solutions"} - set(data.column_names)
+    if missing:
+        raise ValueError(f"AReaL-style data needs columns prompt and solutions; {source} lacks {sorted(missing)}")
+
+    def convert(row: dict[str, Any]) -> dict[str, Any]:
+        solutions = row["solutions"] if isinstance(row["solutions"], list) else [row["solutions"]]
+        first = str(solutions[0]) if solutions else ""
+        boxed = last_boxed_content(first)
+        return {"question": row["prompt"], "solutions": [str(s) for s in solutions], "answer": boxed or first}
+
+    return data.map(convert, remove_columns=data.column_names)
+
+
+def load_table(source: str, config: str | None, split: str, columns: dict[str, str]) -> Dataset:
+    """Any table; `columns` maps our names (`prompt`, `answer`, ...) to source column names."""
+    data = load_source(source, config, split)
+    mapping = dict(columns)
+    prompt_column = mapping.pop("prompt", "prompt")
+    wanted = {prompt_column: "question", **{theirs: ours for ours, theirs in mapping.items()}}
+    missing = [c for c in wanted if c not in data.column_names]
+    if missing:
+        raise ValueError(f"{source} has no column(s) {missing}; it has {data.column_names} (fix data.columns)")
+    return data.select_columns(list(wanted)).rename_columns({k: v for k, v in wanted.items() if k != v})
+
+
+def _synthetic(make: str, split: str, options: dict[str, Any], keep: list[str]) -> Dataset:
+    """A generated split: `num_train` or `num_validation` rows; the validation seed is offset so splits differ."""
+    from . import synthetic  # imports `datasets`; written alongside the offline demo
+
+    size = options.pop("num_train") if split == "train" else options.pop("num_validation")
+    options.pop("num_validation" if split == "train" else "num_train", None)
+    seed = options.pop("seed") + (0 if split == "train" else 1_000_003)
+    if isinstance(options.get("num_steps"), list):
+        options["num_steps"] = tuple(options["num_steps"])
+    if isinstance(options.get("num_people"), list):
+        options["num_people"] = tuple(options["num_people"])
+    data = getattr(synthetic, make)(size, seed=seed, **options)
+    data = data.remove_columns([c for c in ("question",) if c in data.column_names]).rename_column("prompt", "question")
+    return data.remove_columns([c for c in data.column_names if c not in ["question", *keep]])
+
+
+def load_synthetic_arithmetic(source: str | None, config: str | None, split: str, columns: dict[str, str], **options):
+    return _synthetic("make_arithmetic_dataset", split, options, ["answer", "num_steps"])
+
+
+def load_synthetic_kk(source: str | None, config: str | None, split: str, columns: dict[str, str], **options):
+    return _synthetic("make_kk_dataset", split, options, ["names", "solution", "solution_text_format", "num_people"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The recipe's entry point
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def prompt_token_count(prompt: str | list[dict[str, str]], tokenizer: Any) -> int:
+    """Tokens the model sees for this prompt (chat prompts include the template and the generation header)."""
+    if isinstance(prompt, list):
+        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        return len(ids)
+    return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+
+def build_dataset(data: DataSection, which: str = "train", tokenizer: Any = None) -> Dataset | None:
+    """The training (`which="train"`) or validation split of a recipe's data, with `prompt` + gold columns.
+
+    Returns None for validation when the recipe names no validation split. The prompt-length filter needs
+    `tokenizer`; rows it drops are counted in the log.
+    """
+    spec = BUILDERS[data.builder]
+    if which == "train":
+        source, split, limit = data.source or spec.default_source, data.split, data.max_train_samples
+    else:
+        split = data.validation_split
+        if split is None:
+            return None
+        source, limit = data.validation_source or data.source or spec.default_source, data.validation_size
+    options = {name: default for name, (_, default) in spec.options.items()} | dict(data.options)
+    config = data.config if data.config is not None else spec.default_config
+    rows = spec.load_function()(source, config, split, dict(data.columns), **options)
+    if limit is not None:
+        rows = rows.select(range(min(limit, len(rows))))
+    template = data.template or spec.default_template
+    rows = rows.map(
+        lambda row: {"prompt": render_prompt(row["question"], template, data.prompt_format, data.system_prompt)}
+    )
+    if data.max_prompt_tokens is not None and tokenizer is not None:
+        before = len(rows)
+        rows = rows.filter(lambda row: prompt_token_count(row["prompt"], tokenizer) <= data.max_prompt_tokens)
+        logger.info("%s: kept %d of %d prompts of <= %d tokens", which, len(rows), before, data.max_prompt_tokens)
+    if len(rows) == 0:
+        raise ValueError(f"the {which} split ({source}, {split}) is empty after filtering")
+    return rows

@@ -1,0 +1,251 @@
+"""The checks behind `load_recipe`: `training` against `ProRLConfig`, `phases` against `PhaseConfig` (both by
+introspection, so new fields need no edit here), rewards against the registry, data against the builder table.
+
+Order: cheap structural checks first; only a structurally clean recipe is handed to `ProRLConfig(...)` and
+`resolve_phases(...)`, whose own errors are mapped back to a key path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+import warnings
+from pathlib import Path
+from typing import Any
+
+from .recipe_schema import RecipeProblem, check_mapping, dataclass_hints, suggest
+
+# Switches whose validity depends on the machine (TrainingArguments refuses bf16 on a CPU-only box); a dry run
+# checks their type only.
+DRY_RUN_SKIPPED = ("bf16", "fp16", "tf32", "bf16_full_eval", "fp16_full_eval", "use_liger_kernel")
+
+# Keys that are `ProRLConfig` fields but are set elsewhere in the recipe.
+TRAINING_RESERVED = {
+    "phases": "`phases` is a top-level section of the recipe, not a `training` key",
+    "reward_weights": "set weights under `rewards[i].weight`",
+    "model_init_kwargs": "set model loading options in the `model:` section",
+    "trust_remote_code": "use `model.trust_remote_code`",
+}
+
+# Ranges on the fields people tune most (TRL checks the rest, or the trainer does when the phase starts).
+RANGES: dict[str, dict[str, Any]] = {
+    "learning_rate": {"min": 0},
+    "num_generations": {"min": 2},
+    "max_completion_length": {"min": 1},
+    "temperature": {"min_exclusive": 0},
+    "top_p": {"min_exclusive": 0, "max": 1},
+    "top_k": {"min": 0},
+    "beta": {"min": 0},
+    "epsilon": {"min_exclusive": 0},
+    "epsilon_high": {"min_exclusive": 0},
+    "per_device_train_batch_size": {"min": 1},
+    "per_device_eval_batch_size": {"min": 1},
+    "gradient_accumulation_steps": {"min": 1},
+    "generation_batch_size": {"min": 1},
+    "steps_per_generation": {"min": 1},
+    "num_iterations": {"min": 1},
+    "max_grad_norm": {"min": 0},
+    "weight_decay": {"min": 0},
+    "warmup_ratio": {"min": 0, "max": 1},
+    "overlong_buffer": {"min": 0},
+    "overlong_penalty_factor": {"min": 0},
+    "dynamic_sampling_max_rounds": {"min": 0},
+    "early_stop_importance_ratio": {"min_exclusive": 0},
+    "plateau_patience": {"min": 0},
+    "max_steps": {"min": 1},
+    "lora_r": {"min": 1},
+    "lora_alpha": {"min_exclusive": 0},
+}
+TRAINING_RANGES = {k: v for k, v in RANGES.items() if k != "max_steps"} | {"max_steps": {"min": -1}}
+
+PHASE_MESSAGE = re.compile(r"phase (\d+)")
+
+
+def check_recipe(file: str, raw: dict[str, Any], problems: list[RecipeProblem], world_size: int, dry: bool):
+    from .recipe import LOGGING_KEYS, Recipe, build_sections
+
+    sections = build_sections(raw, problems)
+    training = check_training(raw.get("training"), sections.get("logging"), raw.get("logging"), problems)
+    phases = check_phases(raw, problems)
+    reward_names = check_rewards(sections["rewards"], problems)
+    check_data(sections.get("data"), sections.get("validation"), problems)
+    check_model(sections.get("model"), problems)
+    if training is not None and sections.get("logging") is not None:
+        logging_values = {k: getattr(sections["logging"], k) for k in LOGGING_KEYS if k in (raw.get("logging") or {})}
+        training = {**training, **logging_values}
+    if problems:
+        return None
+    validation = sections.get("validation")
+    data = sections["data"]
+    if validation is not None and validation.enabled and data.validation_split is None:
+        from .data import BUILDERS
+
+        data = dataclasses.replace(data, validation_split=BUILDERS[data.builder].default_validation_split)
+    recipe = Recipe(
+        file=file,
+        raw=raw,
+        model=sections["model"],
+        peft=sections["peft"],
+        data=data,
+        rewards=sections["rewards"],
+        training=training or {},
+        phases=phases,
+        validation=validation,
+        description=raw.get("description"),
+    )
+    check_assembled(recipe, reward_names, problems, world_size, dry)
+    return recipe
+
+
+def check_training(raw: Any, logging_section: Any, raw_logging: Any, problems: list[RecipeProblem]):
+    from .config import ProRLConfig
+
+    if raw is None:
+        raw = {}
+    hints = {k: v for k, v in typing.get_type_hints(ProRLConfig).items() if k in _init_fields(ProRLConfig)}
+    before = len(problems)
+    training = check_mapping(raw, "training", hints, problems, metadata=TRAINING_RANGES, reserved=TRAINING_RESERVED)
+    for key in set(training) & set(raw_logging or {}):
+        problems.append(RecipeProblem(f"training.{key}", f"also set as `logging.{key}`; keep one", training[key]))
+    buffer, cap = training.get("overlong_buffer"), training.get("max_completion_length", 256)
+    if isinstance(buffer, int) and isinstance(cap, int) and buffer and buffer >= cap:
+        problems.append(
+            RecipeProblem("training.overlong_buffer", f"must be shorter than max_completion_length ({cap})", buffer)
+        )
+    return training if len(problems) == before else None
+
+
+def _init_fields(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls) if f.init}
+
+
+def check_phases(raw: dict[str, Any], problems: list[RecipeProblem]) -> list[dict[str, Any]] | None:
+    from .config import PhaseConfig
+
+    if "phases" not in raw or raw["phases"] is None:
+        return None
+    phases = raw["phases"]
+    if not isinstance(phases, list):
+        problems.append(RecipeProblem("phases", "expected a list of phases (each a mapping with `max_steps`)", phases))
+        return None
+    if not phases:
+        problems.append(RecipeProblem("phases", "is empty: give at least one phase, or remove the key", phases))
+        return None
+    hints, _, required = dataclass_hints(PhaseConfig)
+    checked = []
+    for index, phase in enumerate(phases):
+        checked.append(
+            check_mapping(phase, f"phases.{index}", hints, problems, required=required, metadata=RANGES)
+        )
+    return checked
+
+
+def check_rewards(specs: list[Any], problems: list[RecipeProblem]) -> list[str]:
+    """Names must be registered and params accepted; returns the reward functions' `__name__`s."""
+    if not specs or any(spec is None for spec in specs):
+        return []
+    try:
+        import rewards
+    except ImportError as error:
+        problems.append(RecipeProblem("rewards", f"the reward registry (`rewards` package) cannot be imported: {error}"))
+        return []
+    available = rewards.available()
+    names = []
+    for index, spec in enumerate(specs):
+        if spec.name not in available:
+            listing = ", ".join(sorted(available))
+            problems.append(
+                RecipeProblem(f"rewards.{index}.name", f"unknown reward{suggest(spec.name, available)} (available: {listing})", spec.name)
+            )
+            continue
+        try:
+            function = rewards.get_reward(spec.name, **spec.params)
+        except Exception as error:  # a bad parameter: say which reward and why
+            problems.append(RecipeProblem(f"rewards.{index}.params", f"rejected by `{spec.name}`: {error}", spec.params))
+            continue
+        names.append(getattr(function, "__name__", spec.name))
+    return names
+
+
+def _looks_local(source: str) -> bool:
+    from .data.builders import is_local_source
+
+    return is_local_source(source)
+
+
+def check_data(data: Any, validation: Any, problems: list[RecipeProblem]) -> None:
+    from .data import BUILDERS
+    from .data.templates import TEMPLATES
+
+    if data is None:
+        return
+    spec = BUILDERS.get(data.builder)
+    if spec is None:
+        listing = ", ".join(sorted(BUILDERS))
+        problems.append(RecipeProblem("data.builder", f"unknown builder{suggest(data.builder, BUILDERS)} (available: {listing})", data.builder))
+        return
+    if data.template is not None and data.template not in TEMPLATES:
+        listing = ", ".join(sorted(TEMPLATES))
+        problems.append(RecipeProblem("data.template", f"unknown template{suggest(data.template, TEMPLATES)} (available: {listing})", data.template))
+    hints = {name: kind for name, (kind, _) in spec.options.items()}
+    check_mapping(data.options, "data.options", hints, problems)
+    if spec.default_source is None and data.source is None and not data.builder.startswith("synthetic_"):
+        problems.append(RecipeProblem("data.source", f"builder `{data.builder}` needs a source (hub id or local file)"))
+    for key in ("source", "validation_source"):
+        value = getattr(data, key)
+        if value and _looks_local(value) and not Path(value).expanduser().exists():
+            problems.append(RecipeProblem(f"data.{key}", "local file or folder not found", value))
+    if validation is not None and validation.enabled and data.validation_split is None and spec.default_validation_split is None:
+        problems.append(RecipeProblem("data.validation_split", "the `validation` section needs a validation split"))
+
+
+def check_model(model: Any, problems: list[RecipeProblem]) -> None:
+    if model is None:
+        return
+    for key in ("name_or_path", "tokenizer_name_or_path"):
+        value = getattr(model, key)
+        if value and _looks_local(value) and not Path(value).expanduser().exists():
+            problems.append(RecipeProblem(f"model.{key}", "local model folder not found", value))
+
+
+def check_assembled(recipe: Any, reward_names: list[str], problems: list[RecipeProblem], world_size: int, dry: bool):
+    """Build `ProRLConfig` and resolve the phases exactly as training will, mapping errors back to key paths."""
+    from .config import resolve_phases
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            args = recipe.training_args(dry=dry)
+        except Exception as error:  # TRL/transformers validation: report it against the section
+            problems.append(RecipeProblem(_path_of(str(error), "training"), str(error)))
+            return
+        try:
+            peft_config = recipe.peft_config()
+        except Exception as error:
+            problems.append(RecipeProblem("peft", str(error)))
+            return
+    # Only warnings about keys the recipe sets (TRL's own defaults trigger some, e.g. gradient_checkpointing).
+    recipe.warnings = sorted({str(w.message) for w in caught if any(f"`{key}`" in str(w.message) for key in recipe.training)})
+    try:
+        recipe.resolved_phases = resolve_phases(args, peft_config, world_size)
+    except ValueError as error:
+        problems.append(RecipeProblem(_path_of(str(error), "phases" if recipe.phases else "training"), str(error)))
+    for index, phase in enumerate(recipe.phases or []):
+        weights = phase.get("reward_weights")
+        if weights is not None and len(weights) != len(recipe.rewards):
+            problems.append(
+                RecipeProblem(f"phases.{index}.reward_weights", f"needs {len(recipe.rewards)} weights (one per reward)", weights)
+            )
+    name = recipe.training.get("dynamic_sampling_reward")
+    if name is not None and reward_names and name not in reward_names:
+        problems.append(
+            RecipeProblem("training.dynamic_sampling_reward", f"names no reward of this recipe{suggest(name, reward_names)} (rewards: {', '.join(reward_names)})", name)
+        )
+
+
+def _path_of(message: str, default: str) -> str:
+    match = PHASE_MESSAGE.search(message)
+    if match and "ProRLConfig phase" in message:
+        return f"phases.{match.group(1)}"
+    return "phases" if "`phases`" in message else default

@@ -1,0 +1,170 @@
+"""`prorl-trl train`: a validated recipe -> tokenizer, datasets, rewards, callbacks -> `ProRLTrainer.train()`.
+
+Everything that can be wrong with the recipe is caught by `load_recipe` first (exit 2, nothing written). Only then
+is anything loaded; the output folder is written by the trainer, plus `recipe.yaml` (the effective recipe, after
+overrides) and `run_summary.json` (final metrics and the log history, read by `prorl-trl ablate`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+from .recipe import Recipe, load_recipe
+
+
+def _is_main_process() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def describe_recipe(recipe: Recipe, world_size: int = 1) -> str:
+    """A short human summary: model, data, rewards and the resolved phase table (read it against the paper's)."""
+    from .config import resolve_phases
+
+    data = recipe.data
+    lora = "full fine-tuning" if recipe.peft is None or not recipe.peft.enabled else f"LoRA r={recipe.peft.r}"
+    lines = [
+        f"recipe:  {recipe.file}" + (f" - {recipe.description.strip().splitlines()[0]}" if recipe.description else ""),
+        f"model:   {recipe.model.name_or_path} ({recipe.model.dtype}, {lora})",
+        f"data:    {data.builder} {data.source or '(default source)'} [{data.split}]"
+        + (f", validation [{data.validation_split}] x{data.validation_size or 'all'}" if data.validation_split else ""),
+        "rewards: " + ", ".join(f"{spec.name} x{spec.weight:g}" for spec in recipe.rewards),
+    ]
+    phases = recipe.resolved_phases or resolve_phases(recipe.training_args(dry=True), recipe.peft_config(), world_size)
+    lines.append(f"{'phase':<16}{'steps':>6}{'T':>6}{'top_p':>6}{'n':>4}{'max_len':>8}{'buffer':>7}{'lora_r':>7}{'reset':>6}")
+    for phase in phases:
+        lines.append(
+            f"{phase.name[:15]:<16}{phase.max_steps:>6}{phase.temperature:>6g}{phase.top_p:>6g}{phase.num_generations:>4}"
+            f"{phase.max_completion_length:>8}{phase.overlong_buffer:>7}{str(phase.lora_r or '-'):>7}"
+            f"{'yes' if phase.hard_reset else '-':>6}"
+        )
+    return "\n".join(lines)
+
+
+def _load_tokenizer(recipe: Recipe):
+    from transformers import AutoTokenizer
+
+    model = recipe.model
+    return AutoTokenizer.from_pretrained(
+        model.tokenizer_name_or_path or model.name_or_path,
+        revision=model.revision,
+        trust_remote_code=model.trust_remote_code,
+        padding_side="left",
+        truncation_side="left",
+    )
+
+
+def _validation_callback(recipe: Recipe, eval_dataset: Any, args: Any) -> Any:
+    if recipe.validation is None or not recipe.validation.enabled or eval_dataset is None:
+        return None
+    from .config import resolve_phases
+    from .evaluation.validation import ValidationCallback
+
+    settings = recipe.validation
+    first_phase = resolve_phases(args, recipe.peft_config(), args.world_size)[0]
+    spec = next((s for s in recipe.rewards if s.name == settings.reward), None) if settings.reward else recipe.rewards[0]
+    import rewards
+
+    reward = rewards.get_reward(spec.name, **spec.params) if spec else rewards.get_reward(settings.reward)
+    return ValidationCallback(
+        dataset=eval_dataset,
+        reward_func=reward,
+        eval_steps=settings.eval_steps,
+        num_problems=recipe.data.validation_size,
+        num_samples=settings.num_samples,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        max_completion_length=settings.max_completion_length or first_phase.max_completion_length,
+        ks=settings.ks,
+        batch_size=settings.batch_size,
+        eval_on_start=settings.eval_on_start,
+        seed=args.seed,
+    )
+
+
+class LogRecorder(TrainerCallback):
+    """Keeps every `on_log` entry of the run (all phases, validation included) for `run_summary.json`."""
+
+    def __init__(self):
+        self.entries: list[dict[str, Any]] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs:
+            self.entries.append({"step": state.global_step, **logs})
+
+
+def summarize_log(log_history: list[dict[str, Any]]) -> dict[str, Any]:
+    """Final validation metrics (last logged `eval_*`) and per-reward means over all logged training steps."""
+    final_eval: dict[str, float] = {}
+    reward_values: dict[str, list[float]] = {}
+    steps = 0
+    for entry in log_history:
+        steps = max(steps, int(entry.get("prorl/global_step", entry.get("step", 0)) or 0))
+        for key, value in entry.items():
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+                continue
+            if key.startswith("eval_"):
+                final_eval[key] = float(value)
+            elif key.startswith("rewards/") and key.endswith("/mean"):
+                reward_values.setdefault(key[len("rewards/") : -len("/mean")], []).append(float(value))
+    reward_means = {name: sum(values) / len(values) for name, values in reward_values.items()}
+    return {"steps": steps, "final_eval": final_eval, "reward_means": reward_means}
+
+
+def run_train(recipe_path: str, overrides: list[str]) -> int:
+    """Validate, load, train all phases, write the summary. Returns the exit status."""
+    started = time.time()
+    recipe = load_recipe(recipe_path, overrides, dry=False)
+    main = _is_main_process()
+    if main:
+        print(describe_recipe(recipe, world_size=int(os.environ.get("WORLD_SIZE", "1"))), flush=True)
+    args = recipe.training_args()
+    peft_config = recipe.peft_config()
+    tokenizer = _load_tokenizer(recipe)
+    from .data import build_dataset
+
+    train_dataset = build_dataset(recipe.data, "train", tokenizer)
+    eval_dataset = build_dataset(recipe.data, "validation", tokenizer)
+    reward_funcs = recipe.reward_functions()
+    callback = _validation_callback(recipe, eval_dataset, args)
+    recorder = LogRecorder()
+    from .trainer import ProRLTrainer
+
+    extra = {"quantization_config": recipe.quantization_config()} if recipe.model.quantization else {}
+    trainer = ProRLTrainer(
+        model=recipe.model.name_or_path,
+        processing_class=tokenizer,
+        reward_funcs=reward_funcs,
+        args=args,
+        train_dataset=train_dataset,
+        peft_config=peft_config,
+        callbacks=[recorder] + ([callback] if callback is not None else []),
+        **extra,
+    )
+    output_dir = Path(args.output_dir)
+    if main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "recipe.yaml").write_text(recipe.to_yaml())
+    trainer.train()
+    if not main:
+        return 0
+    log_history = recorder.entries
+    summary = summarize_log(log_history)
+    summary.update(recipe=str(recipe_path), overrides=list(overrides), seconds=round(time.time() - started, 1))
+    (output_dir / "run_summary.json").write_text(json.dumps({**summary, "log_history": log_history}, indent=1, default=str))
+    final = output_dir / "final"
+    print(f"\ndone in {summary['seconds']:.0f}s, {summary['steps']} steps.", file=sys.stdout)
+    for key, value in sorted(summary["final_eval"].items()):
+        print(f"  {key}: {value:.4g}")
+    print(f"outputs:  {output_dir}/")
+    print(f"  final model:  {final}/" + ("" if final.exists() else " (not written)"))
+    print(f"  recipe:       {output_dir / 'recipe.yaml'}")
+    print(f"  summary:      {output_dir / 'run_summary.json'}")
+    return 0
