@@ -67,7 +67,7 @@ class ProRLTrainer(ProRLLoopMixin, GRPOTrainer):
         self.phases: list[ResolvedPhase] = resolve_phases(args, peft_config, world_size=args.world_size)
         reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs] if reward_funcs else []
         self._num_user_rewards = len(reward_funcs)
-        self._check_before_init(args, peft_config, reward_funcs, list(kwargs.get("callbacks") or []))
+        self._check_before_init(args, model, peft_config, reward_funcs, list(kwargs.get("callbacks") or []))
 
         self.overlong_penalty: OverlongPenalty | None = None
         if any(phase.overlong_buffer > 0 for phase in self.phases):
@@ -103,8 +103,9 @@ class ProRLTrainer(ProRLLoopMixin, GRPOTrainer):
         self._bind_callbacks()
 
     # ----------------------------------------------------------------------------------------------- validation
-    def _check_before_init(self, args: ProRLConfig, peft_config: Any, reward_funcs: list, callbacks: list) -> None:
+    def _check_before_init(self, args: ProRLConfig, model: Any, peft_config: Any, reward_funcs: list, callbacks: list) -> None:
         """Fail before any model is loaded for settings TRL would reject later or that a reset would break."""
+        is_peft = peft_config is not None or hasattr(model, "peft_config")
         base_beta_zero = args.beta == 0.0
         for phase in self.phases:
             if (phase.beta == 0.0) != base_beta_zero:
@@ -124,7 +125,7 @@ class ProRLTrainer(ProRLLoopMixin, GRPOTrainer):
                 f"generation_kwargs sets {scheduled}, which TRL applies after (and over) the phase settings. Set them "
                 "as ProRLConfig / PhaseConfig fields instead (e.g. `temperature: 1.2`)."
             )
-        if peft_config is not None and args.beta != 0.0 and not args.reset_reference and self._resets_possible(callbacks):
+        if is_peft and args.beta != 0.0 and not args.reset_reference and self._resets_possible(callbacks):
             raise ValueError(
                 "reset_reference=False with LoRA and beta > 0 is not supported: TRL's reference is the adapter-disabled "
                 "base, and a hard reset merges the adapter into that base, so the reference moves with it. Either keep "
@@ -423,6 +424,8 @@ class ProRLTrainer(ProRLLoopMixin, GRPOTrainer):
             )
             reset_ops.broadcast_adapter(model)
             self._lora_shape = self._live_lora_shape()
+            if self.args.reset_reference:  # a TRL "ref" adapter (PeftModel given with beta > 0) -> the merged base
+                reset_ops.reset_reference_adapter(model)
         elif self.args.reset_reference and self.ref_model is not None:
             reset_ops.sync_reference(self.ref_model, model)
         self._reset_optimizer(new_params)
@@ -440,15 +443,18 @@ class ProRLTrainer(ProRLLoopMixin, GRPOTrainer):
             logger.warning("ProRL hard reset #%d at global step %d (%s).", self.prorl_resets, self.prorl_global_step, reason)
 
     def _reset_optimizer(self, new_params: bool) -> None:
-        """Fresh optimizer state / LR schedule after a reset; a new optimizer when the adapter has new Parameters."""
+        """Fresh optimizer state / LR schedule after a reset; a new optimizer when the adapter has new Parameters.
+
+        Outside the HF loop (phase boundary, manual call) a new adapter only drops the optimizer: the next `train()`
+        builds and prepares one (and re-wraps DDP, `model_wrapped = model`). Inside the loop the optimizer and
+        scheduler are swapped in place (`trainer.optimizer`/`lr_scheduler` are looked up every step, notes §5).
+        """
         if self.optimizer is None:
             return
-        if not self._in_training_loop:  # phase boundary: the next train() call builds/prepares what is missing
-            if new_params or self.args.reset_optimizer:
-                if new_params and not self.args.reset_optimizer:
-                    logger.warning("The LoRA shape changed: optimizer state cannot carry over to the new adapter.")
-                self.optimizer, self.lr_scheduler = None, None
-                self.model_wrapped = self.model if new_params else self.model_wrapped
+        if new_params and not self._in_training_loop:
+            if not self.args.reset_optimizer:
+                logger.warning("The LoRA shape changed: optimizer state cannot carry over to the new adapter.")
+            self.optimizer, self.lr_scheduler, self.model_wrapped = None, None, self.model
             return
         if new_params:
             if self.accelerator.num_processes > 1:
@@ -461,14 +467,16 @@ class ProRLTrainer(ProRLLoopMixin, GRPOTrainer):
             self.optimizer = None
             self.create_optimizer()
             self.optimizer = self.accelerator.prepare(self.optimizer)
-        elif not self.args.reset_optimizer:
-            return
-        else:
+        elif self.args.reset_optimizer:
             reset_ops.reset_optimizer_state(self.optimizer)
-        self.lr_scheduler = None
-        self.create_scheduler(num_training_steps=max(self.state.max_steps - self.state.global_step, 1), optimizer=self.optimizer)
-        self.callback_handler.optimizer = self.optimizer
-        self.callback_handler.lr_scheduler = self.lr_scheduler
+        else:
+            return
+        if self._in_training_loop:
+            self.lr_scheduler = None
+            remaining = max(self.state.max_steps - self.state.global_step, 1)
+            self.create_scheduler(num_training_steps=remaining, optimizer=self.optimizer)
+            self.callback_handler.optimizer = self.optimizer
+            self.callback_handler.lr_scheduler = self.lr_scheduler
 
     # ------------------------------------------------------------------------------------------------- logging
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
