@@ -7,12 +7,11 @@ runs it standalone. Every argument is checked before a model or dataset is loade
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from .grading import DEFAULT_REWARDS, grade, resolve_reward, reward_name
+from .grading import DEFAULT_REWARDS, resolve_reward
 from .problems import DATASETS, check_breakdown, load_rows, select, with_problem_ids
 from .runner import ModelSpec, sample_model
 from .sampling import SamplingSettings
@@ -23,7 +22,17 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     p.add_argument("--model", action="append", required=True, metavar="NAME=PATH",
                    help="Model to evaluate (local dir or hub id); repeat for several models.")
     p.add_argument("--dataset", required=True, choices=DATASETS, help="Problem set (rows with a prompt and gold columns).")
-    p.add_argument("--data-files", nargs="+", default=None, help="JSONL file(s) for --dataset jsonl (or to override).")
+    p.add_argument("--data-files", default=None, metavar="PATH",
+                   help="Local file or folder (or hub id) to read instead of the builder's hub data set; "
+                        "required for --dataset jsonl.")
+    p.add_argument("--split", default="test", help="Split to evaluate (a folder source reads <folder>/<split>.jsonl).")
+    p.add_argument("--columns", default="", metavar="OURS=THEIRS,...",
+                   help="Column mapping for --dataset jsonl, e.g. prompt=question,answer=final.")
+    p.add_argument("--data-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="Builder option, e.g. num_people=3 for kk; repeatable.")
+    p.add_argument("--template", default=None, help="Prompt template (prorl_trl.data.templates); default: the builder's.")
+    p.add_argument("--prompt-format", default="chat", choices=["chat", "plain"],
+                   help="chat: messages rendered by the model's chat template; plain: one string (base models).")
     p.add_argument("--limit", type=int, default=None, help="Evaluate only the first N problems (after --subset non-integer).")
     p.add_argument("--n", type=int, default=32, help="Completions sampled per problem.")
     p.add_argument("--k", default="1,2,4,8,16,32", help="Comma-separated k values of pass@k (each <= --n).")
@@ -81,7 +90,9 @@ def _parse(args: argparse.Namespace) -> dict[str, Any]:
         elif args.subset != "non-integer":
             raise ValueError(f"--subset {args.subset!r}: expected 'non-integer' or 'always-wrong:NAME'.")
     if args.dataset == "jsonl" and not args.data_files:
-        raise ValueError("--dataset jsonl needs --data-files FILE.jsonl (rows with a `prompt` column and gold columns).")
+        raise ValueError("--dataset jsonl needs --data-files FILE.jsonl and --columns prompt=<column>,answer=<column>.")
+    columns = _pairs(args.columns.split(",") if args.columns else [], "--columns")
+    options = {k: _number(v) for k, v in _pairs(args.data_option, "--data-option").items()}
     batch_size = args.batch_size
     if batch_size is None:
         import torch
@@ -97,15 +108,35 @@ def _parse(args: argparse.Namespace) -> dict[str, Any]:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a directory.")
     return {"models": models, "ks": ks, "reference": reference, "settings": settings, "reward": reward,
-            "breakdown": breakdown, "out": out}
+            "breakdown": breakdown, "out": out, "columns": columns, "options": options}
+
+
+def _pairs(items: list[str], flag: str) -> dict[str, str]:
+    pairs = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise ValueError(f"{flag} {item!r}: expected KEY=VALUE.")
+        pairs[key.strip()] = value.strip()
+    return pairs
+
+
+def _number(text: str) -> Any:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def run_eval(args: argparse.Namespace) -> int:
     """The `eval` subcommand; returns the exit status (2 for bad arguments, before any work)."""
     try:
         opts = _parse(args)
-        rows = select(with_problem_ids(load_rows(args.dataset, args.data_files)),
-                      "non-integer" if args.subset == "non-integer" else None, args.limit)
+        columns, options = opts.pop("columns"), opts.pop("options")
+        rows = load_rows(args.dataset, args.data_files, args.split, columns, options, args.template, args.prompt_format)
+        rows = select(with_problem_ids(rows), "non-integer" if args.subset == "non-integer" else None, args.limit)
         if not rows:
             raise ValueError(f"No problems left in {args.dataset} after --subset/--limit; nothing to evaluate.")
         check_breakdown(rows, opts["breakdown"])

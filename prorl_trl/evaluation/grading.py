@@ -2,8 +2,8 @@
 
 A reward from `rewards.get_reward` has TRL's signature, so grading calls it exactly as GRPOTrainer does: by keyword,
 one entry per completion, every dataset column repeated per completion. "Correct" is the reward's own judgement when
-it exposes one (`is_correct(value)` or a `correct_value` attribute), otherwise reward > 0 (this covers the 1/0
-`math_equivalence` and the +1/-1 `boxed_answer` conventions).
+it exposes one (the registry's correctness rewards have `is_correct(...)` with the reward's own arguments, returning
+True/False/None per completion), otherwise reward > 0 (the 1/0 and +1/-1 conventions).
 """
 
 from __future__ import annotations
@@ -37,17 +37,24 @@ def reward_name(reward_func: Callable) -> str:
     return getattr(reward_func, "__name__", type(reward_func).__name__)
 
 
-def is_correct(reward_func: Callable, value: float | None) -> bool:
-    """Whether a reward value means "solved" (None / NaN: not solved)."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return False
-    judge = getattr(reward_func, "is_correct", None)
-    if callable(judge):
-        return bool(judge(value))
-    target = getattr(reward_func, "correct_value", None)
-    if target is not None:
-        return math.isclose(float(value), float(target), rel_tol=1e-9, abs_tol=1e-9) or float(value) > float(target)
-    return float(value) > 0
+def _judge(reward_func: Callable, call: dict[str, Any]) -> tuple[list[float | None], list[bool | None]]:
+    """Reward values and verdicts of one batch, asking the reward for correctness when it can answer.
+
+    A binary registry reward (`is_correct` plus `correct`/`incorrect` values) is asked once and its values derived
+    from the verdicts, as its own `__call__` does, so math_verify runs once per completion, not twice.
+    """
+    asks = getattr(reward_func, "is_correct", None)
+    binary = isinstance(getattr(reward_func, "correct", None), (int, float)) and isinstance(
+        getattr(reward_func, "incorrect", None), (int, float)
+    )
+    if callable(asks) and binary:
+        verdicts = list(asks(**call))
+        values = [None if v is None else float(reward_func.correct if v else reward_func.incorrect) for v in verdicts]
+        return values, verdicts
+    values = [None if v is None else float(v) for v in reward_func(**call)]
+    if callable(asks):
+        return values, list(asks(**call))
+    return values, [None if v is None or math.isnan(v) else v > 0 for v in values]
 
 
 def grade(
@@ -61,20 +68,27 @@ def grade(
     """Rewards (NaN where the reward returned None) and correctness, one per completion.
 
     `prompts[i]` and `rows[i]` (the dataset row: gold columns) belong to `completions[i]`. Completions are passed
-    as chat messages when the prompt is conversational, like TRL does.
+    as chat messages when the prompt is conversational, like TRL does. Stored samples keep text only, so
+    `completion_ids` is None unless given (correctness rewards do not read it).
     """
     if not len(prompts) == len(completions) == len(rows):
         raise ValueError(f"grade() got {len(prompts)} prompts, {len(completions)} completions and {len(rows)} rows.")
     values: list[float] = []
+    correct: list[bool] = []
     for start in range(0, len(completions), chunk_size):
         stop = min(len(completions), start + chunk_size)
         columns = sorted({key for row in rows[start:stop] for key in row} - _RESERVED)
         kwargs = {key: [row.get(key) for row in rows[start:stop]] for key in columns}
         batch_prompts = list(prompts[start:stop])
         batch = [completion_for_reward(p, c) for p, c in zip(batch_prompts, completions[start:stop])]
-        ids = list(completion_ids[start:stop]) if completion_ids is not None else [[] for _ in batch]
-        out = reward_func(prompts=batch_prompts, completions=batch, completion_ids=ids, **kwargs)
-        if len(out) != len(batch):
-            raise ValueError(f"Reward {reward_name(reward_func)!r} returned {len(out)} values for {len(batch)} completions.")
-        values.extend(float("nan") if v is None else float(v) for v in out)
-    return values, [is_correct(reward_func, v) for v in values]
+        ids = list(completion_ids[start:stop]) if completion_ids is not None else None
+        call = {"prompts": batch_prompts, "completions": batch, "completion_ids": ids, **kwargs}
+        batch_values, verdicts = _judge(reward_func, call)
+        if len(batch_values) != len(batch) or len(verdicts) != len(batch):
+            raise ValueError(
+                f"Reward {reward_name(reward_func)!r} returned {len(batch_values)} values / {len(verdicts)} verdicts "
+                f"for {len(batch)} completions."
+            )
+        values.extend(float("nan") if v is None else v for v in batch_values)
+        correct.extend(bool(v) for v in verdicts)
+    return values, correct

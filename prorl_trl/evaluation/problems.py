@@ -6,79 +6,40 @@ row keeps its gold columns (they are passed to the reward) and its breakdown col
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
 
 DATASETS = ("gsm8k", "math500", "kk", "jsonl")
-BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
-def _read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+def load_rows(
+    name: str,
+    source: str | None = None,
+    split: str = "test",
+    columns: dict[str, str] | None = None,
+    options: dict[str, Any] | None = None,
+    template: str | None = None,
+    prompt_format: str = "chat",
+) -> list[dict[str, Any]]:
+    """All rows of `split` from the dataset builder `name`, as dicts with a `prompt` column and gold columns.
 
+    `source` is a hub id or a local file/folder (`--data-files`); None: the builder's hub id.
+    """
+    from prorl_trl.data import BUILDERS, build_dataset
+    from prorl_trl.recipe_schema import DataSection
 
-def _fallback_rows(name: str, data_files: list[str] | None, shared_data: Path) -> list[dict[str, Any]]:
-    """Minimal local reading used only when `prorl_trl.data` has no builder for `name`."""
-    if name == "jsonl" or data_files:
-        if not data_files:
-            raise ValueError("--dataset jsonl needs --data-files FILE.jsonl (rows with a `prompt` column).")
-        rows = [row for path in data_files for row in _read_jsonl(path)]
-    elif name == "math500":
-        rows = _read_jsonl(shared_data / "math500" / "test.jsonl")
-    elif name == "gsm8k":
-        rows = _read_jsonl(shared_data / "gsm8k" / "test.jsonl")
-    else:
-        rows = [row for size in range(3, 8) for row in _read_jsonl(shared_data / "kk" / f"{size}ppl_test.jsonl")]
-    for row in rows:
-        if "prompt" in row:
-            continue
-        if "problem" in row:
-            row["prompt"] = [{"role": "user", "content": f"{row['problem']}\n{BOXED_INSTRUCTION}"}]
-        elif "question" in row:
-            row["solution"], row["answer"] = row["answer"], row["answer"].split("####")[-1].strip().replace(",", "")
-            row["prompt"] = [{"role": "user", "content": f"{row['question']}\n{BOXED_INSTRUCTION}"}]
-        elif "quiz" in row:
-            row["prompt"] = [{"role": "user", "content": row["quiz"]}]
-        else:
-            raise ValueError(f"Rows of {name!r} need a `prompt` column; got columns {sorted(row)}.")
-    return rows
-
-
-def load_rows(name: str, data_files: list[str] | None = None, shared_data: str | Path | None = None) -> list[dict]:
-    """All rows of dataset `name` as dicts with a `prompt` column and gold columns."""
     if name not in DATASETS:
         raise ValueError(f"Unknown dataset {name!r}; choose one of {', '.join(DATASETS)}.")
-    for path in data_files or []:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"--data-files: {path} does not exist.")
-    builder = _builder(name)
-    if builder is not None:
-        kwargs = {"data_files": data_files} if data_files else {}
-        dataset = builder(**kwargs)
-        rows = [dict(row) for row in dataset]
-    else:
-        root = Path(shared_data) if shared_data else Path(__file__).resolve().parents[3] / "shared" / "data"
-        rows = _fallback_rows(name, data_files, root)
-    if rows and "prompt" not in rows[0]:
-        raise ValueError(f"Dataset {name!r} has no `prompt` column (columns: {sorted(rows[0])}).")
-    return rows
-
-
-def _builder(name: str):
-    try:
-        from prorl_trl import data
-    except ImportError:
-        return None
-    getter = getattr(data, "get_builder", None)
-    if callable(getter):
-        try:
-            return getter(name)
-        except (KeyError, ValueError):
-            return None
-    return None
+    if source is not None and not Path(source).expanduser().exists() and Path(source).suffix:
+        raise FileNotFoundError(f"--data-files: {source} does not exist.")
+    if BUILDERS[name].needs_columns and not source:
+        raise ValueError(f"--dataset {name} needs --data-files FILE (and --columns prompt=<column>,answer=<column>).")
+    section = DataSection(
+        builder=name, source=source, split=split, columns=dict(columns or {}), options=dict(options or {}),
+        template=template, prompt_format=prompt_format,
+    )
+    return [dict(row) for row in build_dataset(section, which="train")]
 
 
 def with_problem_ids(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
