@@ -1,0 +1,135 @@
+"""ProRLTrainer.hard_reset: function-preserving, fresh adapter/optimizer, reference moved, merged weights saved."""
+
+import pytest
+import torch
+from _prorl_helpers import Recorder, lora, prompts_dataset, tiny_args, tiny_model
+from transformers import TrainerCallback
+
+from prorl_trl import HardResetCallback, PhaseConfig, ProRLTrainer
+from prorl_trl.reset import lora_layers
+
+IDS = torch.arange(3, 23).unsqueeze(0)
+
+
+def logits(model):
+    with torch.no_grad():
+        return model(input_ids=IDS).logits.float()
+
+
+def parity(completion_ids, **kwargs):
+    """A reward with variance inside groups even when every completion hits the cap."""
+    return [float(ids[0] % 2) for ids in completion_ids]
+
+
+def build(tmp_path, model=None, tokenizer=None, peft=True, callbacks=None, **overrides):
+    if model is None:
+        model, tokenizer = tiny_model()
+    args = tiny_args(tmp_path, **{"max_steps": 2, **overrides})
+    recorder = Recorder()
+    trainer = ProRLTrainer(
+        model=model,
+        processing_class=tokenizer,
+        reward_funcs=[recorder, parity],
+        args=args,
+        train_dataset=prompts_dataset(),
+        peft_config=lora() if peft else None,
+        callbacks=callbacks,
+    )
+    recorder.trainer = trainer
+    return trainer
+
+
+def lora_b_norm(model):
+    return sum(layer.lora_B["default"].weight.abs().sum().item() for _, layer in lora_layers(model))
+
+
+def test_hard_reset_preserves_outputs_and_resets_adapter_optimizer_reference(tmp_path):
+    trainer = build(tmp_path, beta=0.05)
+    trainer.train()
+    model = trainer.model
+    assert lora_b_norm(model) > 0, "training should have moved lora_B"
+    assert len(trainer.optimizer.state) > 0
+    before = logits(model)
+    with model.disable_adapter():
+        reference_before = logits(model)
+    assert (before - reference_before).abs().max() > 1e-4
+
+    trainer.hard_reset(reason="test")
+
+    assert (logits(model) - before).abs().max().item() < 1e-5
+    assert lora_b_norm(model) == 0.0
+    assert len(trainer.optimizer.state) == 0
+    with model.disable_adapter():  # TRL's reference with LoRA + beta > 0 is the adapter-disabled base
+        assert (logits(model) - before).abs().max().item() < 1e-5
+    assert trainer.prorl_resets == 1
+    assert (tmp_path / "run" / "merged" / "reset-1" / "model.safetensors").is_file()
+    assert trainer.prorl_merged_path.endswith("reset-1")
+
+
+def test_full_finetuning_reset_copies_policy_into_reference(tmp_path, tiny_dir):
+    from transformers import AutoTokenizer
+
+    trainer = build(tmp_path, model=str(tiny_dir), tokenizer=AutoTokenizer.from_pretrained(tiny_dir), peft=False, beta=0.05)
+    trainer.train()
+    policy, ref = dict(trainer.model.named_parameters()), dict(trainer.ref_model.named_parameters())
+    assert max((policy[n] - ref[n]).abs().max().item() for n in policy) > 0
+    trainer.hard_reset()
+    assert all(torch.equal(policy[n], ref[n]) for n in policy)
+    assert len(trainer.optimizer.state) == 0
+
+
+def test_reset_reference_false_keeps_full_finetuning_reference(tmp_path, tiny_dir):
+    from transformers import AutoTokenizer
+
+    trainer = build(
+        tmp_path, model=str(tiny_dir), tokenizer=AutoTokenizer.from_pretrained(tiny_dir), peft=False, beta=0.05,
+        reset_reference=False, reset_optimizer=False,
+    )
+    trainer.train()
+    ref_before = {n: p.clone() for n, p in trainer.ref_model.named_parameters()}
+    trainer.hard_reset()
+    assert all(torch.equal(ref_before[n], p) for n, p in trainer.ref_model.named_parameters())
+    assert len(trainer.optimizer.state) > 0, "reset_optimizer=False (ProRL v2) keeps the moments"
+
+
+def test_reset_reference_false_with_lora_and_kl_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="reset_reference=False with LoRA and beta > 0"):
+        build(tmp_path, beta=0.05, reset_reference=False, phases=[PhaseConfig(max_steps=1), PhaseConfig(max_steps=1)])
+
+
+class Probe(TrainerCallback):
+    """Runs after HardResetCallback (registered later): records the state right after each step's reset check."""
+
+    def __init__(self):
+        self.trainer = None
+        self.records = []
+
+    def bind(self, trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        t = self.trainer
+        self.records.append(
+            dict(
+                step=t.prorl_global_step,
+                resets=t.prorl_resets,
+                optimizer_state=len(t.optimizer.state),
+                lora_b=lora_b_norm(t.model),
+                lr=t.lr_scheduler.get_last_lr()[0],
+            )
+        )
+        return control
+
+
+def test_hard_reset_callback_every_steps_inside_a_phase(tmp_path):
+    probe = Probe()
+    trainer = build(tmp_path, max_steps=3, callbacks=[HardResetCallback(every_steps=2), probe], save_merged_on_reset=False)
+    trainer.train()
+    by_step = {r["step"]: r for r in probe.records}
+    assert by_step[1]["resets"] == 0 and by_step[1]["optimizer_state"] > 0
+    assert by_step[2]["resets"] == 1
+    assert by_step[2]["optimizer_state"] == 0 and by_step[2]["lora_b"] == 0.0
+    assert by_step[2]["lr"] == pytest.approx(1e-2), "a fresh LR schedule restarts from the phase's learning rate"
+    assert by_step[3]["optimizer_state"] > 0, "training goes on with the fresh adapter"
+    assert [e["prorl/resets"] for e in trainer.prorl_log_history if "loss" in e] == [0, 1, 1]
+    assert not (tmp_path / "run" / "merged").exists()
