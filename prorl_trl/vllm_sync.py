@@ -1,0 +1,83 @@
+"""ProRL phase settings and hard resets on TRL's vLLM path (`trainer.vllm_generation`, trl 1.16).
+
+What TRL 1.16 does (read in `trl/generation/vllm_generation.py` and `GRPOTrainer._generate_single_turn`):
+* `VLLMGeneration` copies `temperature, top_p, top_k, min_p, repetition_penalty, max_completion_length,
+  generation_kwargs` into attributes at init and reads them on every `generate()` call; `generation_kwargs` is applied
+  *after* the explicit fields (colocate: `SamplingParams(**{...}.update(generation_kwargs))`; server: merged
+  client-side), so a scheduled key also present there would be silently overridden. vLLM spells the completion cap
+  `max_tokens`.
+* Weights are pushed when `trainer.state.global_step != trainer._last_loaded_step`. HF's `global_step` restarts at 0
+  in every phase (`train()` call), so a phase boundary must set `_last_loaded_step = -1` to force the push (else a
+  phase whose first step equals the previous phase's last synced step keeps stale vLLM weights). After a hard reset
+  the policy function is unchanged (fresh B = 0), but forcing a push costs one sync and removes any doubt.
+* The push (`_iter_named_params`) merges the active adapter, streams base weights renamed to vLLM names (LoRA tensors
+  skipped) and unmerges. A hard reset keeps every base name, shape and dtype (LoRA layers wrap the same Linear), so
+  server mode's cached `_weight_metadata` stays valid even after a rank/target change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+VLLM_SAMPLING_ATTRIBUTES = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_completion_length")
+# How vLLM's SamplingParams (and thus `generation_kwargs`) spell each attribute.
+VLLM_SAMPLING_PARAMS_NAMES = {name: name for name in VLLM_SAMPLING_ATTRIBUTES} | {"max_completion_length": "max_tokens"}
+
+
+def shadowed_by_generation_kwargs(generation_kwargs: dict[str, Any] | None, settings: Any) -> list[str]:
+    """Scheduled settings that `generation_kwargs` would override on the vLLM path (TRL applies that dict last)."""
+    generation_kwargs = generation_kwargs or {}
+    return sorted(
+        name for name in settings if name in generation_kwargs or VLLM_SAMPLING_PARAMS_NAMES.get(name) in generation_kwargs
+    )
+
+
+def apply_vllm_sampling(vllm_generation: Any, generation_kwargs: dict[str, Any] | None = None, **settings: Any) -> dict:
+    """Push phase sampling settings into TRL's `VLLMGeneration`; they take effect at its next `generate()` call.
+
+    `settings` are any of `VLLM_SAMPLING_ATTRIBUTES` (TRL's names, e.g. `max_completion_length`, not `max_tokens`);
+    `generation_kwargs`, if given, replaces the extra SamplingParams dict. Raises `ValueError` for unknown settings and
+    when `generation_kwargs` would silently override a scheduled setting. Returns the settings now in force.
+    """
+    unknown = sorted(set(settings) - set(VLLM_SAMPLING_ATTRIBUTES))
+    if unknown:
+        raise ValueError(f"Unknown vLLM sampling settings {unknown}; allowed: {list(VLLM_SAMPLING_ATTRIBUTES)}.")
+    extra = dict(generation_kwargs) if generation_kwargs is not None else vllm_generation.generation_kwargs
+    shadowed = shadowed_by_generation_kwargs(extra, settings)
+    if shadowed:
+        raise ValueError(
+            f"generation_kwargs also sets {shadowed} (as {[VLLM_SAMPLING_PARAMS_NAMES[n] for n in shadowed]}); TRL "
+            "applies generation_kwargs after the explicit vLLM fields, so the phase value would be ignored. Remove them "
+            "from generation_kwargs and set them as ProRLConfig/PhaseConfig fields."
+        )
+    for name, value in settings.items():
+        setattr(vllm_generation, name, value)
+    vllm_generation.generation_kwargs = extra
+    return {name: getattr(vllm_generation, name) for name in VLLM_SAMPLING_ATTRIBUTES}
+
+
+def force_weight_sync(trainer: Any) -> None:
+    """Make the next generation push the policy weights to vLLM (after a phase boundary or a hard reset).
+
+    TRL compares `state.global_step` with `_last_loaded_step`; -1 never equals a step. No-op without vLLM.
+    """
+    if getattr(trainer, "use_vllm", False):
+        trainer._last_loaded_step = -1
+
+
+def check_vllm_phase_lengths(args: Any, max_completion_lengths: list[int]) -> None:
+    """Fail before training if a phase's completion cap cannot fit vLLM's context window, fixed at init.
+
+    Colocated vLLM sizes its KV cache for `vllm_max_model_length` once; a later phase with a longer
+    `max_completion_length` would fail mid-run (or be cut) when prompt + completion exceed it.
+    """
+    limit = getattr(args, "vllm_max_model_length", None)
+    if not getattr(args, "use_vllm", False) or limit is None:
+        return
+    too_long = [length for length in max_completion_lengths if length >= limit]
+    if too_long:
+        raise ValueError(
+            f"vllm_max_model_length={limit} is fixed when vLLM starts, but phases ask for max_completion_length "
+            f"{too_long} (plus the prompt). Set vllm_max_model_length to at least the longest prompt + "
+            f"{max(max_completion_lengths)} tokens."
+        )

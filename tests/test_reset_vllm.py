@@ -1,0 +1,158 @@
+"""TRL 1.16 vLLM-path guards and what vLLM receives after a hard reset (vLLM itself cannot run on this CPU box).
+
+The weight-stream tests run TRL's real `VLLMGeneration._iter_named_params` / `sync_weights` on a real PeftModel; only
+the vLLM engine is replaced, by a recorder standing at `llm.llm_engine...model.load_weights` (the call TRL makes).
+"""
+
+import inspect
+import re
+
+import pytest
+import torch
+from accelerate import Accelerator
+from peft import LoraConfig, get_peft_model
+from trl import GRPOConfig
+from trl.distributed import DistributedBackend
+from trl.generation.vllm_generation import VLLMGeneration
+from trl.trainer.grpo_trainer import GRPOTrainer
+
+from prorl_trl.reset import lora_layers, merge_lora_in_place, merged_state_dict, reinit_adapter
+from prorl_trl.tiny import build_tiny
+from prorl_trl.vllm_sync import (
+    VLLM_SAMPLING_ATTRIBUTES,
+    apply_vllm_sampling,
+    check_vllm_phase_lengths,
+    force_weight_sync,
+    shadowed_by_generation_kwargs,
+)
+
+INPUT_IDS = torch.tensor([[5, 17, 42, 99, 130, 7, 250, 3]])
+
+
+# ------------------------------------------------------------------------------------------- guards on TRL source
+def test_vllm_generation_stores_and_rereads_every_sampling_attribute():
+    init = inspect.getsource(VLLMGeneration.__init__)
+    generate = inspect.getsource(VLLMGeneration.generate)
+    for name in VLLM_SAMPLING_ATTRIBUTES + ("generation_kwargs",):
+        assert re.search(rf"self\.{name} = {name}\b", init), f"VLLMGeneration.__init__ no longer stores {name}"
+        assert f"self.{name}" in generate, f"VLLMGeneration.generate no longer reads self.{name}"
+    assert "generation_kwargs.update(self.generation_kwargs)" in generate  # colocate: extra kwargs applied last
+    assert '"max_tokens": max_completion_length' in generate
+
+
+def test_weight_sync_is_keyed_on_global_step_vs_last_loaded_step():
+    source = inspect.getsource(GRPOTrainer._generate_single_turn)
+    assert "self.state.global_step != self._last_loaded_step" in source
+    assert "self.vllm_generation.sync_weights()" in source
+    assert "self._last_loaded_step = -1" in inspect.getsource(GRPOTrainer.__init__)
+
+
+def test_weight_stream_skips_lora_and_strips_peft_names():
+    source = inspect.getsource(VLLMGeneration._iter_named_params)
+    assert "model.merge_adapter()" in source and "model.unmerge_adapter()" in source
+    assert 'removeprefix("base_model.model.").replace(".base_layer", "")' in source
+    assert "if model.prefix in name" in source
+
+
+# ---------------------------------------------------------------------------------------- sampling settings
+def bare_vllm_generation(**attributes):
+    """A VLLMGeneration without starting vLLM (its __init__ would); only the attributes our code touches."""
+    generation = VLLMGeneration.__new__(VLLMGeneration)
+    defaults = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, max_completion_length=16)
+    for name, value in (defaults | {"generation_kwargs": {}} | attributes).items():
+        setattr(generation, name, value)
+    return generation
+
+
+def test_apply_vllm_sampling_sets_attributes_read_by_generate():
+    generation = bare_vllm_generation()
+    in_force = apply_vllm_sampling(generation, temperature=1.2, top_p=0.9, max_completion_length=64, min_p=0.05)
+    assert in_force == dict(temperature=1.2, top_p=0.9, top_k=0, min_p=0.05, repetition_penalty=1.0, max_completion_length=64)
+    apply_vllm_sampling(generation, generation_kwargs={"seed": 3}, top_k=20)
+    assert generation.generation_kwargs == {"seed": 3} and generation.top_k == 20
+
+
+def test_generation_kwargs_that_shadow_a_schedule_are_refused():
+    generation = bare_vllm_generation(generation_kwargs={"max_tokens": 128})
+    with pytest.raises(ValueError, match=r"generation_kwargs also sets \['max_completion_length'\].*max_tokens"):
+        apply_vllm_sampling(generation, max_completion_length=64)
+    assert generation.max_completion_length == 16  # nothing applied
+    assert shadowed_by_generation_kwargs({"temperature": 0.7, "seed": 1}, ["temperature", "top_p"]) == ["temperature"]
+    with pytest.raises(ValueError, match="Unknown vLLM sampling settings"):
+        apply_vllm_sampling(generation, max_tokens=64)
+
+
+def test_force_weight_sync_and_phase_length_check(tmp_path):
+    class Trainer:  # only the two attributes TRL's check reads
+        use_vllm, _last_loaded_step = True, 7
+
+    trainer = Trainer()
+    force_weight_sync(trainer)
+    assert trainer._last_loaded_step == -1
+    args = GRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_max_model_length=512, use_cpu=True, report_to=[])
+    check_vllm_phase_lengths(args, [128, 256])
+    with pytest.raises(ValueError, match="vllm_max_model_length=512 .* \\[1024\\]"):
+        check_vllm_phase_lengths(args, [256, 1024])
+
+
+# ------------------------------------------------------------------------------------- what vLLM receives
+class RecordingEngine:
+    """Stands where TRL pushes colocated weights: `llm.llm_engine.model_executor.driver_worker.model_runner.model`."""
+
+    def __init__(self):
+        self.weights, self.prefix_cache_resets = {}, 0
+        self.llm_engine = self.model_executor = self.driver_worker = self.model_runner = self.model = self
+
+    def load_weights(self, pairs):
+        for name, tensor in pairs:
+            self.weights[name] = tensor.detach().clone()
+
+    def reset_prefix_cache(self):
+        self.prefix_cache_resets += 1
+
+
+def colocated_generation(model):
+    generation = bare_vllm_generation(model=model, accelerator=Accelerator(cpu=True), mode="colocate")
+    generation.enable_sleep_mode = False
+    generation._dist = DistributedBackend(generation.accelerator)
+    generation.llm = RecordingEngine()
+    return generation
+
+
+def trained_lora_model():
+    model, _ = build_tiny(seed=0)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj"], task_type="CAUSAL_LM"))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _, layer in lora_layers(model):
+            layer.lora_B["default"].weight.copy_(torch.randn(layer.lora_B["default"].weight.shape, generator=generator))
+    return model.eval()
+
+
+def pushed(generation):
+    generation.llm.weights.clear()
+    generation.sync_weights()
+    return dict(generation.llm.weights)
+
+
+def test_vllm_gets_the_merged_policy_before_and_after_a_reshaping_reset():
+    model = trained_lora_model()
+    generation = colocated_generation(model)
+    with torch.no_grad():
+        logits = model(input_ids=INPUT_IDS).logits
+    before = pushed(generation)
+    expected = merged_state_dict(model)
+    assert not any("lora" in name for name in before)
+    assert all(torch.allclose(before[name], expected[name], atol=1e-6) for name in before)
+
+    merge_lora_in_place(model)
+    reinit_adapter(model, r=8, target_modules=["q_proj", "v_proj", "up_proj"], seed=0)
+    after = pushed(generation)
+    # Server mode caches (name, dtype, shape) on the first sync: a reset must not change them.
+    assert [(n, t.dtype, t.shape) for n, t in before.items()] == [(n, t.dtype, t.shape) for n, t in after.items()]
+    assert all(torch.allclose(before[name], after[name], atol=1e-5) for name in before)  # function unchanged
+    # The push merges and unmerges around the stream: the live model is left as it was.
+    assert all(layer.merged_adapters == [] for _, layer in lora_layers(model))
+    with torch.no_grad():
+        assert (model(input_ids=INPUT_IDS).logits - logits).abs().max() < 1e-5
+    assert generation.llm.prefix_cache_resets == 2
