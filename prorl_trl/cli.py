@@ -104,6 +104,9 @@ def _add_ablate_arguments(parser: argparse.ArgumentParser) -> None:
         help="command that runs one variant before `-m prorl_trl train` (default: this Python; e.g. "
         "'accelerate launch --config_file recipes/accelerate/single_gpu.yaml')",
     )
+    parser.add_argument(
+        "--devices", default=None, help="comma-separated GPU ids; parallel slot i gets CUDA_VISIBLE_DEVICES=ids[i %% n]"
+    )
     parser.add_argument("--metric", default=None, help="validation metric for the table (default: auto-detected)")
     parser.set_defaults(handler=_run_ablate)
 

@@ -242,10 +242,16 @@ def load_recipe(
     1) is what batch divisibility is checked against. `dry=True` checks hardware switches (bf16, tf32, ...) by type
     only, so a GPU recipe validates on a laptop.
     """
-    file = str(path)
     raw = read_recipe_file(path)
     if overrides and isinstance(next(iter(overrides)), str):
         overrides = parse_overrides(list(overrides))
+    return recipe_from_dict(raw, str(path), list(overrides), world_size=world_size, dry=dry)
+
+
+def recipe_from_dict(
+    raw: dict[str, Any], file: str, overrides: list[tuple[str, Any]] = (), world_size: int | None = None, dry: bool = True
+) -> Recipe:
+    """`load_recipe` for a mapping already in memory (`file` names it in messages). `raw` is modified in place."""
     problems = apply_overrides(raw, list(overrides))
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -288,4 +294,4 @@ def build_sections(raw: dict[str, Any], problems: list[RecipeProblem]) -> dict[s
     return sections
 
 
-__all__ = ["Recipe", "RecipeError", "RecipeProblem", "load_recipe", "parse_overrides", "apply_overrides"]
+__all__ = ["Recipe", "RecipeError", "RecipeProblem", "load_recipe", "recipe_from_dict", "parse_overrides", "apply_overrides"]

@@ -47,7 +47,6 @@ RANGES: dict[str, dict[str, Any]] = {
     "num_iterations": {"min": 1},
     "max_grad_norm": {"min": 0},
     "weight_decay": {"min": 0},
-    "warmup_ratio": {"min": 0, "max": 1},
     "overlong_buffer": {"min": 0},
     "overlong_penalty_factor": {"min": 0},
     "dynamic_sampling_max_rounds": {"min": 0},

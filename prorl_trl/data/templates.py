@@ -56,6 +56,12 @@ TEMPLATES: dict[str, PromptTemplate] = {
         plain="{system}\nUser: {question}\nAssistant:",
         help="R1-Zero style system prompt with <think>/<answer> tags.",
     ),
+    "think_answer_boxed": PromptTemplate(
+        user="{question}\nPut the final answer in \\boxed{} inside the <answer> </answer> tags.",
+        system=THINK_ANSWER_SYSTEM,
+        plain="{system}\nUser: {question}\nPut the final answer in \\boxed{} inside the <answer> </answer> tags.\nAssistant:",
+        help="`think_answer` plus a request for \\boxed{}, so both format and boxed-answer rewards apply.",
+    ),
     "kk_logic_rl": PromptTemplate(
         user="{question}",
         system=KK_SYSTEM,

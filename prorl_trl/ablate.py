@@ -1,0 +1,249 @@
+"""`prorl-trl ablate GRID`: run every variant of one base recipe and write the comparison table.
+
+A grid file:
+
+```yaml
+base: ../qwen3_0.6b_grpo_lora.yaml      # relative to the grid file
+output_dir: runs/ablations/qwen3        # one sub-folder per variant, plus summary.md / summary.csv
+metric: eval_pass@1                     # validation metric in the table (default: eval_pass@1, else eval_reward)
+overrides: {training.max_steps: 200}    # applied to every variant (same dotted keys as on the command line)
+variants:                               # name -> overrides
+  r32: {}
+  r16: {peft.r: 16, peft.lora_alpha: 32}
+grid:                                   # optional: the cartesian product of axes, named `<level>_<level>...`
+  rank: {r32: {peft.r: 32}, r8: {peft.r: 8}}
+  gens: {g6: {}, g7: {training.num_generations: 7}}
+```
+
+Every variant is validated before any runs (exit 2 on a bad one). Each runs as its own process
+(`python -m prorl_trl train`, or `--launcher "accelerate launch ..."`), `--parallel N` at a time; a variant whose
+`run_summary.json` exists is skipped, and a failed variant is reported in the table without stopping the others.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import os
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .recipe import RecipeLoader, apply_overrides, read_recipe_file
+from .recipe_schema import RecipeError, RecipeProblem, suggest
+
+GRID_KEYS = ("base", "output_dir", "metric", "overrides", "variants", "grid", "description")
+METRIC_PREFERENCE = ("eval_pass@1", "eval_reward")
+
+
+@dataclass
+class Variant:
+    name: str
+    overrides: dict[str, Any]
+    raw: dict[str, Any] = field(default_factory=dict)
+    status: str = "pending"
+    seconds: float | None = None
+    summary: dict[str, Any] | None = None
+
+
+def load_grid(path: str | Path) -> tuple[dict[str, Any], list[Variant]]:
+    """Read a grid file and expand it into variants (explicit `variants` first, then the `grid` product)."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(str(path), [RecipeProblem("", "grid file not found")])
+    try:
+        grid = yaml.load(path.read_text(), Loader=RecipeLoader)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise RecipeError(str(path), [RecipeProblem("", f"YAML syntax error{where}: {getattr(error, 'problem', error)}")]) from None
+    problems = []
+    if not isinstance(grid, dict):
+        raise RecipeError(str(path), [RecipeProblem("", "a grid file must be a mapping", grid)])
+    for key in grid:
+        if key not in GRID_KEYS:
+            problems.append(RecipeProblem(str(key), f"unknown key{suggest(key, GRID_KEYS)}", grid[key]))
+    if "base" not in grid:
+        problems.append(RecipeProblem("base", "is required: the recipe every variant starts from"))
+    variants = []
+    for name, overrides in (grid.get("variants") or {}).items():
+        variants.append(Variant(str(name), dict(overrides or {})))
+    axes = grid.get("grid") or {}
+    if axes:
+        for combination in itertools.product(*[list(levels.items()) for levels in axes.values()]):
+            merged: dict[str, Any] = {}
+            for _, overrides in combination:
+                merged.update(overrides or {})
+            variants.append(Variant("_".join(str(level) for level, _ in combination), merged))
+    names = [v.name for v in variants]
+    if not variants:
+        problems.append(RecipeProblem("variants", "the grid has no variants (give `variants` and/or `grid`)"))
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        problems.append(RecipeProblem(f"variants.{name}", "variant name used twice"))
+    for name in names:
+        if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            problems.append(RecipeProblem(f"variants.{name}", "variant names may use letters, digits, - _ . only"))
+    if problems:
+        raise RecipeError(str(path), problems)
+    grid["base"] = str((path.parent / grid["base"]).resolve()) if not Path(grid["base"]).is_absolute() else grid["base"]
+    grid.setdefault("output_dir", str(Path("runs") / "ablations" / path.stem))
+    return grid, variants
+
+
+def prepare_variants(grid: dict[str, Any], variants: list[Variant], out: Path) -> None:
+    """Apply overrides to the base recipe and validate every variant (nothing is written); one `RecipeError` lists
+    the problems of all variants."""
+    from .recipe import recipe_from_dict
+
+    problems: list[RecipeProblem] = []
+    for variant in variants:
+        raw = read_recipe_file(grid["base"])
+        overrides = list((grid.get("overrides") or {}).items()) + list(variant.overrides.items())
+        overrides.append(("training.output_dir", str(out / variant.name)))
+        try:
+            recipe_from_dict(raw, f"{grid['base']} [{variant.name}]", overrides, dry=True)
+        except RecipeError as error:
+            problems += [RecipeProblem(f"variants.{variant.name}: {p.path}", p.message, p.value) for p in error.problems]
+        variant.raw = raw
+    if problems:
+        raise RecipeError(grid.get("_file", "grid"), problems)
+
+
+def write_variant_recipes(variants: list[Variant], out: Path) -> None:
+    recipes_dir = out / "recipes"
+    recipes_dir.mkdir(parents=True, exist_ok=True)
+    for variant in variants:
+        (recipes_dir / f"{variant.name}.yaml").write_text(yaml.safe_dump(variant.raw, sort_keys=False, allow_unicode=True))
+
+
+def _launch_command(launcher: str | None, recipe: Path) -> list[str]:
+    prefix = shlex.split(launcher) if launcher else [sys.executable]
+    return prefix + ["-m", "prorl_trl", "train", str(recipe)]
+
+
+def run_variant(variant: Variant, out: Path, launcher: str | None, env: dict[str, str]) -> None:
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    with open(logs / f"{variant.name}.log", "w") as log:
+        result = subprocess.run(
+            _launch_command(launcher, out / "recipes" / f"{variant.name}.yaml"),
+            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd(),
+        )
+    variant.seconds = time.time() - started
+    summary_file = out / variant.name / "run_summary.json"
+    if result.returncode == 0 and summary_file.is_file():
+        variant.status, variant.summary = "done", _read_summary(summary_file)
+    else:
+        variant.status = f"failed (exit {result.returncode}; logs/{variant.name}.log)"
+
+
+def _read_summary(path: Path) -> dict[str, Any]:
+    data = json.loads(path.read_text())
+    data.pop("log_history", None)
+    return data
+
+
+def pick_metric(variants: list[Variant], requested: str | None) -> str | None:
+    seen = {key for v in variants if v.summary for key in v.summary.get("final_eval", {})}
+    if requested:
+        return requested
+    return next((m for m in METRIC_PREFERENCE if m in seen), min(seen) if seen else None)
+
+
+def write_summary(variants: list[Variant], out: Path, metric: str | None) -> tuple[Path, Path]:
+    """`summary.csv` and `summary.md`: one row per variant, the final validation metric and per-reward means."""
+    reward_names = sorted({name for v in variants if v.summary for name in v.summary.get("reward_means", {})})
+    header = ["variant", "status", "steps", metric or "validation", *[f"{name} (mean)" for name in reward_names], "minutes", "overrides"]
+    rows = []
+    for variant in variants:
+        summary = variant.summary or {}
+        value = summary.get("final_eval", {}).get(metric) if metric else None
+        means = summary.get("reward_means", {})
+        seconds = variant.seconds if variant.seconds is not None else summary.get("seconds")
+        rows.append(
+            [
+                variant.name,
+                variant.status,
+                summary.get("steps", ""),
+                "" if value is None else f"{value:.4f}",
+                *["" if means.get(n) is None else f"{means[n]:.4f}" for n in reward_names],
+                "" if seconds is None else f"{seconds / 60:.1f}",
+                "; ".join(f"{k}={json.dumps(v)}" for k, v in variant.overrides.items()) or "(base)",
+            ]
+        )
+    csv_path, md_path = out / "summary.csv", out / "summary.md"
+    with open(csv_path, "w", newline="") as handle:
+        csv.writer(handle).writerows([header, *rows])
+    escape = lambda cell: str(cell).replace("|", "\\|")  # noqa: E731
+    lines = [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" for _ in header) + "|",
+        *["| " + " | ".join(escape(c) for c in row) + " |" for row in rows],
+    ]
+    note = f"\n`{metric}`: last validation value of each run; reward means: average of `rewards/<name>/mean` over all logged training steps.\n"
+    md_path.write_text("\n".join(lines) + "\n" + note)
+    return csv_path, md_path
+
+
+def run_ablate(args: Any) -> int:
+    grid, variants = load_grid(args.grid)
+    grid["_file"] = str(args.grid)
+    out = Path(args.out or grid["output_dir"])
+    if args.only:
+        unknown = [name for name in args.only if name not in {v.name for v in variants}]
+        if unknown:
+            raise RecipeError(str(args.grid), [RecipeProblem("--only", f"no such variant{suggest(unknown[0], [v.name for v in variants])}", unknown)])
+        variants = [v for v in variants if v.name in args.only]
+    prepare_variants(grid, variants, out)
+    print(f"{len(variants)} variants of {grid['base']} validated")
+    if args.validate_only:
+        return 0
+    write_variant_recipes(variants, out)
+    todo = []
+    for variant in variants:
+        summary_file = out / variant.name / "run_summary.json"
+        if summary_file.is_file() and not args.force:
+            variant.status, variant.summary = "done (earlier run)", _read_summary(summary_file)
+        else:
+            todo.append(variant)
+    print(f"running {len(todo)} (skipping {len(variants) - len(todo)} already finished), {max(1, args.parallel)} at a time")
+    requested = args.metric or grid.get("metric")
+    lock, finished = threading.Lock(), [0]
+
+    def work(index_variant: tuple[int, Variant]) -> None:
+        slot, variant = index_variant
+        env = dict(os.environ)
+        devices = getattr(args, "devices", None)
+        if devices:
+            env["CUDA_VISIBLE_DEVICES"] = devices.split(",")[slot % len(devices.split(","))]
+        variant.status = "running"
+        print(f"  start  {variant.name}  (log: {out / 'logs' / (variant.name + '.log')})", flush=True)
+        run_variant(variant, out, args.launcher, env)
+        with lock:
+            finished[0] += 1
+            metric = pick_metric(variants, requested)
+            value = (variant.summary or {}).get("final_eval", {}).get(metric or "")
+            shown = f", {metric}={value:.4f}" if isinstance(value, float) else ""
+            print(f"[{finished[0]}/{len(todo)}] {variant.name}: {variant.status} in {variant.seconds / 60:.1f} min{shown}", flush=True)
+            write_summary(variants, out, metric)
+
+    with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
+        list(pool.map(work, enumerate(todo)))
+    csv_path, md_path = write_summary(variants, out, pick_metric(variants, requested))
+    print(md_path.read_text())
+    failed = [v.name for v in variants if v.status.startswith("failed")]
+    print(f"summary: {md_path}  {csv_path}\nruns:    {out}/<variant>/  logs: {out / 'logs'}/")
+    if failed:
+        print(f"{len(failed)} variant(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
