@@ -1,0 +1,436 @@
+"""Distillation by rejection sampling: sample a teacher, keep one verified completion per problem, SFT the student.
+
+Why: small models often collapse under direct RL (on Knights-and-Knaves a 1.5B instruct model learned to write an
+empty thinking block and guess). Fine-tuning them first on a stronger RL-trained teacher's *verified* solutions gives
+RL a starting policy that already writes the format and is sometimes right, so the rewards carry signal. Only
+completions the task's reward marks correct are kept, at most one per problem, so the student imitates successes and
+the distilled set stays as diverse as the problems.
+
+Steps: `rejection_sample` (`prorl_trl.rejection_sampling`: teacher samples graded by the reward registry, one correct
+sample kept per problem) -> `distilled.jsonl` -> `train_student` (TRL `SFTTrainer`, prompt-completion format, loss
+on the completion only; LoRA merged before saving). `distill` chains them; `run_distill` is the `prorl-trl distill`
+command; `run_distill_section` runs a recipe's `distill:` section before its ProRL phases.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import argparse
+import difflib
+import sys
+from collections.abc import Sequence
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from .rejection_sampling import (
+    RewardFn,
+    SampleFn,
+    device_for,
+    load_tokenizer,
+    read_jsonl,
+    rejection_sample,
+    teacher_sample_fn,
+    write_jsonl,
+)
+
+logger = logging.getLogger(__name__)
+
+DISTILLED_FILE = "distilled.jsonl"
+SUMMARY_FILE = "distill_summary.json"
+MODEL_DIR = "model"
+SFT_DIR = "sft"
+
+
+@dataclass
+class DistillConfig:
+    r"""
+    Settings of one distillation run (`prorl-trl distill` flags, or a recipe's `distill:` section).
+
+    Parameters:
+        > Models, data and grading
+
+        teacher (`str`): Path (or hub id) of the teacher, usually an RL-trained checkpoint.
+        student (`str`): Path (or hub id) of the student to fine-tune. In a recipe it is the recipe's model.
+        dataset (`str`): Data builder name (`gsm8k`, `math500`, `kk`, `jsonl`, `synthetic_arithmetic`, ...).
+        dataset_kwargs (`dict`): Keyword arguments of the data builder (split, path, sizes, ...).
+        reward (`str`): Reward registry name used to decide which samples are correct.
+        reward_kwargs (`dict`): Parameters of the reward (`rewards.get_reward(name, **reward_kwargs)`).
+        correct_threshold (`float`, *optional*): A sample is correct when its reward is >= this. None: the
+            registry's notion of correct for that reward (else reward > 0).
+        max_problems (`int`, *optional*): Use only the first this many problems.
+
+        > Teacher sampling
+
+        samples, temperature, top_p, max_completion_length, sampling_batch_size, use_vllm, seed.
+
+        > Student fine-tuning (TRL `SFTConfig` fields of the same name; anything else goes in `sft_kwargs`)
+
+        num_train_epochs, learning_rate, per_device_train_batch_size, gradient_accumulation_steps, max_length,
+        bf16, use_cpu, report_to, use_peft, lora_r, lora_alpha, lora_target_modules, sft_kwargs.
+
+        > Output
+
+        output_dir (`str`): Where `distilled.jsonl`, `distill_summary.json`, the SFT run (`sft/`) and the final student
+            in Hugging Face format (`model/`) go.
+    """
+
+    teacher: str = field(metadata={"help": "Path (or hub id) of the teacher model, usually an RL-trained checkpoint."})
+    dataset: str = field(metadata={"help": "Data builder name (gsm8k, math500, kk, jsonl, synthetic_arithmetic, ...)."})
+    reward: str = field(metadata={"help": "Reward registry name that decides which teacher samples are correct."})
+    output_dir: str = field(metadata={"help": "Output folder: distilled.jsonl, distill_summary.json, sft/, model/."})
+    student: str | None = field(
+        default=None, metadata={"help": "Path (or hub id) of the student model (a recipe passes its own model)."}
+    )
+    dataset_kwargs: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "Keyword arguments of the data builder (JSON/YAML mapping)."}
+    )
+    reward_kwargs: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "Parameters of the reward: get_reward(name, **reward_kwargs)."}
+    )
+    correct_threshold: float | None = field(
+        default=None,
+        metadata={"help": "A sample is correct when its reward >= this. None: the reward's own 'correct' test (>0)."},
+    )
+    max_problems: int | None = field(default=None, metadata={"help": "Use only the first this many problems."})
+    samples: int = field(default=5, metadata={"help": "Teacher completions sampled per problem."})
+    temperature: float = field(default=1.0, metadata={"help": "Teacher sampling temperature."})
+    top_p: float = field(default=1.0, metadata={"help": "Teacher nucleus sampling mass, in (0, 1]."})
+    max_completion_length: int = field(default=1024, metadata={"help": "Maximum new tokens per teacher sample."})
+    sampling_batch_size: int = field(
+        default=64, metadata={"help": "Sequences (problem x sample rows) per teacher generate call."}
+    )
+    use_vllm: bool = field(default=False, metadata={"help": "Sample the teacher with vLLM (GPU; must be installed)."})
+    seed: int = field(default=0, metadata={"help": "Seed of teacher sampling and of student fine-tuning."})
+    num_train_epochs: float = field(default=4.0, metadata={"help": "SFT epochs over the distilled set."})
+    learning_rate: float = field(default=1e-5, metadata={"help": "SFT learning rate."})
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "SFT batch size per device."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "SFT gradient accumulation steps."})
+    max_length: int | None = field(
+        default=2048, metadata={"help": "SFT maximum prompt+completion tokens (longer rows are truncated)."}
+    )
+    bf16: bool | None = field(default=None, metadata={"help": "Train in bf16. None: on when a bf16 GPU is used."})
+    use_cpu: bool = field(default=False, metadata={"help": "Run sampling and SFT on the CPU."})
+    report_to: str = field(default="none", metadata={"help": "SFT logging integrations (as in TRL: none, wandb, ...)."})
+    use_peft: bool = field(default=False, metadata={"help": "Fine-tune a LoRA adapter (merged into the saved model)."})
+    lora_r: int = field(default=64, metadata={"help": "LoRA rank (with use_peft)."})
+    lora_alpha: int = field(default=128, metadata={"help": "LoRA alpha (with use_peft)."})
+    lora_target_modules: list[str] | str = field(
+        default="all-linear", metadata={"help": "LoRA target modules (with use_peft): a list, or 'all-linear'."}
+    )
+    sft_kwargs: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "Other trl.SFTConfig fields (JSON/YAML mapping), e.g. warmup_ratio."}
+    )
+
+    def __post_init__(self):
+        problems = []
+        for name in ("teacher", "dataset", "reward", "output_dir"):
+            if not getattr(self, name):
+                problems.append(f"`{name}` is required")
+        for name in ("samples", "max_completion_length", "sampling_batch_size", "per_device_train_batch_size"):
+            if getattr(self, name) < 1:
+                problems.append(f"`{name}` must be >= 1, got {getattr(self, name)}")
+        if self.temperature <= 0:
+            problems.append(f"`temperature` must be > 0 (rejection sampling needs sampling), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"`top_p` must be in (0, 1], got {self.top_p}")
+        if self.max_problems is not None and self.max_problems < 1:
+            problems.append(f"`max_problems` must be >= 1, got {self.max_problems}")
+        if self.num_train_epochs <= 0 or self.learning_rate <= 0:
+            problems.append("`num_train_epochs` and `learning_rate` must be > 0")
+        clash = sorted(set(self.sft_kwargs) & {f for f in self.__dataclass_fields__ if f != "sft_kwargs"})
+        if clash:
+            problems.append(f"`sft_kwargs` repeats {clash}: set them as distill options instead")
+        if problems:
+            raise ValueError("Invalid distillation settings: " + "; ".join(problems) + ".")
+
+
+# ------------------------------------------------------------------------------------------- student SFT
+
+
+def _bf16(config: DistillConfig) -> bool:
+    if config.bf16 is not None:
+        return config.bf16
+    import torch
+
+    return device_for(config.use_cpu) == "cuda" and torch.cuda.is_bf16_supported()
+
+
+def train_student(config: DistillConfig, rows: Sequence[dict[str, Any]], student: str | Any) -> tuple[Path, dict]:
+    """Fine-tune `student` (path or model) on the distilled rows with TRL's `SFTTrainer`; save it in HF format.
+
+    Prompt-completion format with `completion_only_loss=True`: the student learns the answers, not the questions.
+    With `use_peft` the adapter is merged before saving, so the result loads as a plain model (and can be the base
+    of a later ProRL run). Returns the saved model folder and the completion loss on the distilled set before and
+    after training.
+    """
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    if not rows:
+        raise ValueError("No distilled rows to train on: the teacher got no problem right. Raise `samples` or "
+                         "`temperature`, check the reward, or use a stronger teacher.")
+    output_dir = Path(config.output_dir)
+    dataset = Dataset.from_list([{"prompt": row["prompt"], "completion": row["completion"]} for row in rows])
+    settings = {
+        "output_dir": str(output_dir / SFT_DIR),
+        "num_train_epochs": config.num_train_epochs,
+        "learning_rate": config.learning_rate,
+        "per_device_train_batch_size": config.per_device_train_batch_size,
+        "per_device_eval_batch_size": config.per_device_train_batch_size,
+        "gradient_accumulation_steps": config.gradient_accumulation_steps,
+        "max_length": config.max_length,
+        "bf16": _bf16(config),
+        "use_cpu": config.use_cpu,
+        "report_to": config.report_to,
+        "seed": config.seed,
+        "completion_only_loss": True,
+        "save_strategy": "no",
+        "logging_steps": 10,
+        **config.sft_kwargs,
+    }
+    peft_config = None
+    if config.use_peft:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(
+            r=config.lora_r, lora_alpha=config.lora_alpha, target_modules=config.lora_target_modules,
+            task_type="CAUSAL_LM",
+        )
+    trainer = SFTTrainer(
+        model=student, args=SFTConfig(**settings), train_dataset=dataset, eval_dataset=dataset, peft_config=peft_config
+    )
+    if config.use_peft and (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):
+        raise ValueError("use_peft with DeepSpeed/FSDP cannot merge the adapter into sharded weights here; "
+                         "fine-tune fully (use_peft=False) or run distillation without DeepSpeed/FSDP.")
+    losses = {"loss_before": trainer.evaluate()["eval_loss"]}
+    trainer.train()
+    losses["loss_after"] = trainer.evaluate()["eval_loss"]
+    model_dir = output_dir / MODEL_DIR
+    if config.use_peft:
+        merged = trainer.accelerator.unwrap_model(trainer.model).merge_and_unload()
+        if trainer.accelerator.is_main_process:
+            merged.save_pretrained(model_dir)
+            trainer.processing_class.save_pretrained(model_dir)
+    else:
+        trainer.save_model(str(model_dir))
+    trainer.accelerator.wait_for_everyone()
+    return model_dir, losses
+
+
+# ------------------------------------------------------------------------------------------- pipeline
+
+
+def load_problems(config: DistillConfig) -> Any:
+    """The training problems (a `datasets.Dataset` with `prompt` and gold columns) from the data builders."""
+    from .data import build_dataset
+
+    dataset = build_dataset(config.dataset, **config.dataset_kwargs)
+    if "prompt" not in dataset.column_names:
+        raise ValueError(f"Data set {config.dataset!r} has no `prompt` column (columns: {dataset.column_names}).")
+    if config.max_problems is not None:
+        dataset = dataset.select(range(min(config.max_problems, len(dataset))))
+    return dataset
+
+
+def _sampling_key(config: DistillConfig) -> dict[str, Any]:
+    """Settings that decide the distilled set: a saved set is reused only when they all match."""
+    keys = ("teacher", "dataset", "dataset_kwargs", "reward", "reward_kwargs", "correct_threshold", "max_problems",
+            "samples", "temperature", "top_p", "max_completion_length", "seed")
+    return {key: getattr(config, key) for key in keys}
+
+
+def _check_teacher(teacher: str) -> None:
+    looks_local = teacher.startswith(("/", ".", "~")) or teacher.count("/") != 1
+    if looks_local and not Path(teacher).expanduser().exists():
+        raise FileNotFoundError(f"Teacher checkpoint not found: {teacher!r}. Set `teacher` (--teacher, or "
+                                "`distill.teacher` in a recipe) to an RL-trained model folder or a hub id.")
+
+
+def distill(
+    config: DistillConfig,
+    problems: Any = None,
+    sample_fn: SampleFn | None = None,
+    reward_fn: RewardFn | None = None,
+) -> dict[str, Any]:
+    """Sample the teacher, keep one correct completion per problem, write them, fine-tune the student.
+
+    `problems` (rows with `prompt` + gold columns), `sample_fn` and `reward_fn` default to the data builder, the
+    teacher sampler and the reward registry named in `config`; passing them is how tests and notebooks plug in their
+    own. A distilled set saved earlier with the same sampling settings is reused (resume after a failed SFT).
+    Returns the summary also written to `distill_summary.json` (kept fraction, teacher accuracy, SFT losses,
+    `student_path`).
+    """
+    from accelerate import PartialState
+
+    if config.student is None:
+        raise ValueError("No student: set `student` (--student), or run the section from a recipe with a model.")
+    if sample_fn is None:
+        _check_teacher(config.teacher)
+    if reward_fn is None:
+        from rewards import get_reward
+
+        reward_fn = get_reward(config.reward, **config.reward_kwargs)
+    output_dir = Path(config.output_dir)
+    summary_path, rows_path = output_dir / SUMMARY_FILE, output_dir / DISTILLED_FILE
+    previous = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    settings = {spec.name: getattr(config, spec.name) for spec in fields(DistillConfig)}
+    if previous.get("settings") == settings and (Path(previous.get("student_path", "")) / "config.json").is_file():
+        logger.warning("Distillation already done in %s; reusing %s.", output_dir, previous["student_path"])
+        return previous
+    state = PartialState()
+    if previous.get("sampling") == _sampling_key(config) and rows_path.is_file():
+        logger.info("Reusing the distilled set in %s (same sampling settings).", rows_path)
+    else:
+        if state.is_main_process:  # one process samples; the others wait, then read the file
+            problems = load_problems(config) if problems is None else problems
+            tokenizer = None
+            if sample_fn is None:
+                tokenizer = load_tokenizer(config.teacher)
+                sample_fn = teacher_sample_fn(
+                    config.teacher, temperature=config.temperature, top_p=config.top_p,
+                    max_completion_length=config.max_completion_length, batch_size=config.sampling_batch_size,
+                    seed=config.seed, use_vllm=config.use_vllm, use_cpu=config.use_cpu, tokenizer=tokenizer,
+                )
+            rows, stats = rejection_sample(
+                problems, sample_fn, reward_fn, config.samples, config.correct_threshold, tokenizer=tokenizer
+            )
+            write_jsonl(rows, rows_path)
+            summary_path.write_text(json.dumps({"sampling": _sampling_key(config), **stats.to_dict()}, indent=2))
+            logger.warning(
+                "Distillation kept %d of %d problems (%.1f%%); teacher sample accuracy %.3f.",
+                stats.num_kept, stats.num_problems, 100 * stats.kept_fraction, stats.teacher_accuracy,
+            )
+        state.wait_for_everyone()
+    summary = json.loads(summary_path.read_text())
+    model_dir, losses = train_student(config, read_jsonl(rows_path), config.student)
+    summary.update(losses, student=config.student, student_path=str(model_dir), settings=settings)
+    if state.is_main_process:
+        summary_path.write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+# ------------------------------------------------------------------------------------------- CLI and recipes
+
+
+def _mapping(text: str) -> dict[str, Any]:
+    import yaml
+
+    value = yaml.safe_load(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON/YAML mapping such as '{{\"split\": \"train\"}}', got {text!r}")
+    return value
+
+
+def _bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("true", "1", "yes", "y"):
+        return True
+    if lowered in ("false", "0", "no", "n"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _optional(kind: Any) -> Any:
+    def parse(text: str) -> Any:
+        return None if text.lower() in ("none", "null") else kind(text)
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def add_distill_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add one flag per `DistillConfig` field (`--out` is short for `--output_dir`); help comes from the fields."""
+    hints = get_type_hints(DistillConfig)
+    for spec in fields(DistillConfig):
+        hint, required = str(hints[spec.name]), spec.default is MISSING and spec.default_factory is MISSING
+        names = [f"--{spec.name}"] + (["--out"] if spec.name == "output_dir" else [])
+        kwargs: dict[str, Any] = {"dest": spec.name, "help": spec.metadata["help"], "required": required}
+        if not required:
+            kwargs["default"] = spec.default_factory() if callable(spec.default_factory) else spec.default
+        if "dict" in hint:
+            kwargs["type"] = _mapping
+        elif "bool" in hint:
+            kwargs.update(type=_bool, metavar="{true,false}")
+        elif "list" in hint:
+            kwargs["nargs"] = "+"
+        elif "int" in hint:
+            kwargs["type"] = _optional(int) if "None" in hint else int
+        elif "float" in hint:
+            kwargs["type"] = _optional(float) if "None" in hint else float
+        parser.add_argument(*names, **kwargs)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> DistillConfig:
+    values = {spec.name: getattr(args, spec.name) for spec in fields(DistillConfig) if hasattr(args, spec.name)}
+    modules = values.get("lora_target_modules")
+    if isinstance(modules, list) and len(modules) == 1 and modules[0] == "all-linear":
+        values["lora_target_modules"] = "all-linear"
+    return DistillConfig(**values)
+
+
+def run_distill(args: argparse.Namespace) -> int:
+    """`prorl-trl distill`: exit 0 on success, 2 on bad settings (reported before any model is loaded)."""
+    try:
+        config = config_from_args(args)
+        _check_teacher(config.teacher)
+        if config.student is None:
+            raise ValueError("--student is required.")
+    except (ValueError, FileNotFoundError) as error:
+        print(f"prorl-trl distill: {error}", file=sys.stderr)
+        return 2
+    summary = distill(config)
+    print(json.dumps({key: value for key, value in summary.items() if key not in ("sampling", "settings")}, indent=2))
+    return 0
+
+
+# Keys a recipe's `distill:` section may not set: the recipe supplies them.
+_SECTION_OWNED = ("student", "output_dir")
+
+
+def distill_config_from_section(
+    section: dict[str, Any], model_path: str | None = None, out_dir: str | Path | None = None, where: str = "distill"
+) -> DistillConfig:
+    """A recipe's `distill:` section as a `DistillConfig`; raises `ValueError` naming the bad key (no I/O).
+
+    `dataset` may be a name or a mapping `{name: ..., <builder kwargs>}`. The student is the recipe's model
+    (`model_path`) and the output goes to `out_dir`; with them left None (early validation) placeholders are used.
+    """
+    if not isinstance(section, dict):
+        raise ValueError(f"{where}: expected a mapping of distillation settings, got {type(section).__name__}.")
+    allowed = [spec.name for spec in fields(DistillConfig) if spec.name not in _SECTION_OWNED]
+    for key in section:
+        if key not in allowed:
+            hint = difflib.get_close_matches(str(key), allowed, n=1)
+            extra = " (the recipe's model and output folder are used)" if key in _SECTION_OWNED else ""
+            raise ValueError(
+                f"{where}.{key}: unknown key{extra}" + (f"; did you mean {hint[0]!r}?" if hint else "")
+                + f" Allowed: {', '.join(allowed)}."
+            )
+    values = dict(section)
+    dataset = values.get("dataset")
+    if isinstance(dataset, dict):
+        dataset = dict(dataset)
+        if "name" not in dataset:
+            raise ValueError(f"{where}.dataset: a mapping needs a `name` key (a data builder name).")
+        values["dataset"] = dataset.pop("name")
+        values["dataset_kwargs"] = {**dataset, **values.get("dataset_kwargs", {})}
+    for key in ("teacher", "dataset", "reward"):
+        if key not in values:
+            raise ValueError(f"{where}.{key}: required (e.g. teacher: path/to/rl_checkpoint, dataset: kk, "
+                             "reward: kk_logic).")
+    try:
+        return DistillConfig(**values, student=model_path or "<recipe model>", output_dir=str(out_dir or "<out>"))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{where}: {error}") from None
+
+
+def run_distill_section(section: dict[str, Any], model_path: str, out_dir: str | Path) -> str:
+    """Run a recipe's `distill:` section on the recipe's model; returns the distilled student's path.
+
+    The recipe's ProRL phases then start from the returned path. A finished distillation in `out_dir` with the
+    same settings is not redone, so a resumed recipe skips straight to training.
+    """
+    return distill(distill_config_from_section(section, model_path, out_dir))["student_path"]

@@ -1,0 +1,245 @@
+"""Distillation by rejection sampling: selection on constructed samples, then teacher -> student end to end."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import pytest
+import torch
+
+from prorl_trl.distill import (
+    DISTILLED_FILE,
+    SUMMARY_FILE,
+    DistillConfig,
+    add_distill_arguments,
+    distill,
+    distill_config_from_section,
+    run_distill,
+)
+from prorl_trl.rejection_sampling import grade_samples, read_jsonl, rejection_sample, select_correct
+
+CPU = {"use_cpu": True, "bf16": False, "report_to": "none"}
+
+
+def exact_answer(prompts, completions, completion_ids, answer, **kwargs):
+    """+1 when the completion text is the gold answer, -1 otherwise, None when there is no gold."""
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [None if gold is None else (1.0 if text.strip() == gold else -1.0) for text, gold in zip(texts, answer)]
+
+
+def _registry_reward(name):
+    try:
+        from rewards import get_reward
+    except ImportError:  # TEMP until the registry lands
+        from rewards.correctness import BoxedAnswer as get_reward  # noqa
+
+        return get_reward()
+    return get_reward(name)
+
+
+# ----------------------------------------------------------------------------------- selection, constructed
+
+
+def test_rejection_sample_keeps_first_correct_sample_per_problem_only():
+    problems = [
+        {"prompt": "p0", "answer": "a"},
+        {"prompt": "p1", "answer": "b"},
+        {"prompt": "p2", "answer": "c"},
+        {"prompt": "p3", "answer": None},  # the reward does not apply: never correct
+    ]
+    samples = {"p0": ["x", "a", "a "], "p1": ["y", "z", "w"], "p2": ["c", "q", "c"], "p3": ["", "k", "m"]}
+    rows, stats = rejection_sample(problems, lambda prompts, n: [samples[p][:n] for p in prompts], exact_answer, 3)
+    assert [(row["prompt"], row["completion"], row["answer"]) for row in rows] == [("p0", "a", "a"), ("p2", "c", "c")]
+    assert (stats.num_problems, stats.num_kept, stats.num_samples, stats.num_correct_samples) == (4, 2, 12, 4)
+    assert stats.kept_fraction == 0.5
+    assert stats.teacher_accuracy == pytest.approx(4 / 12)
+
+
+def test_correct_threshold_and_select_correct():
+    problems = [{"prompt": "p", "answer": "a"}]
+    # -1 / +1 rewards: a threshold above 1 makes nothing correct, one at -1 makes everything correct.
+    assert grade_samples(exact_answer, problems, [["a", "b"]], correct_threshold=2.0) == [[False, False]]
+    assert grade_samples(exact_answer, problems, [["a", "b"]], correct_threshold=-1.0) == [[True, True]]
+    assert grade_samples(exact_answer, problems, [["b", "a"]]) == [[False, True]]
+    assert select_correct([[False, True, True], [False, False], []]) == [1, None, None]
+
+
+def test_grading_passes_columns_and_conversational_completions_like_trl():
+    seen = {}
+
+    def spy(prompts, completions, completion_ids, answer, level, **kwargs):
+        seen.update(prompts=prompts, completions=completions, ids=completion_ids, level=level)
+        return exact_answer(prompts, completions, completion_ids, answer)
+
+    prompt = [{"role": "user", "content": "2+2?"}]
+    rows, _ = rejection_sample(
+        [{"prompt": prompt, "answer": "4", "level": 3}], lambda prompts, n: [["5", "4"]], spy, num_samples=2,
+    )
+    assert seen["prompts"] == [prompt, prompt] and seen["level"] == [3, 3]
+    assert seen["completions"] == [[{"role": "assistant", "content": "5"}], [{"role": "assistant", "content": "4"}]]
+    assert rows == [{"prompt": prompt, "answer": "4", "level": 3, "completion": [{"role": "assistant", "content": "4"}]}]
+
+
+def test_registry_correctness_is_used(tmp_path):
+    reward = _registry_reward("boxed_answer")
+    problems = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+    samples = [["\\boxed{3}", "\\boxed{2}"], ["4", "\\boxed{5}"]]
+    assert grade_samples(reward, problems, samples) == [[False, True], [False, False]]
+
+
+def test_sample_fn_must_return_n_samples_per_prompt():
+    with pytest.raises(ValueError, match="2 completions for each of the 1 prompts"):
+        rejection_sample([{"prompt": "p", "answer": "a"}], lambda prompts, n: [["a"]], exact_answer, 2)
+
+
+# ----------------------------------------------------------------------------------- end to end, tiny models
+
+
+def _addition_problems(count: int, seed: int, distinct: bool = False) -> list[dict]:
+    rng = random.Random(seed)
+    if distinct:
+        pairs = rng.sample([(a, b) for a in range(10) for b in range(10)], count)
+    else:
+        pairs = [(rng.randint(0, 9), rng.randint(0, 9)) for _ in range(count)]
+    return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs]
+
+
+def _completion_nll(model, tokenizer, rows) -> float:
+    """Mean cross-entropy of the completion tokens (+ EOS) given the prompt, computed independently of TRL."""
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in rows:
+            prompt = tokenizer(row["prompt"])["input_ids"]
+            completion = tokenizer(row["completion"] + tokenizer.eos_token)["input_ids"]
+            ids = torch.tensor([prompt + completion])
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+            total += torch.nn.functional.cross_entropy(logits, ids[0, len(prompt) :], reduction="sum").item()
+            count += len(completion)
+    return total / count
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread (and the CI machine's cores are shared)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory, one_thread):
+    """A tiny model taught single-digit addition (`a+b=` -> `\\boxed{a+b}`) just long enough to be sometimes right."""
+    from prorl_trl.tiny import build_tiny
+
+    model, tokenizer = build_tiny(seed=1)
+    rows = _addition_problems(80 * 32, seed=123)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for step in range(80):
+        batch = rows[step * 32 : (step + 1) * 32]
+        prompts = [tokenizer(row["prompt"])["input_ids"] for row in batch]
+        full = [p + tokenizer(f"\\boxed{{{row['answer']}}}{tokenizer.eos_token}")["input_ids"] for p, row in zip(prompts, batch)]
+        width = max(map(len, full))
+        input_ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids in full])
+        labels = torch.full_like(input_ids, -100)
+        for i, (p, ids) in enumerate(zip(prompts, full)):
+            labels[i, len(p) : len(ids)] = input_ids[i, len(p) : len(ids)]
+        model(input_ids=input_ids, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    path = tmp_path_factory.mktemp("teacher") / "model"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _config(teacher_dir, student, out, **overrides) -> DistillConfig:
+    settings = dict(
+        teacher=str(teacher_dir), student=str(student), dataset="synthetic_arithmetic", reward="boxed_answer",
+        output_dir=str(out), samples=5, temperature=1.0, max_completion_length=8, sampling_batch_size=64,
+        num_train_epochs=4, learning_rate=3e-3, per_device_train_batch_size=4, max_length=64,
+        sft_kwargs={"gradient_checkpointing": False, "logging_steps": 1000}, **CPU,
+    )
+    settings.update(overrides)
+    return DistillConfig(**settings)
+
+
+def test_distill_end_to_end_keeps_verified_samples_and_lowers_student_loss(teacher_dir, tiny_dir, tmp_path, one_thread):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    reward = _registry_reward("boxed_answer")
+    # Problems with an unreachable gold answer are the ones the teacher can never get right.
+    impossible = [{"prompt": f"{a}+{a}+{a}=", "answer": "99"} for a in range(4)]
+    problems = _addition_problems(36, seed=7, distinct=True) + impossible
+    config = _config(teacher_dir, tiny_dir, tmp_path / "out")
+    summary = distill(config, problems=problems, reward_fn=reward)
+
+    rows = read_jsonl(tmp_path / "out" / DISTILLED_FILE)
+    # The teacher is sometimes right: some problems are kept, not all; at most one row per problem.
+    assert 0 < len(rows) < len(problems)
+    assert len({row["prompt"] for row in rows}) == len(rows)
+    assert not [row for row in rows if row["answer"] == "99"]
+    assert all(set(row) == {"prompt", "completion", "answer"} for row in rows)
+    # Every kept completion is correct according to the reward, graded afresh.
+    assert reward.is_correct(completions=[r["completion"] for r in rows], answer=[r["answer"] for r in rows]) == [
+        True
+    ] * len(rows)
+    assert summary["num_kept"] == len(rows) and summary["kept_fraction"] == pytest.approx(len(rows) / len(problems))
+    assert 0 < summary["teacher_accuracy"] < 1
+
+    # The student (HF format, loads as a plain model) fits the distilled set better than before.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    before = _completion_nll(AutoModelForCausalLM.from_pretrained(tiny_dir), tokenizer, rows)
+    after = _completion_nll(AutoModelForCausalLM.from_pretrained(summary["student_path"]), tokenizer, rows)
+    assert after < 0.7 * before
+    assert summary["loss_after"] < summary["loss_before"]
+
+    # A second run with the same settings reuses the finished work.
+    again = distill(config, problems=problems, reward_fn=reward, sample_fn=lambda prompts, n: pytest.fail("resampled"))
+    assert again["student_path"] == summary["student_path"]
+
+
+# ----------------------------------------------------------------------------------- CLI and recipe section
+
+
+def test_cli_flags_build_the_config(tmp_path):
+    parser = add_distill_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(
+        ["--teacher", "t", "--student", "s", "--dataset", "kk", "--reward", "kk_logic", "--out", str(tmp_path),
+         "--samples", "3", "--temperature", "0.8", "--dataset_kwargs", '{"split": "train"}', "--use_peft", "true",
+         "--max_problems", "none", "--lora_target_modules", "q_proj", "v_proj"]
+    )  # fmt: skip
+    from prorl_trl.distill import config_from_args
+
+    config = config_from_args(args)
+    assert (config.samples, config.temperature, config.dataset_kwargs) == (3, 0.8, {"split": "train"})
+    assert config.use_peft is True and config.max_problems is None and config.lora_target_modules == ["q_proj", "v_proj"]
+    assert config.output_dir == str(tmp_path) and config.num_train_epochs == 4.0
+
+
+def test_cli_rejects_bad_settings_before_loading_anything(tmp_path, capsys):
+    parser = add_distill_arguments(argparse.ArgumentParser())
+    base = ["--student", "s", "--dataset", "kk", "--reward", "kk_logic", "--out", str(tmp_path / "o")]
+    assert run_distill(parser.parse_args(["--teacher", str(tmp_path / "missing"), *base])) == 2
+    assert "Teacher checkpoint not found" in capsys.readouterr().err
+    assert run_distill(parser.parse_args(["--teacher", str(tmp_path), "--temperature", "0", *base])) == 2
+    assert "temperature" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_section_validation_names_the_bad_key():
+    good = {"teacher": "t", "dataset": {"name": "kk", "split": "train"}, "reward": "kk_logic", "samples": 5}
+    config = distill_config_from_section(good, "student/path", "out")
+    assert (config.dataset, config.dataset_kwargs, config.student) == ("kk", {"split": "train"}, "student/path")
+    with pytest.raises(ValueError, match=r"distill\.sample: unknown key; did you mean 'samples'"):
+        distill_config_from_section({**good, "sample": 5})
+    with pytest.raises(ValueError, match=r"distill\.student: unknown key \(the recipe's model"):
+        distill_config_from_section({**good, "student": "x"})
+    with pytest.raises(ValueError, match=r"distill\.reward: required"):
+        distill_config_from_section({"teacher": "t", "dataset": "kk"})
+    with pytest.raises(ValueError, match="samples` must be >= 1"):
+        distill_config_from_section({**good, "samples": 0})
