@@ -1,0 +1,96 @@
+"""Plateau rule (phase end and reset trigger) and the sampling schedule callback, on real tiny runs."""
+
+import pytest
+from _prorl_helpers import Recorder, lora, prompts_dataset, tiny_args, tiny_model
+from transformers import TrainerCallback
+
+from prorl_trl import HardResetCallback, PhaseConfig, ProRLTrainer, SamplingScheduleCallback
+from prorl_trl.callbacks import PlateauTracker
+
+
+def constant(completions, **kwargs):
+    return [0.5] * len(completions)
+
+
+def test_plateau_tracker_modes_and_min_delta():
+    tracker = PlateauTracker(patience=2, min_delta=0.1)
+    assert [tracker.update(v) for v in (0.5, 0.55, 0.65, 0.7, 0.74)] == [False, False, False, False, True]
+    tracker = PlateauTracker(patience=1, mode="min")
+    assert [tracker.update(v) for v in (1.0, 0.5, 0.6)] == [False, False, True]
+    tracker.restart_patience()
+    assert tracker.best == 0.5 and tracker.bad_evaluations == 0
+    assert PlateauTracker(patience=1).update(float("nan")) is False
+
+
+def build(tmp_path, reward_funcs, callbacks=None, **overrides):
+    model, tokenizer = tiny_model()
+    return ProRLTrainer(
+        model=model, processing_class=tokenizer, reward_funcs=reward_funcs, args=tiny_args(tmp_path, **overrides),
+        train_dataset=prompts_dataset(), eval_dataset=prompts_dataset(2), peft_config=lora(), callbacks=callbacks,
+    )
+
+
+def test_constant_reward_ends_a_plateau_phase_early(tmp_path):
+    trainer = build(
+        tmp_path, [constant], eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=8,
+        phases=[PhaseConfig(max_steps=8, plateau_patience=2), PhaseConfig(max_steps=1)],
+    )
+    trainer.train()
+    history = trainer.prorl_log_history
+    evals = [e for e in history if "eval_reward" in e and e["prorl/phase"] == 0]
+    assert [e["eval_reward"] for e in evals] == [0.5, 0.5, 0.5]  # TRL's evaluate() logs eval_reward
+    phase0_steps = [e["prorl/global_step"] for e in history if "loss" in e and e["prorl/phase"] == 0]
+    assert phase0_steps == [1, 2, 3], "best at eval 1, then 2 evaluations without improvement"
+    assert [e["prorl/global_step"] for e in history if "loss" in e and e["prorl/phase"] == 1] == [4]
+    assert trainer.prorl_resets == 1
+
+
+class ConstantValidation(TrainerCallback):
+    """Stands in for the ValidationCallback: logs a validation metric through the bound trainer every step."""
+
+    def __init__(self):
+        self.trainer = None
+
+    def bind(self, trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        should_log = control.should_log  # on_log clears it; keep this step's training log (as ValidationCallback)
+        self.trainer.log({"eval_pass@1": 0.25})
+        control.should_log = should_log
+        return control
+
+
+def test_hard_reset_on_plateau_of_a_callback_metric(tmp_path):
+    trainer = build(
+        tmp_path, [constant], callbacks=[ConstantValidation(), HardResetCallback(on_plateau=2)], max_steps=6,
+        plateau_metric="eval_pass@1", save_merged_on_reset=False,
+    )
+    trainer.train()
+    steps = [e for e in trainer.prorl_log_history if "loss" in e]
+    # evals at steps 1..6: best at 1, plateau after 3 -> reset at the start of 4; patience restarts -> again after 5.
+    assert [e["prorl/resets"] for e in steps] == [0, 0, 0, 1, 1, 2]
+    assert trainer.prorl_resets == 2
+
+
+def test_hard_reset_callback_needs_a_trigger_and_patience(tmp_path):
+    with pytest.raises(ValueError, match="every_steps"):
+        HardResetCallback()
+    with pytest.raises(ValueError, match="plateau_patience"):
+        build(tmp_path, [constant], callbacks=[HardResetCallback(on_plateau=True)], max_steps=1)
+
+
+def test_temperature_ramp_reaches_generation_and_loss(tmp_path):
+    recorder = Recorder()
+    ramp = SamplingScheduleCallback.linear("temperature", start=1.0, end=0.5, num_steps=2)
+    cap = SamplingScheduleCallback(lambda step: {"max_completion_length": 8 - 2 * step})
+    trainer = build(tmp_path, [recorder], callbacks=[ramp, cap], max_steps=3, overlong_buffer=2)
+    recorder.trainer = trainer
+    trainer.train()
+    assert [c["temperature"] for c in recorder.calls] == pytest.approx([1.0, 0.75, 0.5])
+    assert [c["max_new_tokens"] for c in recorder.calls] == [8, 6, 4]
+    assert all(max(c["lengths"]) <= c["max_new_tokens"] for c in recorder.calls)
+    assert all(c["logp_error"] < 1e-5 for c in recorder.calls), "the loss uses the scheduled temperature"
+    assert trainer.overlong_penalty.max_completion_length == 4
+    with pytest.raises(ValueError, match="Unknown sampling settings"):
+        trainer.apply_sampling(temprature=1.0)
