@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import os
 import statistics
 import sys
@@ -44,22 +45,14 @@ from prorl_trl.trainer import ProRLTrainer  # noqa: E402
 
 
 def qwen2_05b_config(tokenizer) -> Qwen2Config:
-    """Qwen2-0.5B's published sizes (tied embeddings, GQA 14/2 heads), written out so nothing is downloaded."""
-    return Qwen2Config(
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
+    """Qwen2-0.5B's architecture (from benchmarks/generation.py, so both benchmarks time the same model) with the tiny
+    tokenizer's special-token ids."""
+    spec = importlib.util.spec_from_file_location("generation_benchmark", Path(__file__).with_name("generation.py"))
+    generation_benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generation_benchmark)
+    config = generation_benchmark.qwen2_05b_config()
+    config.pad_token_id, config.eos_token_id, config.bos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id, None
+    return config
 
 
 def build_model(smoke: bool, tokenizer, device: torch.device):
