@@ -141,6 +141,11 @@ def check_value(path: str, value: Any, annotation: Any, metadata: Any, problems:
         hint = suggest(value, enum_values) if isinstance(value, str) and enum_values else ""
         problems.append(RecipeProblem(path, f"expected {expected}{hint}", value))
         return value
+    enum_values = _enum_values(annotation)
+    if enum_values and isinstance(value, str) and value and value not in enum_values:  # `SchedulerType | str`
+        problems.append(
+            RecipeProblem(path, f"must be one of {', '.join(enum_values)}{suggest(value, enum_values)}", value)
+        )
     if value is None or not metadata:
         return value
     choices = metadata.get("choices")

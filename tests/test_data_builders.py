@@ -1,0 +1,128 @@
+"""Data builders on the shared data sets (../shared/data) and the synthetic generators: prompt + gold columns as the
+rewards expect them, templates for chat and plain prompts, the prompt-length filter, validation split and size."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import rewards
+from datasets import Dataset
+
+from prorl_trl.data import BUILDERS, build_dataset
+from prorl_trl.data.builders import gsm8k_gold, last_boxed_content
+from prorl_trl.data.templates import KK_SYSTEM, render_prompt
+from prorl_trl.recipe_schema import DataSection
+from prorl_trl.tiny import build_tiny_tokenizer
+
+
+def section(**kwargs) -> DataSection:
+    return DataSection(**kwargs)
+
+
+def test_gsm8k_gold_is_the_number_after_hashes_and_prompt_asks_for_boxed(shared_data):
+    data = build_dataset(section(builder="gsm8k", source=str(shared_data / "gsm8k"), prompt_format="plain", max_train_samples=5))
+    first = json.loads(open(shared_data / "gsm8k" / "train.jsonl").readline())
+    assert data.column_names == ["question", "answer", "prompt"]
+    assert data[0]["question"] == first["question"] and data[0]["answer"] == "72"
+    assert isinstance(data[0]["prompt"], str) and "\\boxed{}" in data[0]["prompt"] and first["question"] in data[0]["prompt"]
+    assert len(data) == 5
+    reward = rewards.get_reward("boxed_answer")
+    assert reward(completions=["so \\boxed{72}", "\\boxed{71}"], answer=[data[0]["answer"]] * 2) == [1.0, -1.0]
+
+
+def test_gsm8k_gold_extraction_edge_cases():
+    assert gsm8k_gold("a\n#### 1,234") == "1234" and gsm8k_gold("#### -5") == "-5" and gsm8k_gold("####7.5") == "7.5"
+    with pytest.raises(ValueError, match="no '#### <number>'"):
+        gsm8k_gold("the answer is 3")
+
+
+def test_gsm8k_chat_prompt_and_validation_split(shared_data):
+    spec = section(builder="gsm8k", source=str(shared_data / "gsm8k"), validation_split="test", validation_size=7)
+    data = build_dataset(spec, "validation")
+    first = json.loads(open(shared_data / "gsm8k" / "test.jsonl").readline())
+    assert len(data) == 7 and data[0]["question"] == first["question"]
+    assert data[0]["prompt"][-1]["role"] == "user" and first["question"] in data[0]["prompt"][-1]["content"]
+    assert build_dataset(section(builder="gsm8k", source=str(shared_data / "gsm8k")), "validation") is None
+
+
+def test_math500_keeps_level_and_subject(shared_data):
+    data = build_dataset(section(builder="math500", source=str(shared_data / "math500"), split="test", max_train_samples=20))
+    assert {"prompt", "answer", "level", "subject", "unique_id"} <= set(data.column_names)
+    rows = [json.loads(line) for line in open(shared_data / "math500" / "test.jsonl")][:20]
+    assert data["level"] == [r["level"] for r in rows] and data["subject"] == [r["subject"] for r in rows]
+    assert data["answer"] == [r["answer"] for r in rows]
+
+
+def test_kk_keeps_names_solution_and_uses_the_logic_rl_prompt(shared_data):
+    spec = section(builder="kk", source=str(shared_data / "kk"), options={"num_people": 3}, max_train_samples=4)
+    data = build_dataset(spec)
+    row = json.loads(open(shared_data / "kk" / "3ppl_train.jsonl").readline())
+    assert {"names", "solution", "solution_text_format", "prompt"} <= set(data.column_names)
+    assert data[0]["names"] == row["names"] and data[0]["solution"] == row["solution"]
+    assert data[0]["prompt"][0] == {"role": "system", "content": KK_SYSTEM} and row["quiz"] in data[0]["prompt"][1]["content"]
+    truth = "\n".join(f"({i}) {n} is a {'knight' if k else 'knave'}" for i, (n, k) in enumerate(zip(row["names"], row["solution"]), 1))
+    reward = rewards.get_reward("kk_logic")
+    good = f"<think>x</think><answer>{truth}</answer>"
+    assert reward(completions=[good], **{k: [data[0][k]] for k in ("names", "solution", "solution_text_format")}) == [3.0]
+
+
+def test_areal_rows_give_answer_from_the_boxed_solution(shared_data, tmp_path):
+    rows = [json.loads(line) for line in open(shared_data / "math500" / "test.jsonl")][:6]
+    path = tmp_path / "areal.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"<|User|>{r['problem']}<|Assistant|><think>\n", "solutions": [f"\\boxed{{{r['answer']}}}"], "query_id": str(i)}) + "\n" for i, r in enumerate(rows)))
+    data = build_dataset(section(builder="areal", source=str(path), prompt_format="plain"))
+    assert data["answer"] == [r["answer"] for r in rows]
+    assert data[0]["prompt"].startswith("<|User|>") and data[0]["solutions"] == [f"\\boxed{{{rows[0]['answer']}}}"]
+    assert last_boxed_content("a \\boxed{\\frac{1}{2}} b") == "\\frac{1}{2}" and last_boxed_content("no box") is None
+
+
+@pytest.mark.parametrize("builder", ["jsonl", "parquet"])
+def test_table_builders_map_columns(shared_data, tmp_path, builder):
+    source = shared_data / "math500" / "test.jsonl"
+    if builder == "parquet":
+        parquet = tmp_path / "math.parquet"
+        Dataset.from_json(str(source)).select(range(10)).to_parquet(str(parquet))
+        source = parquet
+    spec = section(builder=builder, source=str(source), columns={"prompt": "problem", "answer": "answer", "level": "level"}, template="boxed_math", max_train_samples=10)
+    data = build_dataset(spec)
+    assert set(data.column_names) == {"question", "answer", "level", "prompt"} and len(data) == 10
+    with pytest.raises(ValueError, match="no column"):
+        build_dataset(section(builder=builder, source=str(source), columns={"prompt": "nope"}))
+
+
+def test_prompt_length_filter_counts_template_tokens(shared_data):
+    tokenizer = build_tiny_tokenizer()
+    spec = dict(builder="gsm8k", source=str(shared_data / "gsm8k"), max_train_samples=50)
+    full = build_dataset(section(**spec), tokenizer=tokenizer)
+    lengths = [len(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True)["input_ids"]) for p in full["prompt"]]
+    limit = sorted(lengths)[25]
+    kept = build_dataset(section(**spec, max_prompt_tokens=limit), tokenizer=tokenizer)
+    assert len(kept) == sum(length <= limit for length in lengths) and 0 < len(kept) < 50
+    with pytest.raises(ValueError, match="empty after filtering"):
+        build_dataset(section(**spec, max_prompt_tokens=1), tokenizer=tokenizer)
+
+
+def test_synthetic_builders_give_disjoint_seeded_splits():
+    arithmetic = section(builder="synthetic_arithmetic", options={"num_train": 12, "num_validation": 5, "seed": 3}, validation_split="validation")
+    train, validation = build_dataset(arithmetic), build_dataset(arithmetic, "validation")
+    assert len(train) == 12 and len(validation) == 5 and set(train["question"]).isdisjoint(validation["question"])
+    assert build_dataset(arithmetic)["question"] == train["question"]  # deterministic
+    reward = rewards.get_reward("boxed_answer")
+    assert reward(completions=[f"\\boxed{{{a}}}" for a in train["answer"]], answer=train["answer"]) == [1.0] * 12
+    kk = build_dataset(section(builder="synthetic_kk", options={"num_train": 4, "num_people": 3}))
+    assert len(kk) == 4 and all(len(names) == 3 for names in kk["names"]) and isinstance(kk[0]["prompt"], list)
+
+
+def test_plain_and_chat_rendering():
+    assert render_prompt("Q?", "boxed_math", "plain").startswith("Question: Q?\n")
+    chat = render_prompt("Q?", "think_answer", "chat", system_prompt="Be brief.")
+    assert chat == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q?"}]
+    messages = [{"role": "user", "content": "hi"}]
+    assert render_prompt(messages, "raw", "chat") is messages
+
+
+def test_every_builder_declares_its_hub_default_or_needs_a_source():
+    assert BUILDERS["gsm8k"].default_source == "openai/gsm8k" and BUILDERS["gsm8k"].default_config == "main"
+    assert BUILDERS["math500"].default_source == "HuggingFaceH4/MATH-500"
+    assert BUILDERS["kk"].default_source == "K-and-K/knights-and-knaves"

@@ -1,0 +1,220 @@
+"""Recipe validation: every shipped recipe validates; each class of bad input exits 2 with a message naming the file,
+the key path and the value, prints no traceback and leaves no output directory; overrides reach the right key."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from prorl_trl.cli import main
+from prorl_trl.recipe import RecipeError, load_recipe, parse_overrides
+
+REPO = Path(__file__).resolve().parent.parent
+SHIPPED = sorted(p for p in (REPO / "recipes").glob("*.yaml"))
+
+BASE = {
+    "model": {"name_or_path": "Qwen/Qwen2-0.5B", "dtype": "bfloat16"},
+    "peft": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]},
+    "data": {"builder": "gsm8k", "validation_split": "test", "validation_size": 10, "prompt_format": "plain"},
+    "rewards": [{"name": "boxed_answer", "weight": 1.0}],
+    "training": {
+        "learning_rate": 1e-6,
+        "per_device_train_batch_size": 4,
+        "num_generations": 4,
+        "max_completion_length": 64,
+        "bf16": True,
+    },
+    "phases": [
+        {"name": "a", "max_steps": 2},
+        {"name": "b", "max_steps": 2, "top_p": 0.9},
+        {"name": "c", "max_steps": 2, "temperature": 1.2, "num_generations": 8},
+    ],
+    "validation": {"eval_steps": 2, "num_samples": 2, "temperature": 1.0, "top_p": 0.7},
+}
+
+
+def write(tmp_path: Path, recipe: dict, name: str = "recipe.yaml") -> Path:
+    recipe = copy.deepcopy(recipe)
+    recipe.setdefault("training", {})["output_dir"] = str(tmp_path / "out")
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def changed(path: str, value) -> dict:
+    """BASE with one dotted key set (or deleted when value is DELETE)."""
+    recipe = copy.deepcopy(BASE)
+    *parents, last = path.split(".")
+    node = recipe
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    if value is DELETE:
+        del node[int(last) if isinstance(node, list) else last]
+    elif isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return recipe
+
+
+DELETE = object()
+
+
+def run_validate(capsys, path: Path, *extra: str) -> tuple[int, str, str]:
+    code = main(["validate", str(path), *extra])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("recipe", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_recipe_validates(capsys, recipe):
+    extra = ["--num-processes", "4"] if "logic_rl" in recipe.name else []  # its batch sizes assume 4 GPUs
+    code = main(["validate", *extra, str(recipe)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "is valid" in out
+
+
+def test_prorl_recipe_has_the_seed_phase_table():
+    recipe = load_recipe(REPO / "recipes" / "prorl_gsm8k_qwen2_0.5b.yaml")
+    table = [(p.temperature, p.top_p, p.num_generations, p.max_completion_length, p.overlong_buffer, p.lora_r) for p in recipe.resolved_phases]
+    assert table == [
+        (1.0, 0.7, 16, 4096, 0, 32),
+        (1.0, 0.9, 16, 4096, 0, 32),
+        (1.0, 1.0, 16, 4096, 0, 32),
+        (1.2, 1.0, 16, 4096, 0, 32),
+        (1.2, 1.0, 32, 6144, 4096, 64),
+    ]
+    assert [p.hard_reset for p in recipe.resolved_phases] == [False, True, True, True, True]
+    assert recipe.resolved_phases[-1].lora_target_modules == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert recipe.resolved_phases[0].generation_batch_size == 32 and recipe.resolved_phases[-1].generation_batch_size == 64
+    args = recipe.training_args(dry=True)
+    assert (args.learning_rate, args.beta, args.per_device_train_batch_size, args.gradient_accumulation_steps) == (2e-6, 0.001, 16, 2)
+    assert recipe.data.max_prompt_tokens == 512 and recipe.data.validation_size == 100
+    assert (recipe.validation.temperature, recipe.validation.top_p) == (1.0, 0.7)
+    assert recipe.peft_config().r == 32 and sorted(recipe.peft_config().target_modules) == ["k_proj", "q_proj"]
+    assert [spec.name for spec in recipe.rewards] == ["boxed_answer"]
+
+
+BAD_INPUTS = {
+    # id: (recipe, key path in the message, value text in the message, other required text)
+    "misspelled_training_key": (changed("training.learnig_rate", 1e-6), "training.learnig_rate", "1e-06", "did you mean `learning_rate`"),
+    "misspelled_section": (changed("valdation", {"eval_steps": 1}), "valdation", "eval_steps", "did you mean `validation`"),
+    "misspelled_phase_key": (changed("phases.1.temprature", 1.1), "phases.1.temprature", "1.1", "did you mean `temperature`"),
+    "wrong_type": (changed("training.learning_rate", "fast"), "training.learning_rate", "'fast'", "expected a number"),
+    "wrong_type_section": (changed("peft.r", "eight"), "peft.r", "'eight'", "expected an integer"),
+    "num_generations_below_2": (changed("training.num_generations", 1), "training.num_generations", "1", ">= 2"),
+    "phase_num_generations_below_2": (changed("phases.2.num_generations", 1), "phases.2.num_generations", "1", ">= 2"),
+    "negative_learning_rate": (changed("training.learning_rate", -1e-5), "training.learning_rate", "-1e-05", ">= 0"),
+    "overlong_buffer_too_long": (changed("training.overlong_buffer", 64), "training.overlong_buffer", "64", "shorter than max_completion_length"),
+    "phase_overlong_buffer_too_long": (changed("phases.1.overlong_buffer", 100), "phases.1", "overlong_buffer (100)", "max_completion_length (64)"),
+    "lora_rank_zero": (changed("peft.r", 0), "peft.r", "0", ">= 1"),
+    "phase_lora_rank_zero": (changed("phases.2.lora_r", 0), "phases.2.lora_r", "0", ">= 1"),
+    "unknown_reward": (changed("rewards.0.name", "boxed_answr"), "rewards.0.name", "'boxed_answr'", "available: "),
+    "empty_phases": (changed("phases", []), "phases", "[]", "is empty"),
+    "phase_without_max_steps": (changed("phases.0.max_steps", DELETE), "phases.0.max_steps", "", "required"),
+    "top_p_above_1": (changed("validation.top_p", 1.5), "validation.top_p", "1.5", "<= 1"),
+    "unknown_builder": (changed("data.builder", "gsm8"), "data.builder", "'gsm8'", "did you mean `gsm8k`"),
+    "missing_local_data": (changed("data.source", "./no/such/folder"), "data.source", "./no/such/folder", "not found"),
+    "missing_local_model": (changed("model.name_or_path", "/no/such/model"), "model.name_or_path", "/no/such/model", "not found"),
+    "bad_scheduler_choice": (changed("training.lr_scheduler_type", "constnat"), "training.lr_scheduler_type", "constnat", "did you mean `constant`"),
+    "reserved_training_key": (changed("training.reward_weights", [1.0]), "training.reward_weights", "[1.0]", "rewards[i].weight"),
+    "bad_reward_params": (changed("rewards.0.params", {"corect": 2.0}), "rewards.0.params", "corect", "boxed_answer"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_exits_2_with_file_key_and_value(capsys, tmp_path, case):
+    recipe, key_path, value_text, other = BAD_INPUTS[case]
+    path = write(tmp_path, recipe)
+    code, out, err = run_validate(capsys, path)
+    assert code == 2
+    assert str(path) in err and key_path in err and value_text in err and other in err, err
+    assert "Traceback" not in err + out
+    assert not (tmp_path / "out").exists()
+
+
+def test_yaml_syntax_error_names_the_line(capsys, tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("model:\n  name_or_path: x\ndata: [builder: gsm8k\nrewards: []\n")
+    code, _, err = run_validate(capsys, path)
+    assert code == 2 and str(path) in err and "YAML syntax error at line 4" in err and "Traceback" not in err
+
+
+def test_duplicate_key_is_an_error(capsys, tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text(yaml.safe_dump(BASE, sort_keys=False) + "model: {name_or_path: other}\n")
+    code, _, err = run_validate(capsys, path)
+    assert code == 2 and "duplicate key 'model'" in err
+
+
+def test_missing_file(capsys, tmp_path):
+    code, _, err = run_validate(capsys, tmp_path / "nope.yaml")
+    assert code == 2 and "nope.yaml" in err and "file not found" in err and "Traceback" not in err
+
+
+def test_all_problems_reported_at_once(capsys, tmp_path):
+    recipe = changed("training.learnig_rate", 1e-6)
+    recipe["peft"]["r"] = 0
+    code, _, err = run_validate(capsys, write(tmp_path, recipe))
+    assert code == 2 and "(2 problems)" in err and "peft.r" in err and "learnig_rate" in err
+
+
+def test_overrides_set_nested_keys_and_parse_yaml_scalars(tmp_path):
+    path = write(tmp_path, BASE)
+    recipe = load_recipe(
+        path,
+        ["--training.learning_rate", "3e-6", "--phases.2.temperature=1.4", "--peft.target_modules", "[q_proj, k_proj]", "--beta", "0.01"],
+    )
+    assert recipe.training["learning_rate"] == 3e-6 and recipe.training["beta"] == 0.01
+    assert recipe.resolved_phases[2].temperature == 1.4 and recipe.resolved_phases[1].temperature == 1.0
+    assert recipe.peft.target_modules == ["q_proj", "k_proj"]
+    assert recipe.raw["phases"][2]["temperature"] == 1.4  # the effective recipe is what gets saved with the run
+
+
+def test_override_can_remove_a_section(tmp_path):
+    recipe = load_recipe(write(tmp_path, BASE), ["--peft", "null", "--phases.2.lora_r", "null"])
+    assert recipe.peft is None and recipe.peft_config() is None
+
+
+@pytest.mark.parametrize(
+    "tokens, message",
+    [
+        (["--phases.7.temperature", "1.0"], "phases.7: override index out of range (3 entries: 0-2)"),
+        (["--training.learning_rate"], "override has no value"),
+        (["learning_rate", "1"], "expected an override"),
+        (["--training.learnig_rate", "1e-6"], "did you mean `learning_rate`"),
+    ],
+)
+def test_bad_overrides_exit_2(capsys, tmp_path, tokens, message):
+    code, _, err = run_validate(capsys, write(tmp_path, BASE), *tokens)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_parse_overrides_reads_values_like_the_recipe_does():
+    assert parse_overrides(["--a.b", "1e-6", "--c=true", "--d", "[1, 2]", "--e", "-3", "--f", "none"]) == [
+        ("a.b", 1e-6), ("c", True), ("d", [1, 2]), ("e", -3), ("f", "none"),
+    ]
+    with pytest.raises(RecipeError):
+        parse_overrides(["--a"])
+
+
+def test_validate_as_a_process_is_light_and_clean(tmp_path):
+    """The real command: exit codes, no traceback on stderr, and no model, trainer or data module imported."""
+    good, bad = write(tmp_path, BASE, "good.yaml"), write(tmp_path, changed("training.num_generations", 1), "bad.yaml")
+    probe = (
+        "import sys; from prorl_trl.cli import main; code = main(sys.argv[1:]); "
+        "heavy = [m for m in ('prorl_trl.trainer', 'prorl_trl.evaluation.validation', 'transformers.models.qwen2.modeling_qwen2') if m in sys.modules]; "
+        "print('HEAVY', heavy); raise SystemExit(code)"
+    )
+    for path, expected in ((good, 0), (bad, 2)):
+        result = subprocess.run([sys.executable, "-c", probe, "validate", str(path)], capture_output=True, text=True, cwd=REPO)
+        assert result.returncode == expected, result.stderr
+        assert "HEAVY []" in result.stdout and "Traceback" not in result.stderr
+    assert "training.num_generations = 1" in result.stderr
+    assert not (tmp_path / "out").exists()
