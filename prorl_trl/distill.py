@@ -24,10 +24,10 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from .distill_sft import train_student
 from .rejection_sampling import (
     RewardFn,
     SampleFn,
-    device_for,
     load_tokenizer,
     read_jsonl,
     rejection_sample,
@@ -39,8 +39,6 @@ logger = logging.getLogger(__name__)
 
 DISTILLED_FILE = "distilled.jsonl"
 SUMMARY_FILE = "distill_summary.json"
-MODEL_DIR = "model"
-SFT_DIR = "sft"
 
 
 @dataclass
@@ -146,92 +144,55 @@ class DistillConfig:
             raise ValueError("Invalid distillation settings: " + "; ".join(problems) + ".")
 
 
-# ------------------------------------------------------------------------------------------- student SFT
-
-
-def _bf16(config: DistillConfig) -> bool:
-    if config.bf16 is not None:
-        return config.bf16
-    import torch
-
-    return device_for(config.use_cpu) == "cuda" and torch.cuda.is_bf16_supported()
-
-
-def train_student(config: DistillConfig, rows: Sequence[dict[str, Any]], student: str | Any) -> tuple[Path, dict]:
-    """Fine-tune `student` (path or model) on the distilled rows with TRL's `SFTTrainer`; save it in HF format.
-
-    Prompt-completion format with `completion_only_loss=True`: the student learns the answers, not the questions.
-    With `use_peft` the adapter is merged before saving, so the result loads as a plain model (and can be the base
-    of a later ProRL run). Returns the saved model folder and the completion loss on the distilled set before and
-    after training.
-    """
-    from datasets import Dataset
-    from trl import SFTConfig, SFTTrainer
-
-    if not rows:
-        raise ValueError("No distilled rows to train on: the teacher got no problem right. Raise `samples` or "
-                         "`temperature`, check the reward, or use a stronger teacher.")
-    output_dir = Path(config.output_dir)
-    dataset = Dataset.from_list([{"prompt": row["prompt"], "completion": row["completion"]} for row in rows])
-    settings = {
-        "output_dir": str(output_dir / SFT_DIR),
-        "num_train_epochs": config.num_train_epochs,
-        "learning_rate": config.learning_rate,
-        "per_device_train_batch_size": config.per_device_train_batch_size,
-        "per_device_eval_batch_size": config.per_device_train_batch_size,
-        "gradient_accumulation_steps": config.gradient_accumulation_steps,
-        "max_length": config.max_length,
-        "bf16": _bf16(config),
-        "use_cpu": config.use_cpu,
-        "report_to": config.report_to,
-        "seed": config.seed,
-        "completion_only_loss": True,
-        "save_strategy": "no",
-        "logging_steps": 10,
-        **config.sft_kwargs,
-    }
-    peft_config = None
-    if config.use_peft:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(
-            r=config.lora_r, lora_alpha=config.lora_alpha, target_modules=config.lora_target_modules,
-            task_type="CAUSAL_LM",
-        )
-    trainer = SFTTrainer(
-        model=student, args=SFTConfig(**settings), train_dataset=dataset, eval_dataset=dataset, peft_config=peft_config
-    )
-    if config.use_peft and (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):
-        raise ValueError("use_peft with DeepSpeed/FSDP cannot merge the adapter into sharded weights here; "
-                         "fine-tune fully (use_peft=False) or run distillation without DeepSpeed/FSDP.")
-    losses = {"loss_before": trainer.evaluate()["eval_loss"]}
-    trainer.train()
-    losses["loss_after"] = trainer.evaluate()["eval_loss"]
-    model_dir = output_dir / MODEL_DIR
-    if config.use_peft:
-        merged = trainer.accelerator.unwrap_model(trainer.model).merge_and_unload()
-        if trainer.accelerator.is_main_process:
-            merged.save_pretrained(model_dir)
-            trainer.processing_class.save_pretrained(model_dir)
-    else:
-        trainer.save_model(str(model_dir))
-    trainer.accelerator.wait_for_everyone()
-    return model_dir, losses
-
-
 # ------------------------------------------------------------------------------------------- pipeline
 
 
+def _data_section(config: DistillConfig) -> Any:
+    from .recipe_schema import DataSection
+
+    return DataSection(builder=config.dataset, **config.dataset_kwargs)
+
+
 def load_problems(config: DistillConfig) -> Any:
-    """The training problems (a `datasets.Dataset` with `prompt` and gold columns) from the data builders."""
+    """The training problems: the data builder's train split (`prompt` + gold columns), as in a recipe's `data:`."""
     from .data import build_dataset
 
-    dataset = build_dataset(config.dataset, **config.dataset_kwargs)
-    if "prompt" not in dataset.column_names:
-        raise ValueError(f"Data set {config.dataset!r} has no `prompt` column (columns: {dataset.column_names}).")
+    data = _data_section(config)
+    dataset = build_dataset(data, "train", load_tokenizer(config.teacher) if data.max_prompt_tokens else None)
     if config.max_problems is not None:
         dataset = dataset.select(range(min(config.max_problems, len(dataset))))
     return dataset
+
+
+def check_names(config: DistillConfig, check_dataset: bool = True, check_reward: bool = True) -> None:
+    """Raise `ValueError` for an unknown data builder, builder option or reward, before anything is loaded."""
+    from .recipe_schema import DataSection
+
+    problems = []
+    if check_dataset:
+        from .data import BUILDERS
+
+        if config.dataset not in BUILDERS:
+            problems.append(f"unknown dataset {config.dataset!r}{_close(config.dataset, BUILDERS)}; "
+                            f"available: {', '.join(sorted(BUILDERS))}")
+        allowed = [spec.name for spec in fields(DataSection) if spec.name != "builder"]
+        for key in config.dataset_kwargs:
+            if key not in allowed:
+                problems.append(f"dataset_kwargs: unknown key {key!r}{_close(key, allowed)}; allowed: "
+                                f"{', '.join(allowed)}")
+    if check_reward:
+        from rewards import available
+
+        if config.reward not in available():
+            problems.append(f"unknown reward {config.reward!r}{_close(config.reward, available())}; "
+                            f"available: {', '.join(available())}")
+    if problems:
+        raise ValueError("; ".join(problems) + ".")
+
+
+def _close(name: str, candidates: Any) -> str:
+    match = difflib.get_close_matches(str(name), list(candidates), n=1)
+    return f" (did you mean {match[0]!r}?)" if match else ""
 
 
 def _sampling_key(config: DistillConfig) -> dict[str, Any]:
@@ -258,14 +219,15 @@ def distill(
 
     `problems` (rows with `prompt` + gold columns), `sample_fn` and `reward_fn` default to the data builder, the
     teacher sampler and the reward registry named in `config`; passing them is how tests and notebooks plug in their
-    own. A distilled set saved earlier with the same sampling settings is reused (resume after a failed SFT).
-    Returns the summary also written to `distill_summary.json` (kept fraction, teacher accuracy, SFT losses,
+    own. Work already in `output_dir` is reused: a finished run with the same settings returns at once, and a
+    distilled set sampled with the same sampling settings is trained on without sampling again. Returns the summary also written to `distill_summary.json` (kept fraction, teacher accuracy, SFT losses,
     `student_path`).
     """
     from accelerate import PartialState
 
     if config.student is None:
         raise ValueError("No student: set `student` (--student), or run the section from a recipe with a model.")
+    check_names(config, check_dataset=problems is None, check_reward=reward_fn is None)
     if sample_fn is None:
         _check_teacher(config.teacher)
     if reward_fn is None:
@@ -375,9 +337,10 @@ def run_distill(args: argparse.Namespace) -> int:
     """`prorl-trl distill`: exit 0 on success, 2 on bad settings (reported before any model is loaded)."""
     try:
         config = config_from_args(args)
-        _check_teacher(config.teacher)
         if config.student is None:
             raise ValueError("--student is required.")
+        check_names(config)
+        _check_teacher(config.teacher)
     except (ValueError, FileNotFoundError) as error:
         print(f"prorl-trl distill: {error}", file=sys.stderr)
         return 2
@@ -391,46 +354,72 @@ _SECTION_OWNED = ("student", "output_dir")
 
 
 def distill_config_from_section(
-    section: dict[str, Any], model_path: str | None = None, out_dir: str | Path | None = None, where: str = "distill"
+    section: dict[str, Any],
+    model_path: str | None = None,
+    out_dir: str | Path | None = None,
+    data: Any = None,
+    where: str = "distill",
 ) -> DistillConfig:
     """A recipe's `distill:` section as a `DistillConfig`; raises `ValueError` naming the bad key (no I/O).
 
-    `dataset` may be a name or a mapping `{name: ..., <builder kwargs>}`. The student is the recipe's model
-    (`model_path`) and the output goes to `out_dir`; with them left None (early validation) placeholders are used.
+    The student is the recipe's model (`model_path`) and the output goes to `out_dir` (placeholders when None, for
+    early validation). `dataset` may be a builder name or a mapping `{builder|name: ..., <data-section keys>}`;
+    without one, the recipe's own `data:` section (`data`, a `DataSection` or mapping) is used, so the student is
+    distilled on the problems the RL phases train on.
     """
     if not isinstance(section, dict):
         raise ValueError(f"{where}: expected a mapping of distillation settings, got {type(section).__name__}.")
     allowed = [spec.name for spec in fields(DistillConfig) if spec.name not in _SECTION_OWNED]
     for key in section:
         if key not in allowed:
-            hint = difflib.get_close_matches(str(key), allowed, n=1)
-            extra = " (the recipe's model and output folder are used)" if key in _SECTION_OWNED else ""
-            raise ValueError(
-                f"{where}.{key}: unknown key{extra}" + (f"; did you mean {hint[0]!r}?" if hint else "")
-                + f" Allowed: {', '.join(allowed)}."
-            )
+            owned = " (the recipe's model and output folder are used)" if key in _SECTION_OWNED else ""
+            raise ValueError(f"{where}.{key}: unknown key{owned}{_close(key, allowed)}; allowed: {', '.join(allowed)}.")
     values = dict(section)
-    dataset = values.get("dataset")
+    dataset = values.get("dataset", data)
+    if dataset is not None and not isinstance(dataset, (str, dict)):  # a DataSection
+        dataset = {spec.name: getattr(dataset, spec.name) for spec in fields(dataset)}
     if isinstance(dataset, dict):
         dataset = dict(dataset)
-        if "name" not in dataset:
-            raise ValueError(f"{where}.dataset: a mapping needs a `name` key (a data builder name).")
-        values["dataset"] = dataset.pop("name")
-        values["dataset_kwargs"] = {**dataset, **values.get("dataset_kwargs", {})}
+        name = dataset.pop("builder", None) or dataset.pop("name", None)
+        if name is None:
+            raise ValueError(f"{where}.dataset: a mapping needs a `builder` key (a data builder name, e.g. kk).")
+        defaults = _data_defaults()
+        kwargs = {key: value for key, value in dataset.items() if defaults.get(key, MISSING) != value}
+        values["dataset"], values["dataset_kwargs"] = name, {**kwargs, **values.get("dataset_kwargs", {})}
     for key in ("teacher", "dataset", "reward"):
         if key not in values:
             raise ValueError(f"{where}.{key}: required (e.g. teacher: path/to/rl_checkpoint, dataset: kk, "
                              "reward: kk_logic).")
     try:
-        return DistillConfig(**values, student=model_path or "<recipe model>", output_dir=str(out_dir or "<out>"))
+        config = DistillConfig(**values, student=model_path or "<recipe model>", output_dir=str(out_dir or "<out>"))
+        check_names(config)
     except (TypeError, ValueError) as error:
         raise ValueError(f"{where}: {error}") from None
+    return config
 
 
-def run_distill_section(section: dict[str, Any], model_path: str, out_dir: str | Path) -> str:
+def _data_defaults() -> dict[str, Any]:
+    from .recipe_schema import DataSection
+
+    return {spec.name: spec.default for spec in fields(DataSection) if spec.default is not MISSING} | {
+        spec.name: spec.default_factory() for spec in fields(DataSection) if spec.default_factory is not MISSING
+    }
+
+
+def check_distill_section(section: Any, data: Any = None, where: str = "distill") -> list[tuple[str, str]]:
+    """Problems of a recipe's `distill:` section as `(key path, message)` pairs; empty when valid. No I/O."""
+    try:
+        distill_config_from_section(section, data=data, where=where)
+    except ValueError as error:
+        path, _, message = str(error).partition(": ")
+        return [(path, message)]
+    return []
+
+
+def run_distill_section(section: dict[str, Any], model_path: str, out_dir: str | Path, data: Any = None) -> str:
     """Run a recipe's `distill:` section on the recipe's model; returns the distilled student's path.
 
-    The recipe's ProRL phases then start from the returned path. A finished distillation in `out_dir` with the
-    same settings is not redone, so a resumed recipe skips straight to training.
+    The recipe's ProRL phases then start from the returned path (a plain HF model folder). A finished distillation
+    in `out_dir` with the same settings is not redone, so a resumed recipe goes straight to its phases.
     """
-    return distill(distill_config_from_section(section, model_path, out_dir))["student_path"]
+    return distill(distill_config_from_section(section, model_path, out_dir, data=data))["student_path"]

@@ -55,13 +55,14 @@ class RejectionStats:
 def correctness_test(reward_fn: RewardFn, correct_threshold: float | None = None) -> RewardFn:
     """A function with the reward's call signature returning, per completion, whether it is correct.
 
-    With `correct_threshold`: reward >= threshold. Otherwise the reward's own `is_correct` (the registry's binary
-    rewards have one), else reward > 0 (e.g. `kk_logic`: only a perfect answer, 3, is positive). A `None` reward
-    (the reward does not apply) is never correct.
+    With `correct_threshold`: reward >= threshold. Otherwise the registry's test (`rewards.is_correct`: the reward's
+    own `is_correct`, or reward == its `correct` value; e.g. `kk_logic` is correct only at the full score), and for a
+    plain function without either, reward > 0. A `None` reward (the reward does not apply) is never correct.
     """
-    own = getattr(reward_fn, "is_correct", None)
-    if correct_threshold is None and callable(own):
-        return lambda **kwargs: [verdict is True for verdict in own(**kwargs)]
+    if correct_threshold is None and (callable(getattr(reward_fn, "is_correct", None)) or hasattr(reward_fn, "correct")):
+        from rewards import is_correct
+
+        return lambda **kwargs: [verdict is True for verdict in is_correct(reward_fn, **kwargs)]
 
     def test(**kwargs: Any) -> list[bool]:
         scores = reward_fn(**kwargs)

@@ -5,20 +5,26 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
+
+from rewards import get_reward
 
 from prorl_trl.distill import (
     DISTILLED_FILE,
     SUMMARY_FILE,
     DistillConfig,
     add_distill_arguments,
+    check_distill_section,
+    config_from_args,
     distill,
     distill_config_from_section,
     run_distill,
+    run_distill_section,
 )
-from prorl_trl.rejection_sampling import grade_samples, read_jsonl, rejection_sample, select_correct
+from prorl_trl.rejection_sampling import grade_samples, read_jsonl, rejection_sample, select_correct, write_jsonl
 
 CPU = {"use_cpu": True, "bf16": False, "report_to": "none"}
 
@@ -27,16 +33,6 @@ def exact_answer(prompts, completions, completion_ids, answer, **kwargs):
     """+1 when the completion text is the gold answer, -1 otherwise, None when there is no gold."""
     texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
     return [None if gold is None else (1.0 if text.strip() == gold else -1.0) for text, gold in zip(texts, answer)]
-
-
-def _registry_reward(name):
-    try:
-        from rewards import get_reward
-    except ImportError:  # TEMP until the registry lands
-        from rewards.correctness import BoxedAnswer as get_reward  # noqa
-
-        return get_reward()
-    return get_reward(name)
 
 
 # ----------------------------------------------------------------------------------- selection, constructed
@@ -83,7 +79,7 @@ def test_grading_passes_columns_and_conversational_completions_like_trl():
 
 
 def test_registry_correctness_is_used(tmp_path):
-    reward = _registry_reward("boxed_answer")
+    reward = get_reward("boxed_answer")
     problems = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
     samples = [["\\boxed{3}", "\\boxed{2}"], ["4", "\\boxed{5}"]]
     assert grade_samples(reward, problems, samples) == [[False, True], [False, False]]
@@ -171,7 +167,7 @@ def _config(teacher_dir, student, out, **overrides) -> DistillConfig:
 def test_distill_end_to_end_keeps_verified_samples_and_lowers_student_loss(teacher_dir, tiny_dir, tmp_path, one_thread):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    reward = _registry_reward("boxed_answer")
+    reward = get_reward("boxed_answer")
     # Problems with an unreachable gold answer are the ones the teacher can never get right.
     impossible = [{"prompt": f"{a}+{a}+{a}=", "answer": "99"} for a in range(4)]
     problems = _addition_problems(36, seed=7, distinct=True) + impossible
@@ -213,8 +209,6 @@ def test_cli_flags_build_the_config(tmp_path):
          "--samples", "3", "--temperature", "0.8", "--dataset_kwargs", '{"split": "train"}', "--use_peft", "true",
          "--max_problems", "none", "--lora_target_modules", "q_proj", "v_proj"]
     )  # fmt: skip
-    from prorl_trl.distill import config_from_args
-
     config = config_from_args(args)
     assert (config.samples, config.temperature, config.dataset_kwargs) == (3, 0.8, {"split": "train"})
     assert config.use_peft is True and config.max_problems is None and config.lora_target_modules == ["q_proj", "v_proj"]
@@ -228,18 +222,84 @@ def test_cli_rejects_bad_settings_before_loading_anything(tmp_path, capsys):
     assert "Teacher checkpoint not found" in capsys.readouterr().err
     assert run_distill(parser.parse_args(["--teacher", str(tmp_path), "--temperature", "0", *base])) == 2
     assert "temperature" in capsys.readouterr().err
+    assert run_distill(parser.parse_args(["--teacher", str(tmp_path), *base, "--dataset", "gsm8"])) == 2
+    assert "unknown dataset 'gsm8' (did you mean 'gsm8k'?)" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 
 def test_section_validation_names_the_bad_key():
-    good = {"teacher": "t", "dataset": {"name": "kk", "split": "train"}, "reward": "kk_logic", "samples": 5}
+    good = {"teacher": "t", "dataset": {"builder": "kk", "split": "test"}, "reward": "kk_logic", "samples": 5}
     config = distill_config_from_section(good, "student/path", "out")
-    assert (config.dataset, config.dataset_kwargs, config.student) == ("kk", {"split": "train"}, "student/path")
-    with pytest.raises(ValueError, match=r"distill\.sample: unknown key; did you mean 'samples'"):
-        distill_config_from_section({**good, "sample": 5})
+    assert (config.dataset, config.dataset_kwargs, config.student) == ("kk", {"split": "test"}, "student/path")
+    assert check_distill_section(good) == []
+    assert check_distill_section({**good, "sample": 5}) == [
+        ("distill.sample", f"unknown key (did you mean 'samples'?); allowed: {', '.join(_section_keys())}.")
+    ]
     with pytest.raises(ValueError, match=r"distill\.student: unknown key \(the recipe's model"):
         distill_config_from_section({**good, "student": "x"})
     with pytest.raises(ValueError, match=r"distill\.reward: required"):
         distill_config_from_section({"teacher": "t", "dataset": "kk"})
     with pytest.raises(ValueError, match="samples` must be >= 1"):
         distill_config_from_section({**good, "samples": 0})
+    with pytest.raises(ValueError, match="unknown reward 'kk_logc' \\(did you mean 'kk_logic'\\?\\)"):
+        distill_config_from_section({**good, "reward": "kk_logc"})
+    with pytest.raises(ValueError, match="unknown key 'splt' \\(did you mean 'split'\\?\\)"):
+        distill_config_from_section({**good, "dataset": {"builder": "kk", "splt": "train"}})
+
+
+def _section_keys():
+    from dataclasses import fields
+
+    return [f.name for f in fields(DistillConfig) if f.name not in ("student", "output_dir")]
+
+
+def test_section_defaults_to_the_recipe_data():
+    from prorl_trl.recipe_schema import DataSection
+
+    data = DataSection(builder="kk", options={"num_people": 3}, validation_split="test")
+    config = distill_config_from_section({"teacher": "t", "reward": "kk_logic"}, "m", "o", data=data)
+    # Only the keys that differ from the data section's defaults are carried.
+    assert (config.dataset, config.dataset_kwargs) == ("kk", {"options": {"num_people": 3}, "validation_split": "test"})
+
+
+def test_run_distill_section_chains_data_builder_teacher_and_lora_student(teacher_dir, tiny_dir, tmp_path, one_thread):
+    """The recipe path: builder data (`jsonl`), registry reward by name, LoRA student merged into a plain model."""
+    from transformers import AutoModelForCausalLM
+
+    write_jsonl(_addition_problems(24, seed=11, distinct=True), tmp_path / "problems.jsonl")
+    section = {
+        "teacher": str(teacher_dir), "reward": "boxed_answer", "samples": 4, "max_completion_length": 8,
+        "dataset": {"builder": "jsonl", "source": str(tmp_path / "problems.jsonl"), "template": "raw",
+                    "prompt_format": "plain", "columns": {"prompt": "prompt", "answer": "answer"}},
+        "use_peft": True, "lora_r": 8, "lora_alpha": 16, "learning_rate": 5e-3, "num_train_epochs": 3,
+        "per_device_train_batch_size": 4, "max_length": 64, "sft_kwargs": {"gradient_checkpointing": False}, **CPU,
+    }  # fmt: skip
+    student_path = run_distill_section(section, str(tiny_dir), tmp_path / "distill")
+
+    summary = json.loads((tmp_path / "distill" / SUMMARY_FILE).read_text())
+    assert summary["student_path"] == student_path and 0 < summary["num_kept"] <= 24
+    assert summary["loss_after"] < summary["loss_before"]
+    saved = sorted(p.name for p in (tmp_path / "distill" / "model").iterdir())
+    assert "config.json" in saved and not any("adapter" in name for name in saved)  # merged, not an adapter
+    model = AutoModelForCausalLM.from_pretrained(student_path)
+    assert not any("lora" in name for name, _ in model.named_parameters())
+    # A resumed recipe does not redo the work.
+    weights = tmp_path / "distill" / "model" / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert run_distill_section(section, str(tiny_dir), tmp_path / "distill") == student_path
+    assert weights.stat().st_mtime_ns == stamp
+
+
+def test_shipped_recipe_is_the_seed_setup():
+    import yaml
+
+    from prorl_trl.recipe import recipe_from_dict
+    from prorl_trl.recipe_schema import TOP_LEVEL_KEYS
+
+    raw = yaml.safe_load((Path(__file__).resolve().parent.parent / "recipes" / "distill_kk_qwen2.5_1.5b.yaml").read_text())
+    section = raw["distill"] if "distill" in TOP_LEVEL_KEYS else raw.pop("distill")  # until recipe.py knows it
+    recipe = recipe_from_dict(raw, "distill_kk_qwen2.5_1.5b.yaml", world_size=1, dry=True)
+    config = distill_config_from_section(section, recipe.model.name_or_path, "out", data=recipe.data)
+    assert config.student == "Qwen/Qwen2.5-1.5B-Instruct" and config.reward == "kk_logic"
+    assert (config.dataset, config.dataset_kwargs["options"]) == ("kk", {"num_people": 5})
+    assert (config.samples, config.temperature, config.num_train_epochs) == (5, 1.0, 4)
