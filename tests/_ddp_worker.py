@@ -1,9 +1,10 @@
-"""Worker for tests/test_ddp.py: a 3-phase LoRA GRPO run under 2-process DDP (gloo, CPU) with hard resets.
+"""Worker for tests/test_ddp.py: a 3-phase ProRL LoRA run under 2-process DDP (gloo, CPU) with hard resets.
 
-Run as `torchrun --nproc_per_node 2 tests/_ddp_worker.py OUT.json`. Rank 0 writes, per checkpoint of the run,
-whether the full parameter vectors of both ranks are identical, plus the max difference. Between phases (separate
-`train()` calls) it hard-resets with `prorl_trl.reset`: first a same-shape reset *without* broadcast (the replicas
-must differ: that is what makes the test able to fail), then the broadcast, then a rank/target change.
+Run as `torchrun --nproc_per_node 2 tests/_ddp_worker.py OUT.json`. Resets: at the start of phase 1 (rank 4 -> 8:
+new Parameters, new optimizer and DDP wrapper), inside phase 1 (`HardResetCallback`, same shape: optimizer state
+cleared in the loop) and at the start of phase 2 (same shape). After every reset and at the end, rank 0 records
+whether the full parameter vectors of both ranks are identical. Finally an unseeded re-init *without* broadcast is
+recorded: the replicas must differ there, which shows the comparison can fail.
 """
 
 import json
@@ -19,10 +20,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from peft import LoraConfig  # noqa: E402
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 
-from prorl_trl.reset import broadcast_adapter, lora_parameters, merge_lora_in_place, reinit_adapter  # noqa: E402
+from prorl_trl.callbacks import HardResetCallback  # noqa: E402
+from prorl_trl.config import ProRLConfig  # noqa: E402
+from prorl_trl.reset import lora_parameters, merge_lora_in_place, reinit_adapter  # noqa: E402
 from prorl_trl.tiny import build_tiny  # noqa: E402
+from prorl_trl.trainer import ProRLTrainer  # noqa: E402
 
 
 def token_hash_reward(completion_ids, **kwargs):
@@ -30,38 +34,44 @@ def token_hash_reward(completion_ids, **kwargs):
     return [(sum(ids) % 13) / 13 for ids in completion_ids]
 
 
-def parameters_vector(model):
-    return torch.cat([p.detach().double().flatten() for _, p in sorted(model.named_parameters())])
-
-
 def compare_ranks(model):
-    vector = parameters_vector(model)
+    vector = torch.cat([p.detach().double().flatten() for _, p in sorted(model.named_parameters())])
     gathered = [torch.empty_like(vector) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, vector)
     return {"equal": all(torch.equal(gathered[0], g) for g in gathered), "max_diff": float((gathered[0] - gathered[1]).abs().max())}
 
 
-def start_phase(trainer, max_steps, new_optimizer):
-    """What a phase boundary does between train() calls (see notes §2): fresh step buffers, optimizer, schedule."""
-    trainer.args.max_steps = max_steps
-    trainer._buffered_inputs = None
-    trainer._step = 0
-    trainer.lr_scheduler = None
-    if new_optimizer:
-        trainer.optimizer = None
-        trainer.model_wrapped = trainer.model  # new Parameters: let the next train() build a new DDP wrapper
+class RankComparison(TrainerCallback):
+    """After each reset (phase start, or in-loop after `HardResetCallback`) and at the end of each phase."""
+
+    def __init__(self):
+        self.trainer, self.records, self.seen_resets = None, [], 0
+
+    def _record(self, label):
+        trainer = self.trainer
+        self.records.append(dict(label=label, resets=trainer.prorl_resets, **compare_ranks(trainer.model)))
+        self.seen_resets = trainer.prorl_resets
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._record(f"start of phase {self.trainer.current_phase.index}")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.trainer.prorl_resets != self.seen_resets:
+            self._record(f"in-loop reset at global step {self.trainer.prorl_global_step}")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._record(f"end of phase {self.trainer.current_phase.index}")
 
 
 def main(out_path):
     torch.set_num_threads(1)
     model, tokenizer = build_tiny(seed=0)
-    prompts = [f"Question {i}: add {i} and {i + 3}." for i in range(32)]
-    args = GRPOConfig(
+    comparison = RankComparison()
+    args = ProRLConfig(
         output_dir=str(Path(out_path).parent / "ddp_run"),
         per_device_train_batch_size=2,
         num_generations=2,
         max_completion_length=6,
-        max_steps=2,
         learning_rate=5e-2,
         logging_steps=1,
         save_strategy="no",
@@ -71,40 +81,29 @@ def main(out_path):
         gradient_checkpointing=False,
         disable_tqdm=True,
         seed=0,
-        ddp_find_unused_parameters=False,
+        save_merged_on_reset=False,
+        phases=[{"max_steps": 2}, {"max_steps": 4, "lora_r": 8}, {"max_steps": 2}],
     )
-    trainer = GRPOTrainer(
+    trainer = ProRLTrainer(
         model=model,
         reward_funcs=token_hash_reward,
         args=args,
-        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        train_dataset=Dataset.from_dict({"prompt": [f"Question {i}: add {i} and {i + 3}." for i in range(32)]}),
         processing_class=tokenizer,
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj"], task_type="CAUSAL_LM"),
+        callbacks=[HardResetCallback(every_steps=4), comparison],
     )
-    results = {}
+    comparison.trainer = trainer
     trainer.train()
-    results["after_phase_1"] = compare_ranks(trainer.model)
-
+    results = {
+        "records": comparison.records,
+        "resets": trainer.prorl_resets,
+        "final_rank": trainer.model.peft_config["default"].r,
+        "lora_b_trained": all(p.abs().sum().item() > 0 for n, p in lora_parameters(trainer.model) if "lora_B" in n),
+    }
     merge_lora_in_place(trainer.model)
-    reinit_adapter(trainer.model)  # unseeded: each rank's RNG differs (TRL seeds per process)
+    reinit_adapter(trainer.model)  # unseeded and not broadcast: each rank's RNG differs (TRL seeds per process)
     results["reset_without_broadcast"] = compare_ranks(trainer.model)
-    broadcast_adapter(trainer.model)
-    results["reset_with_broadcast"] = compare_ranks(trainer.model)
-
-    start_phase(trainer, max_steps=2, new_optimizer=True)
-    trainer.train()
-    results["after_phase_2"] = compare_ranks(trainer.model)
-
-    merge_lora_in_place(trainer.model)
-    results["shape_changed"] = reinit_adapter(trainer.model, r=8, target_modules=["q_proj", "v_proj", "up_proj"])
-    broadcast_adapter(trainer.model)
-    results["reshape_with_broadcast"] = compare_ranks(trainer.model)
-    start_phase(trainer, max_steps=2, new_optimizer=True)
-    trainer.train()
-    results["after_phase_3"] = compare_ranks(trainer.model)
-    results["phase_3_trained_new_adapter"] = all(
-        p.abs().sum().item() > 0 for name, p in lora_parameters(trainer.model) if "lora_B" in name
-    )
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results, indent=1))
 
