@@ -9,6 +9,7 @@ phase fails fast with a message that names it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +55,7 @@ class PhaseConfig:
 
         temperature, top_p, top_k, min_p, repetition_penalty, num_generations, max_completion_length,
         generation_batch_size: as in `GRPOConfig`. When `num_generations` changes and `generation_batch_size` is not
-        set, the number of prompts per generation batch is kept.
+        set, the number of prompts per generation batch is kept (rounded up to whole micro-batches).
 
         > Overlong penalty (DAPO eq. 13)
 
@@ -99,7 +100,7 @@ class PhaseConfig:
         default=None,
         metadata={
             "help": "Completions per generation batch (global). None: keep the previous phase's prompts per "
-            "generation batch, times this phase's `num_generations`."
+            "generation batch, times this phase's `num_generations` (rounded up to whole micro-batches)."
         },
     )
     overlong_buffer: int | None = field(
@@ -300,7 +301,8 @@ def resolve_phases(args: ProRLConfig, peft_config: Any = None, world_size: int =
         values.update({k: v for k, v in explicit.items() if k in previous})
         where = f"phase {index} ({phase.name or f'phase-{index}'})"
         if "generation_batch_size" not in explicit:
-            values["generation_batch_size"] = prompts_per_generation * values["num_generations"]
+            # Keep the prompts per generation batch; round up to whole micro-batches (TRL splits it into them).
+            values["generation_batch_size"] = math.lcm(prompts_per_generation * values["num_generations"], micro_batch)
         prompts_per_generation = max(1, values["generation_batch_size"] // values["num_generations"])
         hard_reset = args.hard_reset_between_phases if phase.hard_reset is None else phase.hard_reset
         _check_phase(where, phase.max_steps, values, micro_batch, peft_config)

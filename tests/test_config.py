@@ -1,0 +1,88 @@
+"""ProRLConfig / PhaseConfig / resolve_phases: carry-over rules and fail-fast errors (no model needed)."""
+
+import pytest
+from peft import LoraConfig
+
+from prorl_trl.config import PhaseConfig, ProRLConfig, resolve_phases
+
+BASE = dict(use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=4, num_generations=4)
+
+
+def config(tmp_path, **overrides):
+    return ProRLConfig(output_dir=str(tmp_path), **{**BASE, **overrides})
+
+
+def test_single_phase_default_uses_max_steps(tmp_path):
+    (phase,) = resolve_phases(config(tmp_path, max_steps=7, temperature=0.9))
+    assert (phase.name, phase.max_steps, phase.temperature, phase.hard_reset) == ("main", 7, 0.9, False)
+
+
+def test_fields_carry_over_from_previous_phase(tmp_path):
+    args = config(
+        tmp_path,
+        temperature=1.1,
+        max_completion_length=16,
+        phases=[
+            {"max_steps": 2, "top_p": 0.9},
+            PhaseConfig(max_steps=3, temperature=1.2, num_generations=2),
+            PhaseConfig(max_steps=1, name="last", hard_reset=False, lora_r=8),
+        ],
+    )
+    peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    first, second, third = resolve_phases(args, peft)
+    assert (first.temperature, first.top_p, first.max_completion_length) == (1.1, 0.9, 16)
+    assert (second.temperature, second.top_p) == (1.2, 0.9)
+    assert (first.lora_r, first.lora_alpha, first.lora_target_modules) == (4, 8, ["q_proj", "v_proj"])
+    assert third.lora_r == 8 and third.lora_alpha == 8 and third.name == "last"
+    # Prompts per generation batch are kept when the group size changes (4 completions = 1 prompt x 4 -> 1 x 2 ...)
+    assert first.generation_batch_size == 4
+    assert second.generation_batch_size == 4, "1 prompt x 2 rounded up to one micro-batch of 4 (2 prompts)"
+    assert third.generation_batch_size == 4
+    assert [p.hard_reset for p in (first, second, third)] == [False, True, False]
+    assert first.lora_shape != third.lora_shape
+
+
+def test_generation_batch_must_hold_whole_groups_and_micro_batches(tmp_path):
+    args = config(tmp_path, phases=[PhaseConfig(max_steps=1), PhaseConfig(max_steps=1, num_generations=3, generation_batch_size=8)])
+    with pytest.raises(ValueError, match="phase 1.*not divisible by num_generations 3"):
+        resolve_phases(args)
+
+
+def test_group_size_change_rounds_up_to_whole_micro_batches(tmp_path):
+    args = config(tmp_path, phases=[PhaseConfig(max_steps=1), PhaseConfig(max_steps=1, num_generations=3)])
+    assert [p.generation_batch_size for p in resolve_phases(args)] == [4, 12]
+
+
+@pytest.mark.parametrize(
+    "phase, message",
+    [
+        (PhaseConfig(max_steps=0), "max_steps must be >= 1"),
+        (PhaseConfig(max_steps=1, num_generations=1), "num_generations must be >= 2"),
+        (PhaseConfig(max_steps=1, temperature=0.0), "temperature must be > 0"),
+        (PhaseConfig(max_steps=1, top_p=1.5), "top_p"),
+        (PhaseConfig(max_steps=1, overlong_buffer=16, max_completion_length=16), "overlong_buffer"),
+        (PhaseConfig(max_steps=1, lora_r=8), "no peft_config"),
+    ],
+)
+def test_bad_phase_names_phase_and_field(tmp_path, phase, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_phases(config(tmp_path, phases=[phase]))
+
+
+def test_config_level_errors(tmp_path):
+    with pytest.raises(ValueError, match="phases"):
+        config(tmp_path, phases=[])
+    with pytest.raises(ValueError, match="plateau_mode"):
+        config(tmp_path, plateau_mode="up")
+    with pytest.raises(ValueError, match="overlong_buffer"):
+        config(tmp_path, overlong_buffer=-1)
+    with pytest.raises(TypeError):
+        config(tmp_path, phases=[{"max_steps": 1, "temprature": 1.0}])
+
+
+def test_every_field_has_help():
+    import dataclasses
+
+    for cls in (ProRLConfig, PhaseConfig):
+        own = [f for f in dataclasses.fields(cls) if f.name in cls.__annotations__]
+        assert own and all(f.metadata.get("help") for f in own), cls

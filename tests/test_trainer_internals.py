@@ -1,0 +1,94 @@
+"""Guard tests: one per TRL/transformers private internal ProRLTrainer relies on (pinned trl==1.16.0).
+
+If one fails after an upgrade, the named ProRLTrainer code path must be revisited, not the test.
+"""
+
+import inspect
+
+import pytest
+import torch
+import trl
+from _prorl_helpers import lora, prompts_dataset, tiny_args, tiny_model
+from transformers import GenerationConfig, Trainer
+from trl import GRPOTrainer
+from trl.generation.vllm_generation import VLLMGeneration
+from trl.trainer.utils import add_fused_lm_head
+
+from prorl_trl import ProRLTrainer
+
+
+def test_trl_version_is_the_pinned_one():
+    assert trl.__version__ == "1.16.0"
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    model, tokenizer = tiny_model()
+    return ProRLTrainer(
+        model=model, processing_class=tokenizer, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+        args=tiny_args(tmp_path_factory.mktemp("guard"), max_steps=1), train_dataset=prompts_dataset(),
+        peft_config=lora(),
+    )
+
+
+def test_generation_settings_live_in_generation_config_and_kwargs(trainer):
+    # apply_sampling writes these; TRL's _generate_single_turn reads generation_config at every call.
+    assert isinstance(trainer.generation_config, GenerationConfig)
+    for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens"):
+        assert key in trainer.generation_kwargs and hasattr(trainer.generation_config, key)
+    assert "generation_config=self.generation_config" in inspect.getsource(GRPOTrainer._generate_single_turn)
+
+
+def test_vllm_generation_reads_sampling_attributes_at_each_call():
+    init, generate = inspect.getsource(VLLMGeneration.__init__), inspect.getsource(VLLMGeneration.generate)
+    for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_completion_length"):
+        assert f"self.{key} = {key}" in init
+        assert f"self.{key}" in generate
+    assert "_last_loaded_step" in inspect.getsource(GRPOTrainer._generate_single_turn)
+
+
+def test_fused_head_temperature_is_fixed_at_patch_time():
+    signature = inspect.signature(add_fused_lm_head)
+    assert {"temperature", "cast_lm_head_to_fp32", "outputs"} <= set(signature.parameters)
+    assert "add_fused_lm_head(" in inspect.getsource(GRPOTrainer.__init__)
+    assert "fused_lm_head=True" in inspect.getsource(GRPOTrainer._get_per_token_logps_and_entropies)
+
+
+def test_generation_buffer_and_step_counter(trainer):
+    assert trainer._buffered_inputs is None and trainer._step == 0
+    source = inspect.getsource(GRPOTrainer._prepare_inputs)
+    assert "self._buffered_inputs" in source and "self._step" in source
+    assert "self._generate_and_score_completions(" in source
+
+
+def test_metrics_buffer_and_live_loss_attributes(trainer):
+    assert set(trainer._metrics) == {"train", "eval"}
+    assert isinstance(trainer.reward_weights, torch.Tensor)
+    for name in ("epsilon_low", "epsilon_high", "beta", "num_generations", "temperature", "max_completion_length"):
+        assert hasattr(trainer, name), name
+    loss_source = inspect.getsource(GRPOTrainer._compute_loss)
+    assert "self.epsilon_low" in loss_source and "self.epsilon_high" in loss_source
+    assert "self.reward_weights" in inspect.getsource(GRPOTrainer._generate_and_score_completions)
+
+
+def test_overridden_private_methods_keep_their_signatures():
+    params = lambda f: list(inspect.signature(f).parameters)  # noqa: E731
+    assert params(GRPOTrainer._calculate_rewards) == ["self", "inputs", "prompts", "completions", "completion_ids_list"]
+    assert params(GRPOTrainer._generate_and_score_completions) == ["self", "inputs"]
+    assert params(GRPOTrainer._compute_loss) == ["self", "model", "inputs"]
+    assert params(GRPOTrainer._get_per_token_logps_and_entropies)[:5] == [
+        "self", "model", "input_ids", "attention_mask", "logits_to_keep"
+    ]
+    assert "return rewards_per_func" in inspect.getsource(GRPOTrainer._calculate_rewards)
+    assert params(Trainer._get_output_dir) == ["self", "trial"]
+    assert {"num_training_steps", "optimizer"} <= set(inspect.signature(Trainer.create_scheduler).parameters)
+
+
+def test_hf_loop_reads_optimizer_and_scheduler_from_self_each_step():
+    source = inspect.getsource(Trainer._run_epoch)
+    assert "self.optimizer.step()" in source and "self.lr_scheduler.step()" in source
+    assert "current_gradient_accumulation_steps" in source
+
+
+def test_accelerator_optimizer_registry(trainer):
+    assert isinstance(trainer.accelerator._optimizers, list)
