@@ -53,10 +53,9 @@ def _write_samples(out, name, rows, count):
 
 
 def _eval(args):
-    from prorl_trl.evaluation.cli import add_eval_arguments, run_eval
-    import argparse
+    from prorl_trl.cli import main
 
-    return run_eval(add_eval_arguments(argparse.ArgumentParser()).parse_args(args))
+    return main(["eval", *args])
 
 
 @pytest.fixture(scope="module")

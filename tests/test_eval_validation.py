@@ -127,3 +127,28 @@ def test_unbound_callback_and_bad_settings_fail_clearly():
         ValidationCallback([{"question": "x"}], _reward())
     with pytest.raises(ValueError, match="Unknown reward"):
         ValidationCallback(_dataset(2), "no_such_reward")
+
+
+def test_prorl_trainer_binds_it_and_its_plateau_rule_sees_the_metric(tmp_path):
+    """ProRLTrainer binds callbacks that have `bind`; eval entries carry `prorl/*` keys and drive the plateau rule."""
+    from prorl_trl import ProRLConfig, ProRLTrainer
+
+    model, tokenizer = build_tiny(seed=0)
+    args = ProRLConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+        max_steps=6, logging_steps=1, report_to="none", use_cpu=True, bf16=False, save_strategy="no",
+        learning_rate=1e-3, seed=0, disable_tqdm=True, plateau_metric="eval_pass@1", plateau_patience=1,
+        save_merged_on_reset=False,
+    )
+    validation = ValidationCallback(_dataset(), "boxed_answer", eval_steps=1, num_problems=2, num_generations=2,
+                                    max_completion_length=4, at_start=True)
+    trainer = ProRLTrainer(
+        model=model, reward_funcs=[_reward()], args=args, train_dataset=_dataset(), processing_class=tokenizer,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+        callbacks=[validation],
+    )
+    assert validation.trainer is trainer
+    trainer.train()
+    evals = [e for e in trainer.prorl_log_history if "eval_pass@1" in e]
+    assert evals and all("prorl/global_step" in e for e in evals)
+    assert trainer.prorl_global_step < 6  # a tiny random model never improves: the plateau rule ends the phase

@@ -13,7 +13,7 @@ from typing import Any
 
 from .grading import DEFAULT_REWARDS, resolve_reward
 from .problems import DATASETS, check_breakdown, load_rows, select, with_problem_ids
-from .runner import ModelSpec, sample_model
+from .runner import ModelSpec, check_resumable
 from .sampling import SamplingSettings
 
 
@@ -140,6 +140,7 @@ def run_eval(args: argparse.Namespace) -> int:
         if not rows:
             raise ValueError(f"No problems left in {args.dataset} after --subset/--limit; nothing to evaluate.")
         check_breakdown(rows, opts["breakdown"])
+        check_resumable(opts["out"], opts["models"], opts["settings"])
     except (ValueError, FileNotFoundError) as error:
         print(f"prorl-trl eval: error: {error}", file=sys.stderr)
         return 2

@@ -19,6 +19,15 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, out_dir: str | Path, name: str) -> Path:
+    fig.tight_layout()
+    path = Path(out_dir) / "plots" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def _curves(ax, part: pd.DataFrame, title: str) -> None:
     for model, curve in part.groupby("model", sort=False):
         curve = curve.sort_values("k")
@@ -47,12 +56,7 @@ def plot_passk(passk: pd.DataFrame, out_dir: str | Path, group_by: str = OVERALL
         _curves(ax, rows_of_group, "all problems" if group_by == OVERALL else f"{group_by} = {group} ({problems})")
     for ax in list(axes.flat)[len(groups):]:
         ax.axis("off")
-    fig.tight_layout()
-    path = Path(out_dir) / "plots" / f"pass_at_k_{group_by}.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out_dir, f"pass_at_k_{group_by}.png")
 
 
 def plot_pass1_histogram(per_problem: pd.DataFrame, model: str, out_dir: str | Path) -> Path:
@@ -64,9 +68,4 @@ def plot_pass1_histogram(per_problem: pd.DataFrame, model: str, out_dir: str | P
     ax.set_xlabel("per-problem pass@1 (correct / n)")
     ax.set_ylabel("problems")
     ax.set_title(f"{model}: pass@1 over {len(part)} problems")
-    fig.tight_layout()
-    path = Path(out_dir) / "plots" / f"pass_at_1_hist_{model}.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out_dir, f"pass_at_1_hist_{model}.png")

@@ -60,7 +60,17 @@ def read_samples(path: Path) -> dict[tuple[str, int], dict[str, Any]]:
     return found
 
 
-def _check_meta(meta_path: Path, meta: dict[str, Any], name: str) -> None:
+def _meta(spec: ModelSpec, settings: SamplingSettings) -> dict[str, Any]:
+    return {"model": spec.path, **{k: getattr(settings, k) for k in _RESUME_KEYS}}
+
+
+def check_resumable(out_dir: str | Path, specs: list[ModelSpec], settings: SamplingSettings) -> None:
+    """Refuse early (before loading anything) when stored samples were drawn with other settings."""
+    for spec in specs:
+        _check_meta(samples_file(out_dir, spec.name).with_suffix(".meta.json"), _meta(spec, settings), spec.name, write=False)
+
+
+def _check_meta(meta_path: Path, meta: dict[str, Any], name: str, write: bool = True) -> None:
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
         changed = [k for k in _RESUME_KEYS + ("model",) if k in old and old[k] != meta[k]]
@@ -70,6 +80,8 @@ def _check_meta(meta_path: Path, meta: dict[str, Any], name: str) -> None:
                 f"{meta_path.parent / (name + '.jsonl')} was sampled with other settings ({diff}); "
                 "use another --out, or delete that file to resample."
             )
+    if not write:
+        return
     meta_path.parent.mkdir(parents=True, exist_ok=True)
     meta_path.write_text(json.dumps(meta, indent=2))
 
@@ -113,8 +125,7 @@ def sample_model(
     The model is loaded only when something is missing, so re-reporting a finished run is cheap.
     """
     path = samples_file(out_dir, spec.name)
-    meta = {"model": spec.path, **{k: getattr(settings, k) for k in _RESUME_KEYS}}
-    _check_meta(path.with_suffix(".meta.json"), meta, spec.name)
+    _check_meta(path.with_suffix(".meta.json"), _meta(spec, settings), spec.name)
     existing = read_samples(path)
     from transformers import AutoTokenizer
 

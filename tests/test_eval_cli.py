@@ -1,0 +1,116 @@
+"""`python -m prorl_trl eval` end to end on two tiny saved models over MATH-500 rows: real sampling, grading with
+the registry, breakdowns, the always-wrong subset, every output file, resume, and argument errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from prorl_trl.cli import main as cli_main
+from prorl_trl.tiny import save_tiny
+
+REPO = Path(__file__).resolve().parent.parent
+LIMIT, N = 6, 4
+
+
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return save_tiny(root / "seed0", seed=0), save_tiny(root / "seed1", seed=1)
+
+
+def _args(two_models, shared_data, out, *extra):
+    first, second = two_models
+    return [
+        "eval", "--model", f"first={first}", "--model", f"second={second}", "--dataset", "math500",
+        "--data-files", str(shared_data / "math500"), "--limit", str(LIMIT), "--n", str(N), "--k", "1,2,4",
+        "--max-new-tokens", "8", "--breakdown", "level,subject", "--out", str(out), "--no-progress",
+        "--num-resamples", "100", "--device", "cpu", *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def run(two_models, shared_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval") / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "prorl_trl", *_args(two_models, shared_data, out, "--subset", "always-wrong:first")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, result.stdout
+
+
+def test_all_files_are_written_with_both_models_and_every_group(run, shared_data):
+    out, stdout = run
+    for name in ("samples.jsonl", "summary.json", "summary.csv", "report.md", "per_problem.csv",
+                 "samples/first.jsonl", "samples/second.jsonl"):
+        assert (out / name).is_file(), name
+    summary = json.loads((out / "summary.json").read_text())
+    hard = summary["always_wrong"]["problems"]
+    assert summary["settings"]["always_wrong"] == "first" and len(hard) >= 1
+    rows = [json.loads(line) for line in open(shared_data / "math500" / "test.jsonl")][:LIMIT]
+    hard_rows = [r for r in rows if r["unique_id"] in hard]
+    table = pd.DataFrame(summary["pass_at_k"])
+    assert set(table["model"]) == {"first", "second"}
+    for field in ("level", "subject"):
+        groups = {str(r[field]) for r in hard_rows}
+        for model in ("first", "second"):
+            assert set(table.query("model == @model and group_by == @field")["group"]) == groups
+    report = (out / "report.md").read_text()
+    assert "| first |" in report and "| second |" in report and "never solved" in report
+    for r in hard_rows:
+        assert f"| {r['subject']} |" in report
+    plots = {p.name for p in (out / "plots").iterdir()}
+    assert plots == {"pass_at_k_overall.png", "pass_at_k_level.png", "pass_at_k_subject.png",
+                     "pass_at_1_hist_first.png", "pass_at_1_hist_second.png"}
+    assert [line for line in stdout.splitlines() if "completions/s" in line]
+
+
+def test_samples_are_graded_and_the_second_model_only_sampled_the_subset(run):
+    out, _ = run
+    records = [json.loads(line) for line in open(out / "samples.jsonl")]
+    summary = json.loads((out / "summary.json").read_text())
+    first = [r for r in records if r["model"] == "first"]
+    second = [r for r in records if r["model"] == "second"]
+    assert len(first) == LIMIT * N
+    assert {r["problem_id"] for r in second} == set(summary["always_wrong"]["problems"])
+    for r in records:
+        assert r["reward"] in (0.0, 1.0) and isinstance(r["correct"], bool) and 1 <= r["num_tokens"] <= 8
+    throughput = summary["throughput"]
+    assert throughput["first"]["completions"] == LIMIT * N and throughput["first"]["completions_per_s"] > 0
+
+
+def test_rerun_resumes_without_sampling_and_more_samples_only_draw_the_new_ones(run, two_models, shared_data):
+    out, _ = run
+    before = (out / "samples" / "first.jsonl").read_text()
+    assert cli_main(_args(two_models, shared_data, out, "--subset", "always-wrong:first", "--no-plots")) == 0
+    assert (out / "samples" / "first.jsonl").read_text() == before
+    assert json.loads((out / "summary.json").read_text())["throughput"]["first"]["completions"] == 0
+
+    more = _args(two_models, shared_data, out, "--no-plots")
+    more[more.index("--n") + 1] = "5"
+    assert cli_main(more) == 0
+    after = (out / "samples" / "first.jsonl").read_text()
+    assert after.startswith(before) and len(after.splitlines()) == LIMIT * (N + 1)
+    assert json.loads((out / "summary.json").read_text())["throughput"]["first"]["completions"] == LIMIT
+
+    changed = _args(two_models, shared_data, out, "--no-plots")
+    changed[changed.index("--max-new-tokens") + 1] = "9"
+    assert cli_main(changed) == 2  # other sampling settings than the stored samples: refused up front
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [(["--k", "1,8"], "--n"), (["--subset", "always-wrong:nobody"], "nobody"), (["--reward", "nope"], "Unknown reward"),
+     (["--breakdown", "colour"], "colour"), (["--subset", "odd"], "non-integer")],
+)
+def test_bad_arguments_exit_2_before_any_work(two_models, shared_data, tmp_path, capsys, extra, message):
+    out = tmp_path / "never"
+    assert cli_main(_args(two_models, shared_data, out, *extra)) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
