@@ -90,8 +90,48 @@ def _init_adapter_weights(model: nn.Module, init_lora_weights: Any, seed: int | 
             layer.lora_B[ADAPTER_NAME].bias.zero_()
 
 
-def _normalise_targets(targets: Any) -> Any:
-    return frozenset(targets) if isinstance(targets, (list, tuple, set, frozenset)) else targets
+def targeted_module_names(model: nn.Module, target_modules: list[str] | str) -> frozenset[str]:
+    """Names of the base-model modules a LoRA adapter with `target_modules` would wrap (as PEFT matches them).
+
+    `"all-linear"` means every `nn.Linear` except the output embedding (PEFT's rule). Comparing these sets, rather
+    than the configs, matters because PEFT rewrites `target_modules="all-linear"` into the list of full module names
+    (in the user's own `LoraConfig` object, too), so the two spellings of one adapter would look different.
+    """
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    base = peft_model_of(model).get_base_model()
+    config = copy.copy(peft_model_of(model).peft_config[ADAPTER_NAME])
+    config.target_modules = target_modules if isinstance(target_modules, str) else set(target_modules)
+    output_embeddings = base.get_output_embeddings()
+    names = set()
+    for name, module in base.named_modules():
+        parts = name.split(".")
+        if "base_layer" in parts or any(part.startswith("lora_") for part in parts):
+            continue  # inside a LoRA wrapper: the wrapper stands for the layer
+        layer = module.get_base_layer() if isinstance(module, LoraLayer) else module
+        if target_modules == "all-linear":
+            if isinstance(layer, nn.Linear) and layer is not output_embeddings:
+                names.add(name)
+        elif bool(check_target_module_exists(config, name)):
+            names.add(name)
+    return frozenset(names)
+
+
+def adapter_needs_rebuild(
+    model: nn.Module, r: int | None = None, target_modules: list[str] | str | None = None
+) -> bool:
+    """Whether a fresh adapter of rank `r` on `target_modules` (None: unchanged) needs new Parameter objects.
+
+    True when the rank or the set of wrapped modules changes; a new `lora_alpha` alone never does (it is a scale).
+    """
+    peft_model = peft_model_of(model)
+    if r is not None and r != peft_model.peft_config[ADAPTER_NAME].r:
+        return True
+    if target_modules is None:
+        return False
+    current = frozenset(name for name, _ in lora_layers(peft_model.get_base_model()))
+    return targeted_module_names(peft_model, target_modules) != current
 
 
 def reinit_adapter(
@@ -114,17 +154,15 @@ def reinit_adapter(
     check_lora_supported(model)
     peft_model = peft_model_of(model)
     old = peft_model.peft_config[ADAPTER_NAME]
-    new = copy.deepcopy(old)
+    new = copy.deepcopy(old)  # the caller's LoraConfig (PEFT keeps a reference) is never modified
     if r is not None:
         new.r = r
     if lora_alpha is not None:
         new.lora_alpha = lora_alpha
     if target_modules is not None:
         new.target_modules = target_modules if isinstance(target_modules, str) else set(target_modules)
-    reshaped = new.r != old.r or (
-        target_modules is not None and _normalise_targets(new.target_modules) != _normalise_targets(old.target_modules)
-    )
-    if not reshaped:
+    if not adapter_needs_rebuild(peft_model, r=r, target_modules=target_modules):
+        new.target_modules = old.target_modules  # same modules, maybe spelled differently ("all-linear")
         for _, layer in lora_layers(peft_model):
             layer.lora_alpha[ADAPTER_NAME] = new.lora_alpha
             denominator = math.sqrt(new.r) if new.use_rslora else new.r

@@ -297,3 +297,33 @@ def test_reference_adapter_is_reset_to_the_merged_policy_and_stays_frozen():
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(".default." in name for name in trainable)
     assert reset_reference_adapter(lora_model()) is False
+
+
+def test_target_spellings_of_the_same_modules_do_not_rebuild_the_adapter():
+    """PEFT rewrites "all-linear" into full module names (in the user's config too): compare modules, not configs."""
+    from prorl_trl.reset import adapter_needs_rebuild, targeted_module_names
+
+    model = lora_model(targets=ALL_LINEAR)
+    model_all = get_peft_model(build_tiny()[0], LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+    assert isinstance(model_all.peft_config["default"].target_modules, set)  # PEFT resolved the shorthand
+    assert targeted_module_names(model_all, "all-linear") == targeted_module_names(model, ALL_LINEAR)
+    assert len(targeted_module_names(model, "all-linear")) == 2 * len(ALL_LINEAR)  # lm_head excluded
+    for candidate in (model, model_all):
+        assert not adapter_needs_rebuild(candidate, r=4, target_modules="all-linear")
+        assert not adapter_needs_rebuild(candidate, target_modules=ALL_LINEAR)
+        assert adapter_needs_rebuild(candidate, target_modules=["q_proj", "k_proj"])
+        assert adapter_needs_rebuild(candidate, r=8)
+    identities = [id(p) for _, p in lora_parameters(model_all)]
+    assert reinit_adapter(model_all, target_modules="all-linear", lora_alpha=16) is False
+    assert [id(p) for _, p in lora_parameters(model_all)] == identities
+    narrow = lora_model(targets=("q_proj", "k_proj"))
+    assert not adapter_needs_rebuild(narrow, target_modules=r".*\.(q_proj|k_proj)")  # a regex for the same modules
+
+
+def test_reinit_never_modifies_the_callers_lora_config():
+    model, _ = build_tiny()
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    model = get_peft_model(model, config)
+    reinit_adapter(model, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    assert (config.r, config.lora_alpha, config.target_modules) == (4, 8, {"q_proj"})
+    assert model.peft_config["default"].r == 8
