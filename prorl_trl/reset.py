@@ -257,29 +257,38 @@ def sync_reference(ref_model: nn.Module, policy: nn.Module) -> None:
 
 
 @torch.no_grad()
-def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The base model's state dict with every active, unmerged LoRA delta added and no LoRA tensors.
+def merged_state_dict(model: nn.Module, device: str | torch.device | None = "cpu") -> dict[str, torch.Tensor]:
+    """The base model's state dict with the active, unmerged "default" LoRA delta added, and no LoRA tensors.
 
-    Computed out of place (the live model is not touched); deltas are summed in float32 and cast to the base dtype.
+    Computed out of place, one layer at a time (the live model is not touched); the sum is done in float32 and cast
+    to the base dtype. Merged tensors are moved to `device` (default CPU) as they are made, so GPU memory grows by one
+    layer at most; untouched tensors (and layers whose B is zero, e.g. right after a reset) are not copied.
     """
     check_lora_supported(model)
-    peft_model = peft_model_of(model)
-    base = peft_model.get_base_model()
-    deltas: dict[str, torch.Tensor] = {}
+    base = peft_model_of(model).get_base_model()
+    pending = {}  # state-dict key -> (layer, "weight" | "bias")
     for name, layer in lora_layers(base):
         if layer.disable_adapters or ADAPTER_NAME in layer.merged_adapters or ADAPTER_NAME not in layer.active_adapters:
             continue
-        delta = layer.lora_B[ADAPTER_NAME].weight.float() @ layer.lora_A[ADAPTER_NAME].weight.float()
-        if layer.fan_in_fan_out:
-            delta = delta.T
-        deltas[f"{name}.weight"] = delta * layer.scaling[ADAPTER_NAME]
+        lora_b = layer.lora_B[ADAPTER_NAME]
+        if lora_b.weight.count_nonzero() or (lora_b.bias is not None and lora_b.bias.count_nonzero()):
+            pending[f"{name}.weight"] = (layer, "weight")
+            if layer.lora_bias[ADAPTER_NAME]:
+                pending[f"{name}.bias"] = (layer, "bias")
     state = {}
     for key, tensor in base.state_dict().items():
         if "lora_" in key:
             continue
         key = key.replace(".base_layer.", ".")
-        if key in deltas:
-            tensor = (tensor.float() + deltas[key].to(tensor.device)).to(tensor.dtype)
+        if key in pending:
+            layer, kind = pending[key]
+            if kind == "weight":
+                delta = layer.lora_B[ADAPTER_NAME].weight.float() @ layer.lora_A[ADAPTER_NAME].weight.float()
+                delta = delta.T if layer.fan_in_fan_out else delta
+            else:
+                delta = layer.lora_B[ADAPTER_NAME].bias.float()
+            tensor = (tensor.float() + delta * layer.scaling[ADAPTER_NAME]).to(tensor.dtype)
+            tensor = tensor.to(device) if device is not None else tensor
         state[key] = tensor
     return state
 

@@ -64,7 +64,7 @@ def check_lora_supported(model: nn.Module) -> None:
     config = peft_model.peft_config.get(ADAPTER_NAME)
     supported = (
         "Supported: LoraConfig on Linear layers with init_lora_weights=True or 'gaussian', use_dora=False, "
-        "no modules_to_save / target_parameters / trainable_token_indices."
+        "no modules_to_save / target_parameters / trainable_token_indices, lora_bias only on layers with a bias."
     )
     if not isinstance(config, LoraConfig):
         raise ResetNotSupportedError(
@@ -88,6 +88,9 @@ def check_lora_supported(model: nn.Module) -> None:
     for name, layer in lora_layers(peft_model):
         if type(layer) is not LoraLinear:
             problems.append(f"layer {name} is a {type(layer).__module__}.{type(layer).__name__}, not a LoRA Linear")
+            break
+        if layer.lora_bias.get(ADAPTER_NAME) and getattr(layer.get_base_layer(), "bias", None) is None:
+            problems.append(f"lora_bias=True but layer {name} has no bias to merge it into")
             break
         if ADAPTER_NAME in getattr(layer, "lora_variant", {}):
             problems.append(f"layer {name} uses a LoRA variant ({type(layer.lora_variant[ADAPTER_NAME]).__name__})")

@@ -26,7 +26,8 @@ ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 def lora_model(r=4, targets=("q_proj", "k_proj"), seed=0, **lora_kwargs):
     """A PeftModel whose adapter has been 'trained': B is random, so the delta is non-zero."""
     model, _ = build_tiny(seed=seed)
-    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets), task_type="CAUSAL_LM", **lora_kwargs)
+    lora_kwargs.setdefault("target_modules", list(targets))
+    config = LoraConfig(r=r, lora_alpha=2 * r, task_type="CAUSAL_LM", **lora_kwargs)
     peft_model = get_peft_model(model, config)
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -230,6 +231,7 @@ def test_broadcast_is_a_no_op_without_process_group():
         ({"init_lora_weights": "pissa"}, "init_lora_weights='pissa'"),
         ({"init_lora_weights": "olora"}, "init_lora_weights='olora'"),
         ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"lora_bias": True, "target_modules": ["o_proj"]}, "lora_bias=True but layer .*o_proj has no bias"),
     ],
 )
 def test_unsupported_lora_variants_are_refused(lora_kwargs, message):
@@ -327,3 +329,58 @@ def test_reinit_never_modifies_the_callers_lora_config():
     reinit_adapter(model, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
     assert (config.r, config.lora_alpha, config.target_modules) == (4, 8, {"q_proj"})
     assert model.peft_config["default"].r == 8
+
+
+def tied_tiny_model():
+    """The tiny model with tied input/output embeddings, as Qwen2-0.5B has."""
+    model, _ = build_tiny()
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    return model
+
+
+def test_save_merged_model_with_tied_embeddings_and_lora_bias(tmp_path):
+    _, tokenizer = build_tiny()
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_bias=True, task_type="CAUSAL_LM")
+    model = get_peft_model(tied_tiny_model(), config).eval()  # Qwen2's q/k/v projections have a bias
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, layer in lora_layers(model):
+            for tensor in (layer.lora_B["default"].weight, layer.lora_B["default"].bias):
+                tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.1)
+    before = logits(model)
+    reloaded = AutoModelForCausalLM.from_pretrained(save_merged_model(model, tokenizer, tmp_path / "m")).eval()
+    assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
+    assert (logits(reloaded) - before).abs().max() < 1e-5
+    merge_lora_in_place(model)  # lora_bias is merged into the base bias too
+    reinit_adapter(model)
+    assert (logits(model) - before).abs().max() < 1e-5
+
+
+def test_merge_into_bf16_base_is_close_and_keeps_dtype():
+    """bf16 bases: the merge rounds W + dBA to bf16 once per reset (TRL loads fp32 by default, which avoids it)."""
+    model, _ = build_tiny(dtype=torch.bfloat16)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=ALL_LINEAR, task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for _, layer in lora_layers(model):
+            layer.lora_B["default"].weight.normal_(std=0.05)
+    model.eval()
+    before = logits(model).float()
+    merge_lora_in_place(model)
+    reinit_adapter(model, seed=0)
+    assert all(layer.base_layer.weight.dtype == torch.bfloat16 for _, layer in lora_layers(model))
+    assert all(layer.lora_A["default"].weight.dtype == torch.float32 for _, layer in lora_layers(model))
+    assert (logits(model).float() - before).abs().max() < 0.05 * before.abs().max()
+
+
+def test_merged_state_dict_copies_only_layers_with_a_delta():
+    from prorl_trl.reset import merged_state_dict
+
+    model = lora_model()
+    merge_lora_in_place(model)
+    reinit_adapter(model)  # B = 0: nothing to add
+    base = model.get_base_model()
+    live = {key.replace(".base_layer.", "."): t for key, t in base.state_dict().items() if "lora_" not in key}
+    state = merged_state_dict(model)
+    assert state.keys() == live.keys() and all(state[k].data_ptr() == live[k].data_ptr() for k in state)
