@@ -64,11 +64,9 @@ def _load_tokenizer(recipe: Recipe):
 def _validation_callback(recipe: Recipe, eval_dataset: Any, args: Any) -> Any:
     if recipe.validation is None or not recipe.validation.enabled or eval_dataset is None:
         return None
-    from .config import resolve_phases
     from .evaluation.validation import ValidationCallback
 
     settings = recipe.validation
-    first_phase = resolve_phases(args, recipe.peft_config(), args.world_size)[0]
     spec = next((s for s in recipe.rewards if s.name == settings.reward), None) if settings.reward else recipe.rewards[0]
     import rewards
 
@@ -78,13 +76,13 @@ def _validation_callback(recipe: Recipe, eval_dataset: Any, args: Any) -> Any:
         reward_func=reward,
         eval_steps=settings.eval_steps,
         num_problems=recipe.data.validation_size,
-        num_samples=settings.num_samples,
+        num_generations=settings.num_samples,
         temperature=settings.temperature,
         top_p=settings.top_p,
-        max_completion_length=settings.max_completion_length or first_phase.max_completion_length,
+        max_completion_length=settings.max_completion_length,
         ks=settings.ks,
         batch_size=settings.batch_size,
-        eval_on_start=settings.eval_on_start,
+        at_start=settings.at_start,
         seed=args.seed,
     )
 

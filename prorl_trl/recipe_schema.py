@@ -329,18 +329,18 @@ class ValidationSection:
 
     enabled: bool = field(default=True, metadata={"help": "Run validation during training."})
     eval_steps: int = field(default=50, metadata={"help": "Validate every N optimizer steps (global).", "min": 1})
-    num_samples: int = field(default=1, metadata={"help": "Samples per validation problem (n).", "min": 1})
+    num_samples: int = field(default=1, metadata={"help": "Samples per validation problem (n of pass@k).", "min": 1})
     temperature: float = field(default=1.0, metadata={"help": "Validation sampling temperature.", "min_exclusive": 0})
     top_p: float = field(default=1.0, metadata={"help": "Validation nucleus mass.", "min_exclusive": 0, "max": 1})
     max_completion_length: int | None = field(
-        default=None, metadata={"help": "Validation completion cap; None: the first phase's.", "min": 1}
+        default=None, metadata={"help": "Validation completion cap; None: the current phase's.", "min": 1}
     )
     ks: list[int] = field(default_factory=lambda: [1], metadata={"help": "k values logged as `eval_pass@<k>`."})
     reward: str | None = field(
         default=None, metadata={"help": "Reward (registry name) that grades validation; None: the recipe's first."}
     )
-    batch_size: int = field(default=64, metadata={"help": "Sequences per generate call.", "min": 1})
-    eval_on_start: bool = field(default=True, metadata={"help": "Also validate before the first step."})
+    batch_size: int = field(default=16, metadata={"help": "Prompts per generate call.", "min": 1})
+    at_start: bool = field(default=True, metadata={"help": "Also validate before the first step (the 'before' point)."})
 
 
 @dataclass

@@ -1,0 +1,101 @@
+"""`prorl-trl ablate` on a tiny grid: two good variants and one that fails at run time, run 2 at a time; the table
+has the validation metric and reward means of each; a re-run skips finished variants; a bad grid exits 2."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import yaml
+
+from prorl_trl.ablate import load_grid
+from prorl_trl.cli import main
+from prorl_trl.recipe_schema import RecipeError
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_RECIPE = REPO / "tests" / "recipes" / "tiny_gsm8k.yaml"
+
+
+def write_grid(tmp_path: Path, tiny_dir: Path, shared_data: Path, variants: dict) -> Path:
+    grid = {
+        "base": str(TINY_RECIPE),
+        "output_dir": str(tmp_path / "ablation"),
+        "overrides": {
+            "model.name_or_path": str(tiny_dir),
+            "data.source": str(shared_data / "gsm8k"),
+            "phases": [{"name": "only", "max_steps": 1}],
+        },
+        "variants": variants,
+    }
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump(grid, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def ablation(tiny_dir, shared_data, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("ablate")
+    variants = {
+        "rank4": {},
+        "rank2": {"peft.r": 2, "rewards": [{"name": "boxed_answer"}, {"name": "think_answer_format", "weight": 0.5}]},
+        "broken": {"data.max_prompt_tokens": 1},  # valid recipe, but every prompt is filtered out at run time
+    }
+    grid = write_grid(tmp_path, tiny_dir, shared_data, variants)
+    code = main(["ablate", str(grid), "--parallel", "2"])
+    return tmp_path / "ablation", grid, code
+
+
+def read_table(out: Path) -> dict[str, dict[str, str]]:
+    with open(out / "summary.csv") as handle:
+        return {row["variant"]: row for row in csv.DictReader(handle)}
+
+
+def test_table_has_metric_and_reward_means_and_survives_a_failure(ablation):
+    out, _, code = ablation
+    assert code == 1  # one variant failed; the others still ran
+    table = read_table(out)
+    assert list(table) == ["rank4", "rank2", "broken"]
+    assert table["rank4"]["status"] == table["rank2"]["status"] == "done"
+    assert table["broken"]["status"].startswith("failed") and "logs/broken.log" in table["broken"]["status"]
+    for name in ("rank4", "rank2"):
+        assert 0.0 <= float(table[name]["eval_pass@1"]) <= 1.0
+        assert -1.0 <= float(table[name]["boxed_answer (mean)"]) <= 1.0
+        assert table[name]["steps"] == "1"
+    assert table["rank2"]["think_answer_format (mean)"] != "" and table["rank4"]["think_answer_format (mean)"] == ""
+    markdown = (out / "summary.md").read_text()
+    assert "| rank2 | done |" in markdown and "eval_pass@1" in markdown
+    assert "empty after filtering" in (out / "logs" / "broken.log").read_text()
+
+
+def test_rerun_skips_finished_variants(ablation, capsys):
+    out, grid, _ = ablation
+    before = (out / "rank4" / "run_summary.json").stat().st_mtime
+    assert main(["ablate", str(grid), "--only", "rank4", "rank2"]) == 0
+    assert "running 0 (skipping 2 already finished)" in capsys.readouterr().out
+    assert (out / "rank4" / "run_summary.json").stat().st_mtime == before
+    assert read_table(out)["rank4"]["status"] == "done (earlier run)"
+
+
+def test_bad_variant_fails_validation_before_anything_runs(tmp_path, tiny_dir, shared_data, capsys):
+    grid = write_grid(tmp_path, tiny_dir, shared_data, {"ok": {}, "typo": {"peft.lora_aplha": 8}})
+    assert main(["ablate", str(grid)]) == 2
+    err = capsys.readouterr().err
+    assert "variants.typo: peft.lora_aplha = 8" in err and "did you mean `lora_alpha`" in err
+    assert not (tmp_path / "ablation").exists()
+
+
+def test_grid_axes_expand_to_the_cartesian_product(tmp_path):
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump({"base": "x.yaml", "grid": {"rank": {"r8": {"peft.r": 8}, "r4": {"peft.r": 4}}, "gens": {"g2": {}, "g3": {"training.num_generations": 3}}}}, sort_keys=False))
+    _, variants = load_grid(path)
+    assert [v.name for v in variants] == ["r8_g2", "r8_g3", "r4_g2", "r4_g3"]
+    assert variants[1].overrides == {"peft.r": 8, "training.num_generations": 3}
+    path.write_text(yaml.safe_dump({"base": "x.yaml", "variant": {}}))
+    with pytest.raises(RecipeError, match="did you mean `variants`"):
+        load_grid(path)
+
+
+def test_shipped_ablation_grid_validates(capsys):
+    assert main(["ablate", str(REPO / "recipes" / "ablations" / "qwen3_0.6b_rewards.yaml"), "--validate-only"]) == 0
+    assert "8 variants" in capsys.readouterr().out

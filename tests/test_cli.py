@@ -1,0 +1,77 @@
+"""`prorl-trl train` end to end under `accelerate launch` (single-process config, on CPU), with command-line
+overrides; the train path's own bad-input handling; the subcommand table."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from prorl_trl.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_RECIPE = REPO / "tests" / "recipes" / "tiny_gsm8k.yaml"
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_dir, shared_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("train") / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PRORL_SHARED_DATA": str(shared_data)}
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/single_gpu.yaml", "--cpu",
+        "-m", "prorl_trl", "train", str(TINY_RECIPE),
+        "--model.name_or_path", str(tiny_dir), "--training.output_dir", str(out), "--data.source", str(shared_data / "gsm8k"),
+        "--phases.1.temperature", "1.3",
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    return out, result
+
+
+def test_train_under_accelerate_runs_all_phases_and_reports_outputs(trained):
+    out, result = trained
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"outputs:  {out}/" in result.stdout and "final model:" in result.stdout
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["steps"] == 2
+    assert "eval_pass@1" in summary["final_eval"] and "boxed_answer" in summary["reward_means"]
+    phases = [e["prorl/phase"] for e in summary["log_history"] if "prorl/phase" in e]
+    assert sorted(set(phases)) == [0, 1]
+    effective = yaml.safe_load((out / "recipe.yaml").read_text())
+    assert effective["phases"][1]["temperature"] == 1.3 and effective["training"]["output_dir"] == str(out)
+
+
+def test_final_model_loads(trained):
+    from transformers import AutoModelForCausalLM
+
+    out, result = trained
+    assert result.returncode == 0
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert model.config.model_type == "qwen2"
+
+
+def test_train_with_a_bad_recipe_exits_2_before_loading_anything(capsys, tmp_path):
+    out = tmp_path / "never"
+    code = main(["train", str(TINY_RECIPE), "--training.output_dir", str(out), "--training.num_generations", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "training.num_generations = 1" in err and str(TINY_RECIPE) in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_help_lists_every_subcommand(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for command in ("train", "validate", "ablate"):
+        assert command in text
+    for command, module in (("demo", "demo.py"), ("eval", "evaluation/cli.py")):
+        assert (command in text) == (REPO / "prorl_trl" / module).is_file()
+
+
+def test_no_command_is_a_usage_error(capsys):
+    assert main([]) == 2
