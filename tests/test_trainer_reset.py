@@ -133,3 +133,23 @@ def test_hard_reset_callback_every_steps_inside_a_phase(tmp_path):
     assert by_step[3]["optimizer_state"] > 0, "training goes on with the fresh adapter"
     assert [e["prorl/resets"] for e in trainer.prorl_log_history if "loss" in e] == [0, 1, 1]
     assert not (tmp_path / "run" / "merged").exists()
+
+
+def adam_steps(trainer):
+    steps = {int(s["step"]) for s in trainer.optimizer.state.values()}
+    assert len(steps) == 1
+    return steps.pop()
+
+
+@pytest.mark.parametrize(
+    "phase_reset, reset_optimizer, expected_steps, expected_resets",
+    [(True, True, 1, 1), (True, False, 3, 1), (False, True, 3, 0)],
+    ids=["v1-reset", "v2-keep-moments", "no-reset-boundary"],
+)
+def test_optimizer_across_a_phase_boundary(tmp_path, phase_reset, reset_optimizer, expected_steps, expected_resets):
+    phases = [PhaseConfig(max_steps=2), PhaseConfig(max_steps=1, hard_reset=phase_reset, learning_rate=5e-3)]
+    trainer = build(tmp_path, phases=phases, reset_optimizer=reset_optimizer, save_merged_on_reset=False)
+    trainer.train()
+    assert adam_steps(trainer) == expected_steps
+    assert trainer.prorl_resets == expected_resets
+    assert all(group["initial_lr"] == pytest.approx(5e-3) for group in trainer.optimizer.param_groups)
