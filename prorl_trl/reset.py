@@ -163,10 +163,15 @@ def reinit_adapter(
         new.target_modules = target_modules if isinstance(target_modules, str) else set(target_modules)
     if not adapter_needs_rebuild(peft_model, r=r, target_modules=target_modules):
         new.target_modules = old.target_modules  # same modules, maybe spelled differently ("all-linear")
-        for _, layer in lora_layers(peft_model):
-            layer.lora_alpha[ADAPTER_NAME] = new.lora_alpha
-            denominator = math.sqrt(new.r) if new.use_rslora else new.r
-            layer.scaling[ADAPTER_NAME] = new.lora_alpha / denominator
+        if new.lora_alpha != old.lora_alpha:
+            if old.alpha_pattern or old.rank_pattern:
+                raise ResetNotSupportedError(
+                    "Changing lora_alpha of an adapter with per-layer alpha_pattern/rank_pattern is not supported; "
+                    "keep lora_alpha, or drop the patterns from the LoraConfig."
+                )
+            for _, layer in lora_layers(peft_model):
+                layer.lora_alpha[ADAPTER_NAME] = new.lora_alpha
+                layer.scaling[ADAPTER_NAME] = new.lora_alpha / (math.sqrt(new.r) if new.use_rslora else new.r)
         peft_model.peft_config[ADAPTER_NAME] = new
         _init_adapter_weights(peft_model, new.init_lora_weights, seed)
         return False

@@ -384,3 +384,12 @@ def test_merged_state_dict_copies_only_layers_with_a_delta():
     live = {key.replace(".base_layer.", "."): t for key, t in base.state_dict().items() if "lora_" not in key}
     state = merged_state_dict(model)
     assert state.keys() == live.keys() and all(state[k].data_ptr() == live[k].data_ptr() for k in state)
+
+
+def test_rank_pattern_layers_keep_their_scaling():
+    model = lora_model(r=4, rank_pattern={"q_proj": 2}, alpha_pattern={"q_proj": 16})
+    scalings = {name: layer.scaling["default"] for name, layer in lora_layers(model)}
+    assert reinit_adapter(model, seed=0) is False
+    assert {name: layer.scaling["default"] for name, layer in lora_layers(model)} == scalings
+    with pytest.raises(ResetNotSupportedError, match="alpha_pattern"):
+        reinit_adapter(model, lora_alpha=32)
