@@ -20,12 +20,13 @@ import argparse
 import difflib
 import sys
 from collections.abc import Sequence
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
 from .distill_sft import train_student
 from .rejection_sampling import (
+    RejectionStats,
     RewardFn,
     SampleFn,
     load_tokenizer,
@@ -52,11 +53,12 @@ class DistillConfig:
         teacher (`str`): Path (or hub id) of the teacher, usually an RL-trained checkpoint.
         student (`str`): Path (or hub id) of the student to fine-tune. In a recipe it is the recipe's model.
         dataset (`str`): Data builder name (`gsm8k`, `math500`, `kk`, `jsonl`, `synthetic_arithmetic`, ...).
-        dataset_kwargs (`dict`): Keyword arguments of the data builder (split, path, sizes, ...).
+        dataset_kwargs (`dict`): The rest of a recipe `data:` section for that builder (`source`, `split`,
+            `template`, `prompt_format`, `options`, `columns`, `max_prompt_tokens`, ...).
         reward (`str`): Reward registry name used to decide which samples are correct.
         reward_kwargs (`dict`): Parameters of the reward (`rewards.get_reward(name, **reward_kwargs)`).
         correct_threshold (`float`, *optional*): A sample is correct when its reward is >= this. None: the
-            registry's notion of correct for that reward (else reward > 0).
+            registry's test (`rewards.is_correct`; for `kk_logic` the full score), else reward > 0.
         max_problems (`int`, *optional*): Use only the first this many problems.
 
         > Teacher sampling
@@ -70,7 +72,8 @@ class DistillConfig:
 
         > Output
 
-        output_dir (`str`): Where `distilled.jsonl`, `distill_summary.json`, the SFT run (`sft/`) and the final student
+        output_dir (`str`): Where the teacher samples (`samples/`, resumable), `distilled.jsonl`,
+            `distill_summary.json`, the SFT run (`sft/`) and the final student
             in Hugging Face format (`model/`) go.
     """
 
@@ -82,14 +85,18 @@ class DistillConfig:
         default=None, metadata={"help": "Path (or hub id) of the student model (a recipe passes its own model)."}
     )
     dataset_kwargs: dict[str, Any] = field(
-        default_factory=dict, metadata={"help": "Keyword arguments of the data builder (JSON/YAML mapping)."}
+        default_factory=dict,
+        metadata={
+            "help": "Other data-section keys (JSON/YAML mapping): source, split, template, prompt_format, options, "
+            "columns, max_prompt_tokens, ..."
+        },
     )
     reward_kwargs: dict[str, Any] = field(
         default_factory=dict, metadata={"help": "Parameters of the reward: get_reward(name, **reward_kwargs)."}
     )
     correct_threshold: float | None = field(
         default=None,
-        metadata={"help": "A sample is correct when its reward >= this. None: the reward's own 'correct' test (>0)."},
+        metadata={"help": "A sample is correct when its reward >= this. None: rewards.is_correct (else reward > 0)."},
     )
     max_problems: int | None = field(default=None, metadata={"help": "Use only the first this many problems."})
     samples: int = field(default=5, metadata={"help": "Teacher completions sampled per problem."})
@@ -241,36 +248,70 @@ def distill(
     if previous.get("settings") == settings and (Path(previous.get("student_path", "")) / "config.json").is_file():
         logger.warning("Distillation already done in %s; reusing %s.", output_dir, previous["student_path"])
         return previous
-    state = PartialState()
+    state = PartialState(cpu=config.use_cpu)
     if previous.get("sampling") == _sampling_key(config) and rows_path.is_file():
-        logger.info("Reusing the distilled set in %s (same sampling settings).", rows_path)
+        logger.warning("Reusing the distilled set in %s (same sampling settings).", rows_path)
     else:
-        if state.is_main_process:  # one process samples; the others wait, then read the file
-            problems = load_problems(config) if problems is None else problems
-            tokenizer = None
-            if sample_fn is None:
-                tokenizer = load_tokenizer(config.teacher)
-                sample_fn = teacher_sample_fn(
-                    config.teacher, temperature=config.temperature, top_p=config.top_p,
-                    max_completion_length=config.max_completion_length, batch_size=config.sampling_batch_size,
-                    seed=config.seed, use_vllm=config.use_vllm, use_cpu=config.use_cpu, tokenizer=tokenizer,
-                )
-            rows, stats = rejection_sample(
-                problems, sample_fn, reward_fn, config.samples, config.correct_threshold, tokenizer=tokenizer
-            )
-            write_jsonl(rows, rows_path)
-            summary_path.write_text(json.dumps({"sampling": _sampling_key(config), **stats.to_dict()}, indent=2))
-            logger.warning(
-                "Distillation kept %d of %d problems (%.1f%%); teacher sample accuracy %.3f.",
-                stats.num_kept, stats.num_problems, 100 * stats.kept_fraction, stats.teacher_accuracy,
-            )
-        state.wait_for_everyone()
+        _build_distilled_set(config, problems, sample_fn, reward_fn, state)
     summary = json.loads(summary_path.read_text())
     model_dir, losses = train_student(config, read_jsonl(rows_path), config.student)
     summary.update(losses, student=config.student, student_path=str(model_dir), settings=settings)
     if state.is_main_process:
         summary_path.write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _device(config: DistillConfig, state: Any) -> str:
+    import torch
+
+    if config.use_cpu or not torch.cuda.is_available():
+        return "cpu"
+    return f"cuda:{state.local_process_index}"
+
+
+def _build_distilled_set(
+    config: DistillConfig, problems: Any, sample_fn: SampleFn | None, reward_fn: RewardFn, state: Any
+) -> None:
+    """Sample, grade and select, writing `distilled.jsonl` and the summary's counts.
+
+    Under `accelerate launch` every process samples every num_processes-th problem on its own GPU, then the main
+    process merges the parts in process order (vLLM sampling runs on the main process only).
+    """
+    output_dir = Path(config.output_dir)
+    problems = [dict(row) for row in (load_problems(config) if problems is None else problems)]
+    num_shards = 1 if config.use_vllm else state.num_processes
+    part = output_dir / f"distill_part{state.process_index}"
+    if state.process_index < num_shards:
+        tokenizer = None
+        if sample_fn is None:
+            tokenizer = load_tokenizer(config.teacher)
+            sample_fn = teacher_sample_fn(
+                config.teacher, output_dir, temperature=config.temperature, top_p=config.top_p,
+                max_completion_length=config.max_completion_length, batch_size=config.sampling_batch_size,
+                seed=config.seed + state.process_index, use_vllm=config.use_vllm, device=_device(config, state),
+                name=f"teacher-part{state.process_index}",
+            )
+        shard = problems[state.process_index :: num_shards]
+        rows, stats = rejection_sample(shard, sample_fn, reward_fn, config.samples, config.correct_threshold, tokenizer)
+        write_jsonl(rows, part.with_suffix(".jsonl"))
+        part.with_suffix(".json").write_text(json.dumps(asdict(stats)))
+    state.wait_for_everyone()
+    if state.is_main_process:
+        parts = [output_dir / f"distill_part{index}" for index in range(num_shards)]
+        rows = [row for path in parts for row in read_jsonl(path.with_suffix(".jsonl"))]
+        counts = [json.loads(path.with_suffix(".json").read_text()) for path in parts]
+        stats = RejectionStats(**{key: sum(count[key] for count in counts) for key in counts[0]})
+        write_jsonl(rows, output_dir / DISTILLED_FILE)
+        summary = {"sampling": _sampling_key(config), **stats.to_dict()}
+        (output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+        for path in parts:
+            path.with_suffix(".jsonl").unlink()
+            path.with_suffix(".json").unlink()
+        logger.warning(
+            "Distillation kept %d of %d problems (%.1f%%); teacher sample accuracy %.3f.",
+            stats.num_kept, stats.num_problems, 100 * stats.kept_fraction, stats.teacher_accuracy,
+        )
+    state.wait_for_everyone()
 
 
 # ------------------------------------------------------------------------------------------- CLI and recipes
@@ -307,7 +348,7 @@ def add_distill_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     hints = get_type_hints(DistillConfig)
     for spec in fields(DistillConfig):
         hint, required = str(hints[spec.name]), spec.default is MISSING and spec.default_factory is MISSING
-        names = [f"--{spec.name}"] + (["--out"] if spec.name == "output_dir" else [])
+        names = ["--out", "--output_dir"] if spec.name == "output_dir" else [f"--{spec.name}"]
         kwargs: dict[str, Any] = {"dest": spec.name, "help": spec.metadata["help"], "required": required}
         if not required:
             kwargs["default"] = spec.default_factory() if callable(spec.default_factory) else spec.default
@@ -345,7 +386,11 @@ def run_distill(args: argparse.Namespace) -> int:
         print(f"prorl-trl distill: {error}", file=sys.stderr)
         return 2
     summary = distill(config)
-    print(json.dumps({key: value for key, value in summary.items() if key not in ("sampling", "settings")}, indent=2))
+    from accelerate import PartialState
+
+    if PartialState().is_main_process:
+        shown = {key: value for key, value in summary.items() if key not in ("sampling", "settings")}
+        print(json.dumps(shown, indent=2))
     return 0
 
 

@@ -6,8 +6,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .rejection_sampling import device_for
-
 if TYPE_CHECKING:
     from .distill import DistillConfig
 
@@ -20,7 +18,7 @@ def _bf16(config: DistillConfig) -> bool:
         return config.bf16
     import torch
 
-    return device_for(config.use_cpu) == "cuda" and torch.cuda.is_bf16_supported()
+    return not config.use_cpu and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
 def train_student(config: DistillConfig, rows: Sequence[dict[str, Any]], student: str | Any) -> tuple[Path, dict]:

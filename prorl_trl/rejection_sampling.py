@@ -175,65 +175,54 @@ def rejection_sample(
 # ------------------------------------------------------------------------------------------- teacher sampling
 
 
-def device_for(use_cpu: bool) -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() and not use_cpu else "cpu"
-
-
 def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return AutoTokenizer.from_pretrained(path)
 
 
 def teacher_sample_fn(
     teacher: str,
+    samples_dir: str | Path,
     temperature: float = 1.0,
     top_p: float = 1.0,
     max_completion_length: int = 1024,
     batch_size: int = 64,
     seed: int = 0,
     use_vllm: bool = False,
-    use_cpu: bool = False,
-    tokenizer: Any = None,
+    device: str = "auto",
+    name: str = "teacher",
 ) -> SampleFn:
     """A `sample_fn` drawing from the model at `teacher` with the evaluation sampler (`prorl_trl.evaluation`).
 
-    The model is loaded at each call and released after it, so a fine-tuning that follows gets the memory.
-    Prompts are rendered with the teacher's chat template when they are conversational.
+    Samples go to `<samples_dir>/samples/<name>.jsonl` as they are drawn, so an interrupted run draws only what is
+    missing (the sampler refuses to resume with other sampling settings or other prompts). Conversational prompts
+    are rendered with the teacher's chat template. The model is loaded for the call and released after it.
     """
-    from .evaluation.sampling import SamplingSettings, render_prompt, sample_transformers, sample_vllm, vllm_available
+    from .evaluation.runner import ModelSpec, sample_model
+    from .evaluation.sampling import SamplingSettings, vllm_available
 
     if use_vllm and not vllm_available():
         raise RuntimeError("use_vllm=True but vLLM is not importable: `pip install -e .[vllm]`, or sample without it.")
-    tokenizer = tokenizer or load_tokenizer(teacher)
 
     def sample(prompts: list[Any], num_samples: int) -> list[list[str]]:
-        import torch
-        from transformers import AutoModelForCausalLM
-
         settings = SamplingSettings(
             num_samples=num_samples, temperature=temperature, top_p=top_p,
             max_completion_length=max_completion_length, batch_size=batch_size, seed=seed,
         )
-        texts = [render_prompt(prompt, tokenizer) for prompt in prompts]
-        if use_vllm:
-            completions, _ = sample_vllm(teacher, texts, settings)
-        else:
-            device = device_for(use_cpu)
-            dtype = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-            model = AutoModelForCausalLM.from_pretrained(teacher, dtype=dtype).to(device).eval()
-            completions, _ = sample_transformers(model, tokenizer, texts, settings, progress=True, desc="teacher")
-            del model
-            if device == "cuda":
-                torch.cuda.empty_cache()
+        problems = [{"problem_id": str(index), "prompt": prompt} for index, prompt in enumerate(prompts)]
+        records, _ = sample_model(
+            ModelSpec(name, teacher), problems, settings, samples_dir,
+            backend="vllm" if use_vllm else "transformers", device=device,
+        )
         grouped: list[list[str]] = [[""] * num_samples for _ in prompts]
-        for completion in completions:
-            grouped[completion.prompt_index][completion.sample_index] = completion.text
+        for record in records:
+            grouped[int(record["problem_id"])][int(record["sample_index"])] = record["completion"]
+        if device.startswith("cuda") or device == "auto":
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         return grouped
 
     return sample

@@ -21,7 +21,6 @@ from prorl_trl.distill import (
     config_from_args,
     distill,
     distill_config_from_section,
-    run_distill,
     run_distill_section,
 )
 from prorl_trl.rejection_sampling import grade_samples, read_jsonl, rejection_sample, select_correct, write_jsonl
@@ -216,14 +215,17 @@ def test_cli_flags_build_the_config(tmp_path):
 
 
 def test_cli_rejects_bad_settings_before_loading_anything(tmp_path, capsys):
-    parser = add_distill_arguments(argparse.ArgumentParser())
+    from prorl_trl.cli import main
+
     base = ["--student", "s", "--dataset", "kk", "--reward", "kk_logic", "--out", str(tmp_path / "o")]
-    assert run_distill(parser.parse_args(["--teacher", str(tmp_path / "missing"), *base])) == 2
+    assert main(["distill", "--teacher", str(tmp_path / "missing"), *base]) == 2
     assert "Teacher checkpoint not found" in capsys.readouterr().err
-    assert run_distill(parser.parse_args(["--teacher", str(tmp_path), "--temperature", "0", *base])) == 2
+    assert main(["distill", "--teacher", str(tmp_path), "--temperature", "0", *base]) == 2
     assert "temperature" in capsys.readouterr().err
-    assert run_distill(parser.parse_args(["--teacher", str(tmp_path), *base, "--dataset", "gsm8"])) == 2
+    assert main(["distill", "--teacher", str(tmp_path), *base, "--dataset", "gsm8"]) == 2
     assert "unknown dataset 'gsm8' (did you mean 'gsm8k'?)" in capsys.readouterr().err
+    assert main(["distill", "--teacher", str(tmp_path), *base, "--reward", "boxed"]) == 2
+    assert "unknown reward 'boxed'" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 
