@@ -14,32 +14,19 @@ command; `run_distill_section` runs a recipe's `distill:` section before its Pro
 
 from __future__ import annotations
 
-import json
-import logging
 import argparse
-import difflib
+import json
 import sys
-from collections.abc import Sequence
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from .distill_sft import train_student
-from .rejection_sampling import (
-    RejectionStats,
-    RewardFn,
-    SampleFn,
-    load_tokenizer,
-    read_jsonl,
-    rejection_sample,
-    teacher_sample_fn,
-    write_jsonl,
-)
+from .distill_run import DISTILLED_FILE, SUMMARY_FILE, check_names, check_teacher, close_match, distill, load_problems
 
-logger = logging.getLogger(__name__)
-
-DISTILLED_FILE = "distilled.jsonl"
-SUMMARY_FILE = "distill_summary.json"
+__all__ = [
+    "DISTILLED_FILE", "SUMMARY_FILE", "DistillConfig", "add_distill_arguments", "check_distill_section", "distill",
+    "distill_config_from_section", "load_problems", "run_distill", "run_distill_section",
+]  # fmt: skip
 
 
 @dataclass
@@ -78,7 +65,9 @@ class DistillConfig:
     """
 
     teacher: str = field(metadata={"help": "Path (or hub id) of the teacher model, usually an RL-trained checkpoint."})
-    dataset: str = field(metadata={"help": "Data builder name (gsm8k, math500, kk, jsonl, synthetic_arithmetic, ...)."})
+    dataset: str = field(
+        metadata={"help": "Data builder name (gsm8k, math500, kk, jsonl, synthetic_arithmetic, ...)."}
+    )
     reward: str = field(metadata={"help": "Reward registry name that decides which teacher samples are correct."})
     output_dir: str = field(metadata={"help": "Output folder: distilled.jsonl, distill_summary.json, sft/, model/."})
     student: str | None = field(
@@ -117,7 +106,9 @@ class DistillConfig:
     )
     bf16: bool | None = field(default=None, metadata={"help": "Train in bf16. None: on when a bf16 GPU is used."})
     use_cpu: bool = field(default=False, metadata={"help": "Run sampling and SFT on the CPU."})
-    report_to: str = field(default="none", metadata={"help": "SFT logging integrations (as in TRL: none, wandb, ...)."})
+    report_to: str = field(
+        default="none", metadata={"help": "SFT logging integrations (as in TRL: none, wandb, ...)."}
+    )
     use_peft: bool = field(default=False, metadata={"help": "Fine-tune a LoRA adapter (merged into the saved model)."})
     lora_r: int = field(default=64, metadata={"help": "LoRA rank (with use_peft)."})
     lora_alpha: int = field(default=128, metadata={"help": "LoRA alpha (with use_peft)."})
@@ -151,169 +142,6 @@ class DistillConfig:
             raise ValueError("Invalid distillation settings: " + "; ".join(problems) + ".")
 
 
-# ------------------------------------------------------------------------------------------- pipeline
-
-
-def _data_section(config: DistillConfig) -> Any:
-    from .recipe_schema import DataSection
-
-    return DataSection(builder=config.dataset, **config.dataset_kwargs)
-
-
-def load_problems(config: DistillConfig) -> Any:
-    """The training problems: the data builder's train split (`prompt` + gold columns), as in a recipe's `data:`."""
-    from .data import build_dataset
-
-    data = _data_section(config)
-    dataset = build_dataset(data, "train", load_tokenizer(config.teacher) if data.max_prompt_tokens else None)
-    if config.max_problems is not None:
-        dataset = dataset.select(range(min(config.max_problems, len(dataset))))
-    return dataset
-
-
-def check_names(config: DistillConfig, check_dataset: bool = True, check_reward: bool = True) -> None:
-    """Raise `ValueError` for an unknown data builder, builder option or reward, before anything is loaded."""
-    from .recipe_schema import DataSection
-
-    problems = []
-    if check_dataset:
-        from .data import BUILDERS
-
-        if config.dataset not in BUILDERS:
-            problems.append(f"unknown dataset {config.dataset!r}{_close(config.dataset, BUILDERS)}; "
-                            f"available: {', '.join(sorted(BUILDERS))}")
-        allowed = [spec.name for spec in fields(DataSection) if spec.name != "builder"]
-        for key in config.dataset_kwargs:
-            if key not in allowed:
-                problems.append(f"dataset_kwargs: unknown key {key!r}{_close(key, allowed)}; allowed: "
-                                f"{', '.join(allowed)}")
-    if check_reward:
-        from rewards import available
-
-        if config.reward not in available():
-            problems.append(f"unknown reward {config.reward!r}{_close(config.reward, available())}; "
-                            f"available: {', '.join(available())}")
-    if problems:
-        raise ValueError("; ".join(problems) + ".")
-
-
-def _close(name: str, candidates: Any) -> str:
-    match = difflib.get_close_matches(str(name), list(candidates), n=1)
-    return f" (did you mean {match[0]!r}?)" if match else ""
-
-
-def _sampling_key(config: DistillConfig) -> dict[str, Any]:
-    """Settings that decide the distilled set: a saved set is reused only when they all match."""
-    keys = ("teacher", "dataset", "dataset_kwargs", "reward", "reward_kwargs", "correct_threshold", "max_problems",
-            "samples", "temperature", "top_p", "max_completion_length", "seed")
-    return {key: getattr(config, key) for key in keys}
-
-
-def _check_teacher(teacher: str) -> None:
-    looks_local = teacher.startswith(("/", ".", "~")) or teacher.count("/") != 1
-    if looks_local and not Path(teacher).expanduser().exists():
-        raise FileNotFoundError(f"Teacher checkpoint not found: {teacher!r}. Set `teacher` (--teacher, or "
-                                "`distill.teacher` in a recipe) to an RL-trained model folder or a hub id.")
-
-
-def distill(
-    config: DistillConfig,
-    problems: Any = None,
-    sample_fn: SampleFn | None = None,
-    reward_fn: RewardFn | None = None,
-) -> dict[str, Any]:
-    """Sample the teacher, keep one correct completion per problem, write them, fine-tune the student.
-
-    `problems` (rows with `prompt` + gold columns), `sample_fn` and `reward_fn` default to the data builder, the
-    teacher sampler and the reward registry named in `config`; passing them is how tests and notebooks plug in their
-    own. Work already in `output_dir` is reused: a finished run with the same settings returns at once, and a
-    distilled set sampled with the same sampling settings is trained on without sampling again. Returns the summary also written to `distill_summary.json` (kept fraction, teacher accuracy, SFT losses,
-    `student_path`).
-    """
-    from accelerate import PartialState
-
-    if config.student is None:
-        raise ValueError("No student: set `student` (--student), or run the section from a recipe with a model.")
-    check_names(config, check_dataset=problems is None, check_reward=reward_fn is None)
-    if sample_fn is None:
-        _check_teacher(config.teacher)
-    if reward_fn is None:
-        from rewards import get_reward
-
-        reward_fn = get_reward(config.reward, **config.reward_kwargs)
-    output_dir = Path(config.output_dir)
-    summary_path, rows_path = output_dir / SUMMARY_FILE, output_dir / DISTILLED_FILE
-    previous = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    settings = {spec.name: getattr(config, spec.name) for spec in fields(DistillConfig)}
-    if previous.get("settings") == settings and (Path(previous.get("student_path", "")) / "config.json").is_file():
-        logger.warning("Distillation already done in %s; reusing %s.", output_dir, previous["student_path"])
-        return previous
-    state = PartialState(cpu=config.use_cpu)
-    if previous.get("sampling") == _sampling_key(config) and rows_path.is_file():
-        logger.warning("Reusing the distilled set in %s (same sampling settings).", rows_path)
-    else:
-        _build_distilled_set(config, problems, sample_fn, reward_fn, state)
-    summary = json.loads(summary_path.read_text())
-    model_dir, losses = train_student(config, read_jsonl(rows_path), config.student)
-    summary.update(losses, student=config.student, student_path=str(model_dir), settings=settings)
-    if state.is_main_process:
-        summary_path.write_text(json.dumps(summary, indent=2))
-    return summary
-
-
-def _device(config: DistillConfig, state: Any) -> str:
-    import torch
-
-    if config.use_cpu or not torch.cuda.is_available():
-        return "cpu"
-    return f"cuda:{state.local_process_index}"
-
-
-def _build_distilled_set(
-    config: DistillConfig, problems: Any, sample_fn: SampleFn | None, reward_fn: RewardFn, state: Any
-) -> None:
-    """Sample, grade and select, writing `distilled.jsonl` and the summary's counts.
-
-    Under `accelerate launch` every process samples every num_processes-th problem on its own GPU, then the main
-    process merges the parts in process order (vLLM sampling runs on the main process only).
-    """
-    output_dir = Path(config.output_dir)
-    problems = [dict(row) for row in (load_problems(config) if problems is None else problems)]
-    num_shards = 1 if config.use_vllm else state.num_processes
-    part = output_dir / f"distill_part{state.process_index}"
-    if state.process_index < num_shards:
-        tokenizer = None
-        if sample_fn is None:
-            tokenizer = load_tokenizer(config.teacher)
-            sample_fn = teacher_sample_fn(
-                config.teacher, output_dir, temperature=config.temperature, top_p=config.top_p,
-                max_completion_length=config.max_completion_length, batch_size=config.sampling_batch_size,
-                seed=config.seed + state.process_index, use_vllm=config.use_vllm, device=_device(config, state),
-                name=f"teacher-part{state.process_index}",
-            )
-        shard = problems[state.process_index :: num_shards]
-        rows, stats = rejection_sample(shard, sample_fn, reward_fn, config.samples, config.correct_threshold, tokenizer)
-        write_jsonl(rows, part.with_suffix(".jsonl"))
-        part.with_suffix(".json").write_text(json.dumps(asdict(stats)))
-    state.wait_for_everyone()
-    if state.is_main_process:
-        parts = [output_dir / f"distill_part{index}" for index in range(num_shards)]
-        rows = [row for path in parts for row in read_jsonl(path.with_suffix(".jsonl"))]
-        counts = [json.loads(path.with_suffix(".json").read_text()) for path in parts]
-        stats = RejectionStats(**{key: sum(count[key] for count in counts) for key in counts[0]})
-        write_jsonl(rows, output_dir / DISTILLED_FILE)
-        summary = {"sampling": _sampling_key(config), **stats.to_dict()}
-        (output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
-        for path in parts:
-            path.with_suffix(".jsonl").unlink()
-            path.with_suffix(".json").unlink()
-        logger.warning(
-            "Distillation kept %d of %d problems (%.1f%%); teacher sample accuracy %.3f.",
-            stats.num_kept, stats.num_problems, 100 * stats.kept_fraction, stats.teacher_accuracy,
-        )
-    state.wait_for_everyone()
-
-
 # ------------------------------------------------------------------------------------------- CLI and recipes
 
 
@@ -322,7 +150,9 @@ def _mapping(text: str) -> dict[str, Any]:
 
     value = yaml.safe_load(text)
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON/YAML mapping such as '{{\"split\": \"train\"}}', got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f'expected a JSON/YAML mapping such as \'{{"split": "train"}}\', got {text!r}'
+        )
     return value
 
 
@@ -381,7 +211,7 @@ def run_distill(args: argparse.Namespace) -> int:
         if config.student is None:
             raise ValueError("--student is required.")
         check_names(config)
-        _check_teacher(config.teacher)
+        check_teacher(config.teacher)
     except (ValueError, FileNotFoundError) as error:
         print(f"prorl-trl distill: {error}", file=sys.stderr)
         return 2
@@ -418,7 +248,9 @@ def distill_config_from_section(
     for key in section:
         if key not in allowed:
             owned = " (the recipe's model and output folder are used)" if key in _SECTION_OWNED else ""
-            raise ValueError(f"{where}.{key}: unknown key{owned}{_close(key, allowed)}; allowed: {', '.join(allowed)}.")
+            raise ValueError(
+                f"{where}.{key}: unknown key{owned}{close_match(key, allowed)}; allowed: {', '.join(allowed)}."
+            )
     values = dict(section)
     dataset = values.get("dataset", data)
     if dataset is not None and not isinstance(dataset, (str, dict)):  # a DataSection
@@ -433,8 +265,9 @@ def distill_config_from_section(
         values["dataset"], values["dataset_kwargs"] = name, {**kwargs, **values.get("dataset_kwargs", {})}
     for key in ("teacher", "dataset", "reward"):
         if key not in values:
-            raise ValueError(f"{where}.{key}: required (e.g. teacher: path/to/rl_checkpoint, dataset: kk, "
-                             "reward: kk_logic).")
+            raise ValueError(
+                f"{where}.{key}: required (e.g. teacher: path/to/rl_checkpoint, dataset: kk, reward: kk_logic)."
+            )
     try:
         config = DistillConfig(**values, student=model_path or "<recipe model>", output_dir=str(out_dir or "<out>"))
         check_names(config)

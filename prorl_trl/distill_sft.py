@@ -33,8 +33,10 @@ def train_student(config: DistillConfig, rows: Sequence[dict[str, Any]], student
     from trl import SFTConfig, SFTTrainer
 
     if not rows:
-        raise ValueError("No distilled rows to train on: the teacher got no problem right. Raise `samples` or "
-                         "`temperature`, check the reward, or use a stronger teacher.")
+        raise ValueError(
+            "No distilled rows to train on: the teacher got no problem right. Raise `samples` or "
+            "`temperature`, check the reward, or use a stronger teacher."
+        )
     output_dir = Path(config.output_dir)
     dataset = Dataset.from_list([{"prompt": row["prompt"], "completion": row["completion"]} for row in rows])
     settings = {
@@ -59,15 +61,19 @@ def train_student(config: DistillConfig, rows: Sequence[dict[str, Any]], student
         from peft import LoraConfig
 
         peft_config = LoraConfig(
-            r=config.lora_r, lora_alpha=config.lora_alpha, target_modules=config.lora_target_modules,
+            r=config.lora_r,
+            lora_alpha=config.lora_alpha,
+            target_modules=config.lora_target_modules,
             task_type="CAUSAL_LM",
         )
     trainer = SFTTrainer(
         model=student, args=SFTConfig(**settings), train_dataset=dataset, eval_dataset=dataset, peft_config=peft_config
     )
     if config.use_peft and (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):
-        raise ValueError("use_peft with DeepSpeed/FSDP cannot merge the adapter into sharded weights here; "
-                         "fine-tune fully (use_peft=False) or run distillation without DeepSpeed/FSDP.")
+        raise ValueError(
+            "use_peft with DeepSpeed/FSDP cannot merge the adapter into sharded weights here; "
+            "fine-tune fully (use_peft=False) or run distillation without DeepSpeed/FSDP."
+        )
     losses = {"loss_before": trainer.evaluate()["eval_loss"]}
     trainer.train()
     losses["loss_after"] = trainer.evaluate()["eval_loss"]

@@ -59,7 +59,9 @@ def correctness_test(reward_fn: RewardFn, correct_threshold: float | None = None
     own `is_correct`, or reward == its `correct` value; e.g. `kk_logic` is correct only at the full score), and for a
     plain function without either, reward > 0. A `None` reward (the reward does not apply) is never correct.
     """
-    if correct_threshold is None and (callable(getattr(reward_fn, "is_correct", None)) or hasattr(reward_fn, "correct")):
+    if correct_threshold is None and (
+        callable(getattr(reward_fn, "is_correct", None)) or hasattr(reward_fn, "correct")
+    ):
         from rewards import is_correct
 
         return lambda **kwargs: [verdict is True for verdict in is_correct(reward_fn, **kwargs)]
@@ -207,13 +209,21 @@ def teacher_sample_fn(
 
     def sample(prompts: list[Any], num_samples: int) -> list[list[str]]:
         settings = SamplingSettings(
-            num_samples=num_samples, temperature=temperature, top_p=top_p,
-            max_completion_length=max_completion_length, batch_size=batch_size, seed=seed,
+            num_samples=num_samples,
+            temperature=temperature,
+            top_p=top_p,
+            max_completion_length=max_completion_length,
+            batch_size=batch_size,
+            seed=seed,
         )
         problems = [{"problem_id": str(index), "prompt": prompt} for index, prompt in enumerate(prompts)]
         records, _ = sample_model(
-            ModelSpec(name, teacher), problems, settings, samples_dir,
-            backend="vllm" if use_vllm else "transformers", device=device,
+            ModelSpec(name, teacher),
+            problems,
+            settings,
+            samples_dir,
+            backend="vllm" if use_vllm else "transformers",
+            device=device,
         )
         grouped: list[list[str]] = [[""] * num_samples for _ in prompts]
         for record in records:

@@ -10,8 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from rewards import get_reward
-
 from prorl_trl.distill import (
     DISTILLED_FILE,
     SUMMARY_FILE,
@@ -24,6 +22,7 @@ from prorl_trl.distill import (
     run_distill_section,
 )
 from prorl_trl.rejection_sampling import grade_samples, read_jsonl, rejection_sample, select_correct, write_jsonl
+from rewards import get_reward
 
 CPU = {"use_cpu": True, "bf16": False, "report_to": "none"}
 
@@ -70,11 +69,16 @@ def test_grading_passes_columns_and_conversational_completions_like_trl():
 
     prompt = [{"role": "user", "content": "2+2?"}]
     rows, _ = rejection_sample(
-        [{"prompt": prompt, "answer": "4", "level": 3}], lambda prompts, n: [["5", "4"]], spy, num_samples=2,
+        [{"prompt": prompt, "answer": "4", "level": 3}],
+        lambda prompts, n: [["5", "4"]],
+        spy,
+        num_samples=2,
     )
     assert seen["prompts"] == [prompt, prompt] and seen["level"] == [3, 3]
     assert seen["completions"] == [[{"role": "assistant", "content": "5"}], [{"role": "assistant", "content": "4"}]]
-    assert rows == [{"prompt": prompt, "answer": "4", "level": 3, "completion": [{"role": "assistant", "content": "4"}]}]
+    assert rows == [
+        {"prompt": prompt, "answer": "4", "level": 3, "completion": [{"role": "assistant", "content": "4"}]}
+    ]
 
 
 def test_registry_correctness_is_used(tmp_path):
@@ -137,7 +141,10 @@ def teacher_dir(tmp_path_factory, one_thread):
     for step in range(80):
         batch = rows[step * 32 : (step + 1) * 32]
         prompts = [tokenizer(row["prompt"])["input_ids"] for row in batch]
-        full = [p + tokenizer(f"\\boxed{{{row['answer']}}}{tokenizer.eos_token}")["input_ids"] for p, row in zip(prompts, batch)]
+        full = [
+            p + tokenizer(f"\\boxed{{{row['answer']}}}{tokenizer.eos_token}")["input_ids"]
+            for p, row in zip(prompts, batch)
+        ]
         width = max(map(len, full))
         input_ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids in full])
         labels = torch.full_like(input_ids, -100)
@@ -154,16 +161,29 @@ def teacher_dir(tmp_path_factory, one_thread):
 
 def _config(teacher_dir, student, out, **overrides) -> DistillConfig:
     settings = dict(
-        teacher=str(teacher_dir), student=str(student), dataset="synthetic_arithmetic", reward="boxed_answer",
-        output_dir=str(out), samples=5, temperature=1.0, max_completion_length=8, sampling_batch_size=64,
-        num_train_epochs=4, learning_rate=3e-3, per_device_train_batch_size=4, max_length=64,
-        sft_kwargs={"gradient_checkpointing": False, "logging_steps": 1000}, **CPU,
+        teacher=str(teacher_dir),
+        student=str(student),
+        dataset="synthetic_arithmetic",
+        reward="boxed_answer",
+        output_dir=str(out),
+        samples=5,
+        temperature=1.0,
+        max_completion_length=8,
+        sampling_batch_size=64,
+        num_train_epochs=4,
+        learning_rate=3e-3,
+        per_device_train_batch_size=4,
+        max_length=64,
+        sft_kwargs={"gradient_checkpointing": False, "logging_steps": 1000},
+        **CPU,
     )
     settings.update(overrides)
     return DistillConfig(**settings)
 
 
-def test_distill_end_to_end_keeps_verified_samples_and_lowers_student_loss(teacher_dir, tiny_dir, tmp_path, one_thread):
+def test_distill_end_to_end_keeps_verified_samples_and_lowers_student_loss(
+    teacher_dir, tiny_dir, tmp_path, one_thread
+):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     reward = get_reward("boxed_answer")
@@ -210,7 +230,9 @@ def test_cli_flags_build_the_config(tmp_path):
     )  # fmt: skip
     config = config_from_args(args)
     assert (config.samples, config.temperature, config.dataset_kwargs) == (3, 0.8, {"split": "train"})
-    assert config.use_peft is True and config.max_problems is None and config.lora_target_modules == ["q_proj", "v_proj"]
+    assert (
+        config.use_peft is True and config.max_problems is None and config.lora_target_modules == ["q_proj", "v_proj"]
+    )
     assert config.output_dir == str(tmp_path) and config.num_train_epochs == 4.0
 
 
@@ -261,7 +283,10 @@ def test_section_defaults_to_the_recipe_data():
     data = DataSection(builder="kk", options={"num_people": 3}, validation_split="test")
     config = distill_config_from_section({"teacher": "t", "reward": "kk_logic"}, "m", "o", data=data)
     # Only the keys that differ from the data section's defaults are carried.
-    assert (config.dataset, config.dataset_kwargs) == ("kk", {"options": {"num_people": 3}, "validation_split": "test"})
+    assert (config.dataset, config.dataset_kwargs) == (
+        "kk",
+        {"options": {"num_people": 3}, "validation_split": "test"},
+    )
 
 
 def test_run_distill_section_chains_data_builder_teacher_and_lora_student(teacher_dir, tiny_dir, tmp_path, one_thread):
@@ -298,7 +323,9 @@ def test_shipped_recipe_is_the_seed_setup():
     from prorl_trl.recipe import recipe_from_dict
     from prorl_trl.recipe_schema import TOP_LEVEL_KEYS
 
-    raw = yaml.safe_load((Path(__file__).resolve().parent.parent / "recipes" / "distill_kk_qwen2.5_1.5b.yaml").read_text())
+    raw = yaml.safe_load(
+        (Path(__file__).resolve().parent.parent / "recipes" / "distill_kk_qwen2.5_1.5b.yaml").read_text()
+    )
     section = raw["distill"] if "distill" in TOP_LEVEL_KEYS else raw.pop("distill")  # until recipe.py knows it
     recipe = recipe_from_dict(raw, "distill_kk_qwen2.5_1.5b.yaml", world_size=1, dry=True)
     config = distill_config_from_section(section, recipe.model.name_or_path, "out", data=recipe.data)
