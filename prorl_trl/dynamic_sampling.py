@@ -14,7 +14,7 @@ same number of rounds (each round runs collectives). Each rank must hold whole g
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -168,7 +168,3 @@ def dynamic_sampling_step(
     }
     return combined, stats
 
-
-def iterate_rows(dataset: Any, indices: list[int]) -> Iterator[dict[str, Any]]:
-    for index in indices:
-        yield dataset[int(index)]
