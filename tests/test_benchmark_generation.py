@@ -1,0 +1,53 @@
+"""`benchmarks/generation.py --smoke`: every method runs on the tiny model on CPU and the report is well formed."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "generation.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("generation_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_smoke_run_measures_every_method_and_renders_the_table(bench, tmp_path, capsys):
+    result = bench.main(["--smoke", "--json", str(tmp_path / "r.json"), "--out", str(tmp_path / "r.md")])
+    rows = result["rows"]
+    expected = {(model, method) for model in ("base", "lora") for method in
+                ("trl_default", "static_compile", "static_compile_top_p1")}
+    assert {(row["model"], row["method"]) for row in rows} == expected
+    for row in rows:
+        assert "error" not in row, row
+        assert row["tokens"] == 4 * 6  # fixed lengths: min_new_tokens = max_new_tokens
+        assert 0 < row["tokens_per_s"] < row["decode_limit_tokens_per_s"]
+        assert row["amortised_tokens_per_s"] <= row["tokens_per_s"] + 1e-9
+    table = (tmp_path / "r.md").read_text()
+    assert table.count("| 4x6 |") == len(rows)
+    assert "x TRL default" in table and "% of decode limit" in table and "Decode limit" in table
+    assert table.strip() in capsys.readouterr().out
+
+    merged = bench.main(["--from-json", str(tmp_path / "r.json"), str(tmp_path / "r.json")])
+    assert len(merged["rows"]) == 2 * len(rows)
+    assert json.loads((tmp_path / "r.json").read_text())["meta"]["device"].startswith("CPU")
+
+
+def test_decode_floor_counts_weights_per_step_and_the_growing_cache(bench):
+    # 2 sequences, 3 new tokens, prompt 4: weights read 3 times; cached tokens 2 * (4 + 5 + 6) = 30
+    seconds = bench.decode_floor_seconds(weight_bytes=100, kv_bytes=10, shape=(2, 3), prompt_length=4, bandwidth=1.0)
+    assert seconds == 3 * 100 + 30 * 10
+
+
+def test_bad_shape_is_rejected_before_any_model_is_built(bench):
+    with pytest.raises(SystemExit, match="SEQUENCESxNEW_TOKENS"):
+        bench.main(["--shapes", "32by256"])
+    with pytest.raises(SystemExit, match="multiple of --num-prompts"):
+        bench.main(["--shapes", "33x8"])
+    with pytest.raises(SystemExit, match="unknown"):
+        bench.main(["--methods", "vllm"])
