@@ -167,6 +167,7 @@ class Recipe:
     phases: list[dict[str, Any]] | None
     validation: ValidationSection | None
     description: str | None = None
+    distill: dict[str, Any] | None = None  # run before the phases (prorl_trl.distill)
     warnings: list[str] = dataclasses.field(default_factory=list)
     resolved_phases: list[Any] | None = None  # filled by validation (`config.resolve_phases`)
 

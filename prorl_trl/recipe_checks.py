@@ -68,8 +68,11 @@ def check_recipe(file: str, raw: dict[str, Any], problems: list[RecipeProblem], 
     training = check_training(raw.get("training"), sections.get("logging"), raw.get("logging"), problems)
     phases = check_phases(raw, problems)
     reward_names = check_rewards(sections["rewards"], problems)
+    missing_paths = check_local_paths(sections.get("model"), sections.get("data"))
+    if not dry:  # `train` needs them now; `validate` only notes them (a demo creates its model folder first)
+        problems += missing_paths
     check_data(sections.get("data"), sections.get("validation"), problems)
-    check_model(sections.get("model"), problems)
+    check_distill(raw.get("distill"), sections.get("data"), problems)
     if training is not None and sections.get("logging") is not None:
         logging_values = {k: getattr(sections["logging"], k) for k in LOGGING_KEYS if k in (raw.get("logging") or {})}
         training = {**training, **logging_values}
@@ -92,8 +95,10 @@ def check_recipe(file: str, raw: dict[str, Any], problems: list[RecipeProblem], 
         phases=phases,
         validation=validation,
         description=raw.get("description"),
+        distill=raw.get("distill"),
     )
     check_assembled(recipe, reward_names, problems, world_size, dry)
+    recipe.warnings += [f"{p.path} = {p.value!r}: {p.message} (`train` will stop here)" for p in missing_paths]
     return recipe
 
 
@@ -191,21 +196,33 @@ def check_data(data: Any, validation: Any, problems: list[RecipeProblem]) -> Non
     check_mapping(data.options, "data.options", hints, problems)
     if spec.default_source is None and data.source is None and not data.builder.startswith("synthetic_"):
         problems.append(RecipeProblem("data.source", f"builder `{data.builder}` needs a source (hub id or local file)"))
-    for key in ("source", "validation_source"):
-        value = getattr(data, key)
-        if value and _looks_local(value) and not Path(value).expanduser().exists():
-            problems.append(RecipeProblem(f"data.{key}", "local file or folder not found", value))
     if validation is not None and validation.enabled and data.validation_split is None and spec.default_validation_split is None:
         problems.append(RecipeProblem("data.validation_split", "the `validation` section needs a validation split"))
 
 
-def check_model(model: Any, problems: list[RecipeProblem]) -> None:
-    if model is None:
+def check_distill(section: Any, data: Any, problems: list[RecipeProblem]) -> None:
+    """The optional `distill:` section (rejection-sampling distillation before the phases), checked by its module."""
+    if section is None:
         return
-    for key in ("name_or_path", "tokenizer_name_or_path"):
-        value = getattr(model, key)
+    try:
+        from .distill import check_distill_section
+    except ImportError as error:
+        problems.append(RecipeProblem("distill", f"needs prorl_trl.distill, which cannot be imported: {error}"))
+        return
+    for path, message in check_distill_section(section, data=data):
+        problems.append(RecipeProblem(path, message))
+
+
+def check_local_paths(model: Any, data: Any) -> list[RecipeProblem]:
+    """Local model folders and data files that do not exist (hub ids are not checked: no network here)."""
+    missing = []
+    keys = [("model", model, "name_or_path"), ("model", model, "tokenizer_name_or_path")]
+    keys += [("data", data, "source"), ("data", data, "validation_source")]
+    for section, values, key in keys:
+        value = getattr(values, key, None) if values is not None else None
         if value and _looks_local(value) and not Path(value).expanduser().exists():
-            problems.append(RecipeProblem(f"model.{key}", "local model folder not found", value))
+            missing.append(RecipeProblem(f"{section}.{key}", "local file or folder not found", value))
+    return missing
 
 
 def check_assembled(recipe: Any, reward_names: list[str], problems: list[RecipeProblem], world_size: int, dry: bool):

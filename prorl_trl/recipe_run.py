@@ -7,6 +7,7 @@ overrides) and `run_summary.json` (final metrics and the log history, read by `p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -125,6 +126,11 @@ def run_train(recipe_path: str, overrides: list[str]) -> int:
         print(describe_recipe(recipe, world_size=int(os.environ.get("WORLD_SIZE", "1"))), flush=True)
     args = recipe.training_args()
     peft_config = recipe.peft_config()
+    if recipe.distill is not None:  # distil a teacher into the model first; the phases start from the student
+        from .distill import run_distill_section
+
+        student = run_distill_section(recipe.distill, recipe.model.name_or_path, Path(args.output_dir) / "distill", recipe.data)
+        recipe.model = dataclasses.replace(recipe.model, name_or_path=str(student), tokenizer_name_or_path=None)
     tokenizer = _load_tokenizer(recipe)
     from .data import build_dataset
 

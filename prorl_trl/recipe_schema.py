@@ -362,4 +362,6 @@ SECTIONS = {
     "validation": ValidationSection,
     "logging": LoggingSection,
 }
-TOP_LEVEL_KEYS = ("description", "model", "peft", "data", "rewards", "training", "phases", "validation", "logging")
+TOP_LEVEL_KEYS = (
+    "description", "model", "peft", "data", "rewards", "training", "phases", "validation", "logging", "distill",
+)  # fmt: skip

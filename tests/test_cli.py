@@ -16,17 +16,20 @@ from prorl_trl.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_RECIPE = REPO / "tests" / "recipes" / "tiny_gsm8k.yaml"
+DEMO_RECIPE = REPO / "recipes" / "demo_tiny.yaml"
 
 
 @pytest.fixture(scope="module")
 def trained(tiny_dir, shared_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("train") / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PRORL_SHARED_DATA": str(shared_data)}
+    # The demo's recipe, shortened to a few steps, on a random tiny model (the demo would warm-start one first).
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/single_gpu.yaml", "--cpu",
-        "-m", "prorl_trl", "train", str(TINY_RECIPE),
-        "--model.name_or_path", str(tiny_dir), "--training.output_dir", str(out), "--data.source", str(shared_data / "gsm8k"),
-        "--phases.1.temperature", "1.3",
+        "-m", "prorl_trl", "train", str(DEMO_RECIPE),
+        "--model.name_or_path", str(tiny_dir), "--training.output_dir", str(out),
+        "--phases.0.max_steps", "1", "--phases.1.max_steps", "1", "--phases.1.temperature", "1.3",
+        "--data.options.num_train", "128", "--data.validation_size", "8", "--validation.eval_steps", "1",
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     return out, result

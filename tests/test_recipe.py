@@ -120,8 +120,6 @@ BAD_INPUTS = {
     "phase_without_max_steps": (changed("phases.0.max_steps", DELETE), "phases.0.max_steps", "", "required"),
     "top_p_above_1": (changed("validation.top_p", 1.5), "validation.top_p", "1.5", "<= 1"),
     "unknown_builder": (changed("data.builder", "gsm8"), "data.builder", "'gsm8'", "did you mean `gsm8k`"),
-    "missing_local_data": (changed("data.source", "./no/such/folder"), "data.source", "./no/such/folder", "not found"),
-    "missing_local_model": (changed("model.name_or_path", "/no/such/model"), "model.name_or_path", "/no/such/model", "not found"),
     "bad_scheduler_choice": (changed("training.lr_scheduler_type", "constnat"), "training.lr_scheduler_type", "constnat", "did you mean `constant`"),
     "reserved_training_key": (changed("training.reward_weights", [1.0]), "training.reward_weights", "[1.0]", "rewards[i].weight"),
     "bad_reward_params": (changed("rewards.0.params", {"corect": 2.0}), "rewards.0.params", "corect", "boxed_answer"),
@@ -136,6 +134,19 @@ def test_bad_input_exits_2_with_file_key_and_value(capsys, tmp_path, case):
     assert code == 2
     assert str(path) in err and key_path in err and value_text in err and other in err, err
     assert "Traceback" not in err + out
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "key, value", [("data.source", "./no/such/folder"), ("model.name_or_path", "/no/such/model")]
+)
+def test_missing_local_paths_stop_train_and_are_noted_by_validate(capsys, tmp_path, key, value):
+    path = write(tmp_path, changed(key, value))
+    code, out, err = run_validate(capsys, path)
+    assert code == 0 and f"note: {key} = '{value}': local file or folder not found" in err
+    code = main(["train", str(path)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{key} = '{value}': local file or folder not found" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
 
 
