@@ -160,10 +160,23 @@ def distill(
         _build_distilled_set(config, problems, sample_fn, reward_fn, state)
     summary = json.loads(summary_path.read_text())
     model_dir, losses = train_student(config, read_jsonl(rows_path), config.student)
+    _free_memory()
     summary.update(losses, student=config.student, student_path=str(model_dir), settings=settings)
     if state.is_main_process:
         summary_path.write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _free_memory() -> None:
+    """Release the student trainer's GPU memory now (Trainer objects hold reference cycles): a recipe's RL phases
+    load the model again right after distillation."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _device(config: DistillConfig, state: Any) -> str:

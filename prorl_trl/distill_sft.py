@@ -83,6 +83,7 @@ def train_student(config: DistillConfig, rows: Sequence[dict[str, Any]], student
         if trainer.accelerator.is_main_process:
             merged.save_pretrained(model_dir)
             trainer.processing_class.save_pretrained(model_dir)
+        del merged
     else:
         trainer.save_model(str(model_dir))
     trainer.accelerator.wait_for_everyone()
