@@ -94,3 +94,18 @@ def test_temperature_ramp_reaches_generation_and_loss(tmp_path):
     assert trainer.overlong_penalty.max_completion_length == 4
     with pytest.raises(ValueError, match="Unknown sampling settings"):
         trainer.apply_sampling(temprature=1.0)
+
+
+def test_validation_callback_plateau_ends_the_phase(tmp_path):
+    from prorl_trl import ValidationCallback
+
+    validation = ValidationCallback(prompts_dataset(2), reward_func=constant, eval_steps=1, num_generations=2, max_completion_length=4)
+    trainer = build(
+        tmp_path, [constant], callbacks=[validation], plateau_metric="eval_pass@1",
+        phases=[PhaseConfig(max_steps=6, plateau_patience=1), PhaseConfig(max_steps=1)],
+    )
+    trainer.train()
+    assert validation.trainer is trainer, "ProRLTrainer binds callbacks that have bind()"
+    history = trainer.prorl_log_history
+    assert [e["prorl/global_step"] for e in history if "loss" in e] == [1, 2, 3], "phase 0 stops after 2 evaluations"
+    assert any("eval_pass@1" in e for e in history)
