@@ -332,3 +332,20 @@ def test_shipped_recipe_is_the_seed_setup():
     assert config.student == "Qwen/Qwen2.5-1.5B-Instruct" and config.reward == "kk_logic"
     assert (config.dataset, config.dataset_kwargs["options"]) == ("kk", {"num_people": 5})
     assert (config.samples, config.temperature, config.num_train_epochs) == (5, 1.0, 4)
+
+
+def test_train_student_on_conversational_rows(tiny_dir, tmp_path, one_thread):
+    """Chat-format distilled rows (prompt messages + assistant completion) train through the chat template."""
+    from prorl_trl.distill_sft import train_student
+
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+            "completion": [{"role": "assistant", "content": f"{a + b}"}],
+        }
+        for a, b in [(1, 2), (3, 4), (2, 2), (5, 1), (0, 7), (4, 4), (6, 3), (2, 5)]
+    ]
+    config = _config(tiny_dir, tiny_dir, tmp_path / "chat", num_train_epochs=3)
+    model_dir, losses = train_student(config, rows, str(tiny_dir))
+    assert losses["loss_after"] < losses["loss_before"]
+    assert (model_dir / "config.json").is_file()
