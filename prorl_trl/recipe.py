@@ -185,7 +185,8 @@ class Recipe:
             import torch
 
             # TRL turns bf16 on by default, which TrainingArguments refuses on a machine without a GPU.
-            kwargs["bf16"] = bool(torch.cuda.is_available() or kwargs.get("use_cpu") is False)
+            on_cpu = kwargs.get("use_cpu") or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
+            kwargs["bf16"] = bool(torch.cuda.is_available() and not on_cpu)
         kwargs["output_dir"] = self.output_dir
         kwargs["trust_remote_code"] = self.model.trust_remote_code
         kwargs["reward_weights"] = [spec.weight for spec in self.rewards]

@@ -192,6 +192,8 @@ def check_data(data: Any, validation: Any, problems: list[RecipeProblem]) -> Non
     if data.template is not None and data.template not in TEMPLATES:
         listing = ", ".join(sorted(TEMPLATES))
         problems.append(RecipeProblem("data.template", f"unknown template{suggest(data.template, TEMPLATES)} (available: {listing})", data.template))
+    if data.columns and not spec.needs_columns:
+        problems.append(RecipeProblem("data.columns", f"builder `{data.builder}` has fixed columns; `columns` is for jsonl/parquet", data.columns))
     hints = {name: kind for name, (kind, _) in spec.options.items()}
     check_mapping(data.options, "data.options", hints, problems)
     if spec.default_source is None and data.source is None and not data.builder.startswith("synthetic_"):

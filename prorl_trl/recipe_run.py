@@ -34,7 +34,7 @@ def describe_recipe(recipe: Recipe, world_size: int = 1) -> str:
     lines = [
         f"recipe:  {recipe.file}" + (f" - {recipe.description.strip().splitlines()[0]}" if recipe.description else ""),
         f"model:   {recipe.model.name_or_path} ({recipe.model.dtype}, {lora})",
-        f"data:    {data.builder} {data.source or '(default source)'} [{data.split}]"
+        f"data:    {data.builder} {data.source or '(default source)'} [{data.split or 'default split'}]"
         + (f", validation [{data.validation_split}] x{data.validation_size or 'all'}" if data.validation_split else ""),
         "rewards: " + ", ".join(f"{spec.name} x{spec.weight:g}" for spec in recipe.rewards),
     ]

@@ -281,7 +281,10 @@ class DataSection:
         default=None, metadata={"help": "Hub dataset id or local file/folder; None: the builder's hub id."}
     )
     config: str | None = field(default=None, metadata={"help": "Hub dataset config name; None: the builder's."})
-    split: str = field(default="train", metadata={"help": "Training split."})
+    split: str | None = field(default=None, metadata={"help": "Training split; None: the builder's (train; math500: test)."})
+    data_files: str | list[str] | None = field(
+        default=None, metadata={"help": "Files inside a hub dataset repo that holds several (`load_dataset(data_files=)`)."}
+    )
     template: str | None = field(
         default=None, metadata={"help": "Prompt template name (prorl_trl.data.templates); None: the builder's."}
     )

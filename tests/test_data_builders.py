@@ -47,7 +47,7 @@ def test_gsm8k_chat_prompt_and_validation_split(shared_data):
 
 
 def test_math500_keeps_level_and_subject(shared_data):
-    data = build_dataset(section(builder="math500", source=str(shared_data / "math500"), split="test", max_train_samples=20))
+    data = build_dataset(section(builder="math500", source=str(shared_data / "math500"), max_train_samples=20))  # split: test
     assert {"prompt", "answer", "level", "subject", "unique_id"} <= set(data.column_names)
     rows = [json.loads(line) for line in open(shared_data / "math500" / "test.jsonl")][:20]
     assert data["level"] == [r["level"] for r in rows] and data["subject"] == [r["subject"] for r in rows]

@@ -121,6 +121,7 @@ BAD_INPUTS = {
     "top_p_above_1": (changed("validation.top_p", 1.5), "validation.top_p", "1.5", "<= 1"),
     "unknown_builder": (changed("data.builder", "gsm8"), "data.builder", "'gsm8'", "did you mean `gsm8k`"),
     "bad_scheduler_choice": (changed("training.lr_scheduler_type", "constnat"), "training.lr_scheduler_type", "constnat", "did you mean `constant`"),
+    "columns_on_a_fixed_builder": (changed("data.columns", {"prompt": "q"}), "data.columns", "'q'", "for jsonl/parquet"),
     "reserved_training_key": (changed("training.reward_weights", [1.0]), "training.reward_weights", "[1.0]", "rewards[i].weight"),
     "bad_reward_params": (changed("rewards.0.params", {"corect": 2.0}), "rewards.0.params", "corect", "boxed_answer"),
 }

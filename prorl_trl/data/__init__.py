@@ -20,6 +20,7 @@ class BuilderSpec:
     default_template: str
     gold_columns: tuple[str, ...]
     default_config: str | None = None
+    default_split: str = "train"
     default_validation_split: str | None = None
     options: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # name -> (type annotation, default)
     needs_columns: bool = False
@@ -44,6 +45,7 @@ BUILDERS: dict[str, BuilderSpec] = {
         loader="prorl_trl.data.builders:load_math500",
         default_source="HuggingFaceH4/MATH-500",
         default_template="boxed_math",
+        default_split="test",
         gold_columns=("answer", "level", "subject", "unique_id"),
         help="MATH-500 (test split only); keeps `level` and `subject` for breakdowns.",
     ),

@@ -44,8 +44,16 @@ def read_local(path: str | Path) -> Dataset:
     return Dataset.from_json(str(path))
 
 
-def load_source(source: str, config: str | None, split: str, local_name: str | None = None, hub_split: str | None = None):
-    """Load a split from a local file, a local folder (`<folder>/<local_name or split>.jsonl|.parquet`) or the hub."""
+def load_source(
+    source: str,
+    config: str | None,
+    split: str,
+    local_name: str | None = None,
+    hub_split: str | None = None,
+    data_files: str | list[str] | None = None,
+):
+    """Load a split from a local file, a local folder (`<folder>/<local_name or split>.jsonl|.parquet`) or the hub
+    (`data_files` picks files inside a hub repo that holds several)."""
     if is_local_source(source):
         path = Path(source).expanduser()
         if path.is_dir():
@@ -59,7 +67,7 @@ def load_source(source: str, config: str | None, split: str, local_name: str | N
         return read_local(path)
     from datasets import load_dataset
 
-    return load_dataset(source, config, split=hub_split or split)
+    return load_dataset(source, config, split=hub_split or split, data_files=data_files)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -77,24 +85,26 @@ def gsm8k_gold(worked_solution: str) -> str:
     return match.group(1).replace(",", "").rstrip(".")
 
 
-def load_gsm8k(source: str, config: str | None, split: str, columns: dict[str, str]) -> Dataset:
-    data = load_source(source, config, split)
+def load_gsm8k(source: str, config: str | None, split: str, columns: dict[str, str], data_files=None) -> Dataset:
+    data = load_source(source, config, split, data_files=data_files)
     return data.map(
         lambda row: {"question": row["question"], "answer": gsm8k_gold(row["answer"])},
         remove_columns=data.column_names,
     )
 
 
-def load_math500(source: str, config: str | None, split: str, columns: dict[str, str]) -> Dataset:
-    data = load_source(source, config, split)
+def load_math500(source: str, config: str | None, split: str, columns: dict[str, str], data_files=None) -> Dataset:
+    data = load_source(source, config, split, data_files=data_files)
     keep = ["answer", "level", "subject", "unique_id"]
     data = data.rename_column("problem", "question")
     return data.remove_columns([c for c in data.column_names if c not in ["question", *keep]])
 
 
-def load_kk(source: str, config: str | None, split: str, columns: dict[str, str], num_people: int = 5) -> Dataset:
+def load_kk(source: str, config: str | None, split: str, columns: dict[str, str], data_files=None, num_people: int = 5) -> Dataset:
     # Hub layout: config = train/test, split = "<N>ppl"; shared-data layout: "<N>ppl_<split>.jsonl".
-    data = load_source(source, split, split, local_name=f"{num_people}ppl_{split}", hub_split=f"{num_people}ppl")
+    data = load_source(
+        source, split, split, local_name=f"{num_people}ppl_{split}", hub_split=f"{num_people}ppl", data_files=data_files
+    )
     data = data.rename_column("quiz", "question")
     keep = ["question", "names", "solution", "solution_text_format"]
     return data.remove_columns([c for c in data.column_names if c not in keep])
@@ -116,9 +126,9 @@ def last_boxed_content(text: str) -> str | None:
     return None
 
 
-def load_areal(source: str, config: str | None, split: str, columns: dict[str, str]) -> Dataset:
+def load_areal(source: str, config: str | None, split: str, columns: dict[str, str], data_files=None) -> Dataset:
     """AReaL-style math rows: `prompt` (already templated text) and `solutions` (list; usually `\\boxed{X}`)."""
-    data = load_source(source, config, split)
+    data = load_source(source, config, split, data_files=data_files)
     missing = {"prompt", "solutions"} - set(data.column_names)
     if missing:
         raise ValueError(f"AReaL-style data needs columns prompt and solutions; {source} lacks {sorted(missing)}")
@@ -132,9 +142,9 @@ def load_areal(source: str, config: str | None, split: str, columns: dict[str, s
     return data.map(convert, remove_columns=data.column_names)
 
 
-def load_table(source: str, config: str | None, split: str, columns: dict[str, str]) -> Dataset:
+def load_table(source: str, config: str | None, split: str, columns: dict[str, str], data_files=None) -> Dataset:
     """Any table; `columns` maps our names (`prompt`, `answer`, ...) to source column names."""
-    data = load_source(source, config, split)
+    data = load_source(source, config, split, data_files=data_files)
     mapping = dict(columns)
     prompt_column = mapping.pop("prompt", "prompt")
     wanted = {prompt_column: "question", **{theirs: ours for ours, theirs in mapping.items()}}
@@ -160,11 +170,11 @@ def _synthetic(make: str, split: str, options: dict[str, Any], keep: list[str]) 
     return data.remove_columns([c for c in data.column_names if c not in ["question", *keep]])
 
 
-def load_synthetic_arithmetic(source: str | None, config: str | None, split: str, columns: dict[str, str], **options):
+def load_synthetic_arithmetic(source, config, split: str, columns: dict[str, str], data_files=None, **options):
     return _synthetic("make_arithmetic_dataset", split, options, ["answer", "num_steps"])
 
 
-def load_synthetic_kk(source: str | None, config: str | None, split: str, columns: dict[str, str], **options):
+def load_synthetic_kk(source, config, split: str, columns: dict[str, str], data_files=None, **options):
     return _synthetic("make_kk_dataset", split, options, ["names", "solution", "solution_text_format", "num_people"])
 
 
@@ -190,7 +200,7 @@ def build_dataset(data: DataSection, which: str = "train", tokenizer: Any = None
     """
     spec = BUILDERS[data.builder]
     if which == "train":
-        source, split, limit = data.source or spec.default_source, data.split, data.max_train_samples
+        source, split, limit = data.source or spec.default_source, data.split or spec.default_split, data.max_train_samples
     else:
         split = data.validation_split
         if split is None:
@@ -198,7 +208,7 @@ def build_dataset(data: DataSection, which: str = "train", tokenizer: Any = None
         source, limit = data.validation_source or data.source or spec.default_source, data.validation_size
     options = {name: default for name, (_, default) in spec.options.items()} | dict(data.options)
     config = data.config if data.config is not None else spec.default_config
-    rows = spec.load_function()(source, config, split, dict(data.columns), **options)
+    rows = spec.load_function()(source, config, split, dict(data.columns), data.data_files, **options)
     if limit is not None:
         rows = rows.select(range(min(limit, len(rows))))
     template = data.template or spec.default_template
