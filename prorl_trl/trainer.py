@@ -132,6 +132,12 @@ class ProRLTrainer(ProRLResetMixin, ProRLLoopMixin, GRPOTrainer):
                 "reset_reference=True (ProRL v1/v2 both reset the reference), use full fine-tuning (a separate "
                 "reference model is kept), or disable hard resets."
             )
+        longest = max(phase.max_completion_length for phase in self.phases)
+        if args.use_vllm and args.vllm_max_model_length is not None and longest >= args.vllm_max_model_length:
+            raise ValueError(
+                f"A phase generates up to {longest} tokens but vllm_max_model_length={args.vllm_max_model_length} is "
+                "fixed when vLLM starts; set vllm_max_model_length above the longest phase's prompt + completion."
+            )
         if args.early_stop_importance_ratio is not None and args.early_stop_importance_ratio <= 0:
             raise ValueError(f"early_stop_importance_ratio must be > 0 (RLinf uses 5.0), got {args.early_stop_importance_ratio}.")
         if args.dynamic_sampling:

@@ -93,6 +93,7 @@ class Recorder:
         record = {
             "lengths": [len(ids) for ids in completion_ids],
             "group_sizes": group_sizes(prompts),
+            "prompts": sorted(set(map(str, prompts))),
             "phase": trainer.current_phase.index if trainer else None,
         }
         if trainer is not None:

@@ -72,6 +72,12 @@ def test_each_phase_generates_with_its_settings(three_phase_run):
             assert call["logp_error"] < 1e-5
 
 
+def test_phases_do_not_replay_the_same_prompts(three_phase_run):
+    _, recorder, _, _ = three_phase_run
+    first = [calls_of(recorder, phase)[0]["prompts"] for phase in range(3)]
+    assert first[0] != first[1] and first[0] != first[2], "reseed_phases shifts TRL's sampler seed per phase"
+
+
 def test_fused_head_follows_the_last_phase_temperature(three_phase_run):
     trainer = three_phase_run[0]
     assert loss_vs_manual_logps(trainer, 1.3) < 1e-5
