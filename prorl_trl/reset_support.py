@@ -31,6 +31,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def peft_model_of(model: nn.Module):
+    """The `PeftModel` under any wrapper; `TypeError` (saying what to pass) for anything else."""
     from peft import PeftModel
 
     model = unwrap_model(model)
@@ -64,7 +65,8 @@ def check_lora_supported(model: nn.Module) -> None:
     config = peft_model.peft_config.get(ADAPTER_NAME)
     supported = (
         "Supported: LoraConfig on Linear layers with init_lora_weights=True or 'gaussian', use_dora=False, "
-        "no modules_to_save / target_parameters / trainable_token_indices, lora_bias only on layers with a bias."
+        "no modules_to_save / target_parameters / trainable_token_indices, lora_bias only on layers with a bias. Use a plain LoraConfig(r=..., lora_alpha=..., target_modules=...) or turn "
+        "hard resets off (`hard_reset_between_phases: false`, no `hard_reset: true` phase, no HardResetCallback)."
     )
     if not isinstance(config, LoraConfig):
         raise ResetNotSupportedError(
