@@ -132,10 +132,13 @@ def run_train(recipe_path: str, overrides: list[str]) -> int:
         student = run_distill_section(recipe.distill, recipe.model.name_or_path, Path(args.output_dir) / "distill", recipe.data)
         recipe.model = dataclasses.replace(recipe.model, name_or_path=str(student), tokenizer_name_or_path=None)
     tokenizer = _load_tokenizer(recipe)
+    from accelerate import PartialState
+
     from .data import build_dataset
 
-    train_dataset = build_dataset(recipe.data, "train", tokenizer)
-    eval_dataset = build_dataset(recipe.data, "validation", tokenizer)
+    with PartialState().main_process_first():  # rank 0 fills the datasets cache, the others read it
+        train_dataset = build_dataset(recipe.data, "train", tokenizer)
+        eval_dataset = build_dataset(recipe.data, "validation", tokenizer)
     reward_funcs = recipe.reward_functions()
     callback = _validation_callback(recipe, eval_dataset, args)
     recorder = LogRecorder()

@@ -76,5 +76,17 @@ def test_help_lists_every_subcommand(capsys):
         assert (command in text) == (REPO / "prorl_trl" / module).is_file()
 
 
+@pytest.mark.parametrize("name", ["single_gpu", "cpu", "multi_gpu", "multi_gpu_4", "fsdp", "zero2", "zero3"])
+def test_shipped_accelerate_configs_load(name):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(REPO / "recipes" / "accelerate" / f"{name}.yaml"))
+    expected = {"single_gpu": "NO", "cpu": "NO", "multi_gpu": "MULTI_GPU", "multi_gpu_4": "MULTI_GPU", "fsdp": "FSDP"}
+    assert str(config.distributed_type).split(".")[-1] == expected.get(name, "DEEPSPEED")
+    assert (config.num_processes == 1) == (name in ("single_gpu", "cpu"))
+    if name.startswith("zero"):
+        assert config.deepspeed_config["zero_stage"] == int(name[-1])
+
+
 def test_no_command_is_a_usage_error(capsys):
     assert main([]) == 2
