@@ -290,21 +290,23 @@ class ProRLTrainer(ProRLResetMixin, ProRLLoopMixin, GRPOTrainer):
         self._announce_phase(phase)
 
     def _announce_phase(self, phase: ResolvedPhase) -> None:
-        if not self.accelerator.is_main_process:
-            return
         settings = ", ".join(f"{k}={getattr(phase, k)}" for k in ("max_steps", "num_generations") + SAMPLING_KEYS)
         lora = f", lora r={phase.lora_r} targets={phase.lora_target_modules}" if phase.lora_r is not None else ""
-        message = (
+        self.announce(
             f"ProRL phase {phase.index + 1}/{len(self.phases)} '{phase.name}' from global step "
-            f"{self._global_step_offset} (resets so far: {self.prorl_resets}): {settings}{lora}"
+            f"{self._global_step_offset} (resets so far: {self.prorl_resets}): {settings}{lora}",
+            rule=True,
         )
-        logger.warning(message)
-        try:
-            from rich.console import Console
 
-            Console(stderr=True).rule(f"[bold]{message}")
-        except ImportError:  # pragma: no cover - rich is a TRL dependency of the log printer only
-            pass
+    def announce(self, message: str, rule: bool = False) -> None:
+        """Phase changes and resets, on the console (rich, main process only) and in the `prorl_trl` logger."""
+        logger.info(message)
+        if not self.accelerator.is_main_process:
+            return
+        from rich.console import Console
+
+        console = Console(stderr=True)
+        console.rule(f"[bold]{message}", align="left") if rule else console.print(f"[bold]{message}")
 
     # ----------------------------------------------------------------------------------------------------- train
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, ignore_keys_for_eval: Any = None, **kwargs: Any) -> TrainOutput:
@@ -332,8 +334,7 @@ class ProRLTrainer(ProRLResetMixin, ProRLLoopMixin, GRPOTrainer):
             losses.append((output.training_loss, max(steps, 0)))
             outputs.append(output)
             self._global_step_offset += self.state.global_step
-            if self.accelerator.is_main_process:
-                logger.warning("ProRL phase '%s' ended after %d steps (%s).", phase.name, self.state.global_step, self._phase_end_reason)
+            self.announce(f"ProRL phase '{phase.name}' ended after {self.state.global_step} steps ({self._phase_end_reason}).")
             self._save_log_history()
         self._save_final()
         total = sum(n for _, n in losses)

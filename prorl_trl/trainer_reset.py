@@ -123,8 +123,7 @@ class ProRLResetMixin:
                 self._save_merged(path)
             self.accelerator.wait_for_everyone()
             self.prorl_merged_path = str(path)
-        if self.accelerator.is_main_process:
-            logger.warning("ProRL hard reset #%d at global step %d (%s).", self.prorl_resets, self.prorl_global_step, reason)
+        self.announce(f"ProRL hard reset #{self.prorl_resets} at global step {self.prorl_global_step} ({reason}).")
 
     def _reset_optimizer(self, new_params: bool) -> None:
         """Fresh optimizer state / LR schedule after a reset; a new optimizer when the adapter has new Parameters.
