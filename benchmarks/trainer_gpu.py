@@ -5,7 +5,8 @@
 
 Measured in one process:
 (a) step time of `ProRLTrainer` (one phase, no reset) vs `GRPOTrainer` with identical settings and identical model
-    init, run in interleaved rounds (order alternating per round; round 0 is warm-up), median per optimizer step.
+    init, run in interleaved rounds (order alternating per round; round 0 is warm-up), median per optimizer step
+    (step start to next step start: generation, loss, optimizer, callbacks and logging).
     Target: ratio <= 1.02.
 (b) `hard_reset()` wall time inside training (`HardResetCallback(every_steps=1)`: merge r=64 LoRA into all linear
     layers, fresh adapter, optimizer state cleared, new LR schedule), bracketed by `torch.cuda.synchronize()`, merged
@@ -87,16 +88,25 @@ def memory_mib(device: torch.device) -> tuple[float, float | None]:
 
 
 class StepTimer(TrainerCallback):
+    """Time from one step's start to the next (the last step ends at `on_train_end`), so the step's logging, which
+    `ProRLTrainer.log` extends, is included."""
+
     def __init__(self, device):
-        self.device, self.times, self._start = device, [], 0.0
+        self.device, self.times, self._marks = device, [], []
+
+    def _mark(self):
+        synchronize(self.device)
+        self._marks.append(time.perf_counter())
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._marks = []
 
     def on_step_begin(self, args, state, control, **kwargs):
-        synchronize(self.device)
-        self._start = time.perf_counter()
+        self._mark()
 
-    def on_step_end(self, args, state, control, **kwargs):
-        synchronize(self.device)
-        self.times.append(time.perf_counter() - self._start)
+    def on_train_end(self, args, state, control, **kwargs):
+        self._mark()
+        self.times.extend(later - earlier for earlier, later in zip(self._marks, self._marks[1:]))
 
 
 class ResetProbe(TrainerCallback):
