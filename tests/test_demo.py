@@ -1,0 +1,73 @@
+"""The offline demo: its recipe matches the shipped file and validates; `--smoke` runs the whole pipeline end to end
+(tiny model, SFT warm start, 2 ProRL phases with a hard reset, validation, plots, report); bad arguments exit 2."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from prorl_trl.cli import main
+from prorl_trl.demo import DEMO_RECIPE, demo_recipe
+from prorl_trl.plots import phase_boundaries, plot_training_curves, series
+from prorl_trl.recipe import load_recipe
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_shipped_recipe_is_the_embedded_default(tiny_dir):
+    assert yaml.safe_load((REPO / "recipes" / "demo_tiny.yaml").read_text()) == DEMO_RECIPE
+    recipe = load_recipe(REPO / "recipes" / "demo_tiny.yaml", [("model.name_or_path", str(tiny_dir))])
+    phases = recipe.resolved_phases or []
+    assert len(phases) >= 2 and any(phase.hard_reset for phase in phases[1:])
+    assert recipe.data.builder == "synthetic_arithmetic" and recipe.rewards[0].name == "boxed_answer"
+
+
+def test_demo_recipe_points_at_the_output_folder(tmp_path):
+    raw = demo_recipe(tmp_path, smoke=True)
+    assert raw["model"]["name_or_path"] == str(tmp_path / "warm_start")
+    assert raw["training"]["output_dir"] == str(tmp_path / "run")
+    assert DEMO_RECIPE["model"]["name_or_path"] != raw["model"]["name_or_path"], "the default must stay untouched"
+
+
+def test_smoke_demo_end_to_end(tmp_path):
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), "--smoke", "--threads", "1"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert 0.0 <= summary["val_accuracy_before"] <= 1.0 and 0.0 <= summary["val_accuracy_after"] <= 1.0
+    curve = summary["val_accuracy_curve"]
+    assert curve["steps"][0] == 0 and curve["steps"][-1] == 4, "validated before RL and after the last step"
+    assert summary["resets"] == 1 and [p["name"] for p in summary["phases"]] == ["explore", "sharpen"]
+    for plot in ("validation", "reward", "completion_length", "entropy", "kl", "clip_ratio"):
+        assert (out / "plots" / f"{plot}.png").stat().st_size > 1000
+    report = (out / "report.md").read_text()
+    assert "validation pass@1" in report and "plots/validation.png" in report
+    history = json.loads((out / "run" / "run_summary.json").read_text())["log_history"]
+    assert {entry.get("prorl/phase") for entry in history if "reward" in entry} == {0, 1}
+    assert (out / "warm_start" / "config.json").is_file() and (out / "run" / "final").is_dir()
+
+
+@pytest.mark.parametrize("flag", [["--sft-steps", "-1"], ["--threads", "0"], ["--sft-learning-rate", "0"]])
+def test_bad_arguments_exit_2_before_any_work(tmp_path, flag, capsys):
+    out = tmp_path / "never"
+    assert main(["demo", "--out", str(out), "--smoke", *flag]) == 2
+    assert not out.exists()
+    assert flag[0] in capsys.readouterr().err
+
+
+def test_phase_boundaries_are_the_last_step_of_each_phase():
+    history = [
+        {"prorl/global_step": 5, "prorl/phase": 0, "reward": -1.0},
+        {"prorl/global_step": 10, "prorl/phase": 0, "eval_pass@1": 0.2},
+        {"prorl/global_step": 15, "prorl/phase": 1, "reward": 0.0},
+        {"prorl/global_step": 20, "prorl/phase": 2, "reward": 0.5},
+        {"step": 25, "reward": 0.7},  # no phase key: ignored for boundaries, still a point of the curve
+    ]
+    assert phase_boundaries(history) == [10.0, 15.0]
+    assert series(history, ("reward",)) == ([5.0, 15.0, 20.0, 25.0], [-1.0, 0.0, 0.5, 0.7])
+
+
+def test_plots_skip_metrics_the_run_did_not_log(tmp_path):
+    history = [{"step": s, "reward": s / 10, "entropy": 1.0 - s / 20} for s in range(1, 6)]
+    written = plot_training_curves(history, tmp_path, validation={"pass@1": ([0, 5], [0.1, 0.3])}, prefix="x_")
+    assert sorted(p.name for p in written) == ["x_entropy.png", "x_reward.png", "x_validation.png"]
