@@ -308,6 +308,7 @@ def save_merged_model(model: nn.Module, tokenizer: Any, path: str | os.PathLike)
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    recover_interrupted_save(path)
     base = peft_model_of(model).get_base_model()
     state = merged_state_dict(model)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
@@ -320,6 +321,17 @@ def save_merged_model(model: nn.Module, tokenizer: Any, path: str | os.PathLike)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def recover_interrupted_save(path: str | os.PathLike) -> None:
+    """Clean up after a save killed mid-way: restore a previous save left aside (`.<name>.old-*`) if `path` is
+    missing, and delete leftover temporary directories. Call before reading `path` after a crash."""
+    path = Path(path)
+    aside = sorted(path.parent.glob(f".{path.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    if aside and not path.exists():
+        os.replace(aside.pop(), path)
+    for leftover in aside + list(path.parent.glob(f".{path.name}.tmp-*")):
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _replace_dir(src: Path, dst: Path) -> None:

@@ -393,3 +393,18 @@ def test_rank_pattern_layers_keep_their_scaling():
     assert {name: layer.scaling["default"] for name, layer in lora_layers(model)} == scalings
     with pytest.raises(ResetNotSupportedError, match="alpha_pattern"):
         reinit_adapter(model, lora_alpha=32)
+
+
+def test_save_killed_between_renames_is_recovered(tmp_path):
+    """A process killed after moving the old save aside but before renaming the new one in leaves `path` missing."""
+    from prorl_trl.reset import recover_interrupted_save
+
+    model = lora_model()
+    _, tokenizer = build_tiny()
+    path = save_merged_model(model, tokenizer, tmp_path / "merged")
+    expected = logits(AutoModelForCausalLM.from_pretrained(path).eval())
+    path.rename(tmp_path / ".merged.old-4242")  # the kill: old save aside, new one never renamed in
+    (tmp_path / ".merged.tmp-abc").mkdir()  # and an unfinished temporary directory
+    recover_interrupted_save(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(path).eval()), expected)
