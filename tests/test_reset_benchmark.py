@@ -3,13 +3,20 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "trainer_gpu.py"
 
 
-def test_smoke_mode_prints_one_complete_table(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def benchmark():
     spec = importlib.util.spec_from_file_location("trainer_gpu", BENCHMARK)
-    benchmark = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(benchmark)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_smoke_mode_prints_one_complete_table(benchmark, tmp_path, capsys):
     out = tmp_path / "table.md"
     benchmark.main(["--smoke", "--rounds", "2", "--steps", "1", "--resets", "2", "--out", str(out)])
     table = out.read_text().strip().splitlines()
@@ -25,10 +32,7 @@ def test_smoke_mode_prints_one_complete_table(tmp_path, capsys):
     assert "ratio " in table[2] and all(row.count("|") == 7 for row in table)
 
 
-def test_qwen2_05b_config_has_the_published_sizes():
-    spec = importlib.util.spec_from_file_location("trainer_gpu", BENCHMARK)
-    benchmark = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(benchmark)
+def test_qwen2_05b_config_has_the_published_sizes(benchmark):
     from prorl_trl.tiny import build_tiny_tokenizer
 
     config = benchmark.qwen2_05b_config(build_tiny_tokenizer())
