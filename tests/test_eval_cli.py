@@ -29,14 +29,14 @@ def _args(two_models, shared_data, out, *extra):
         "eval", "--model", f"first={first}", "--model", f"second={second}", "--dataset", "math500",
         "--data-files", str(shared_data / "math500"), "--limit", str(LIMIT), "--n", str(N), "--k", "1,2,4",
         "--max-new-tokens", "8", "--breakdown", "level,subject", "--out", str(out), "--no-progress",
-        "--num-resamples", "100", "--device", "cpu", *extra,
+        "--num-resamples", "100", "--device", "cpu", "--num-threads", "1", *extra,
     ]
 
 
 @pytest.fixture(scope="module")
 def run(two_models, shared_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("eval") / "out"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "prorl_trl", *_args(two_models, shared_data, out, "--subset", "always-wrong:first")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,

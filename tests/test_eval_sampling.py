@@ -5,10 +5,20 @@ import torch
 
 from prorl_trl.evaluation.sampling import (
     SamplingSettings,
+    encode_prompt,
     generation_config_for,
     render_prompt,
     sample_transformers,
 )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Small models run fastest single-threaded on the shared 2-core CI machine; restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def test_left_padded_batches_match_unpadded_generation(tiny):
@@ -17,7 +27,8 @@ def test_left_padded_batches_match_unpadded_generation(tiny):
     model.eval()
     texts = ["2+2=", "A much longer prompt that forces padding of the short one: 7*6="]
     settings = SamplingSettings(num_samples=2, temperature=1.0, top_p=1e-9, max_completion_length=6, batch_size=4)
-    completions, stats = sample_transformers(model, tokenizer, texts, settings)
+    ids = [encode_prompt(text, tokenizer) for text in texts]
+    completions, stats = sample_transformers(model, tokenizer, ids, settings)
     assert stats["completions"] == 4 and len(completions) == 4
     assert sorted((c.prompt_index, c.sample_index) for c in completions) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for c in completions:
@@ -36,13 +47,14 @@ def test_jobs_draw_only_the_requested_rows_and_batches_report_progress(tiny):
     model, tokenizer = tiny
     settings = SamplingSettings(num_samples=3, max_completion_length=3, batch_size=2, seed=5)
     seen = []
+    prompts = [encode_prompt(text, tokenizer) for text in ["a", "bb", "ccc"]]
     completions, stats = sample_transformers(
-        model, tokenizer, ["a", "bb", "ccc"], settings, jobs=[(2, 1), (0, 2), (1, 0)], on_batch=seen.append
+        model, tokenizer, prompts, settings, jobs=[(2, 1), (0, 2), (1, 0)], on_batch=seen.append
     )
     assert sorted((c.prompt_index, c.sample_index) for c in completions) == [(0, 2), (1, 0), (2, 1)]
     assert [len(batch) for batch in seen] == [2, 1]
     assert stats["completion_tokens"] == sum(c.num_tokens for c in completions)
-    again, _ = sample_transformers(model, tokenizer, ["a", "bb", "ccc"], settings, jobs=[(2, 1), (0, 2), (1, 0)])
+    again, _ = sample_transformers(model, tokenizer, prompts, settings, jobs=[(2, 1), (0, 2), (1, 0)])
     assert [c.text for c in again] == [c.text for c in completions]  # seeded
 
 
@@ -61,6 +73,7 @@ def test_render_prompt_uses_the_chat_template_for_messages(tiny):
     text = render_prompt([{"role": "user", "content": "hi"}], tokenizer)
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert render_prompt("plain", tokenizer) == "plain"
+    assert tokenizer.decode(encode_prompt([{"role": "user", "content": "hi"}], tokenizer)) == text
     tokenizer.chat_template = None
     with pytest.raises(ValueError, match="chat template"):
         render_prompt([{"role": "user", "content": "hi"}], tokenizer)

@@ -13,6 +13,15 @@ from prorl_trl.evaluation.validation import ValidationCallback
 from prorl_trl.tiny import build_tiny
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Small models run fastest single-threaded on the shared 2-core CI machine; restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _dataset(size=8):
     pairs = [(a, a + 1) for a in range(size)]
     return Dataset.from_dict({

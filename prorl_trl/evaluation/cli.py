@@ -55,6 +55,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="Model dtype (auto: bfloat16 on GPU, float32 on CPU).")
     p.add_argument("--backend", default="auto", choices=["auto", "transformers", "vllm"],
                    help="auto: vLLM when importable and on GPU, else transformers generate.")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="CPU threads for torch (default: torch's choice; 1 is fastest for small models on a busy machine).")
     p.add_argument("--trust-remote-code", action="store_true", help="Allow model repos' own code (off by default).")
     p.add_argument("--no-plots", action="store_true", help="Skip the PNG plots (no matplotlib needed).")
     p.add_argument("--no-progress", action="store_true", help="No progress bars.")
@@ -144,6 +146,10 @@ def run_eval(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"prorl-trl eval: error: {error}", file=sys.stderr)
         return 2
+    if args.num_threads is not None:
+        import torch
+
+        torch.set_num_threads(max(1, args.num_threads))
     from .evaluate import evaluate
 
     evaluate(rows, **opts, dataset=args.dataset, device=args.device, dtype=args.dtype, backend=args.backend,

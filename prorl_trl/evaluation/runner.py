@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .sampling import Completion, SamplingSettings, render_prompt, sample_transformers, sample_vllm, vllm_available
+from .sampling import Completion, SamplingSettings, encode_prompt, sample_transformers, sample_vllm, vllm_available
 
 # Settings that change what a sample means; `num_samples`, `batch_size` and `seed` may differ between resumed runs.
 _RESUME_KEYS = ("temperature", "top_p", "max_completion_length")
@@ -37,8 +37,9 @@ class ModelSpec:
         return cls(name, path)
 
 
-def prompt_sha(text: str) -> str:
-    return hashlib.sha1(text.encode("utf-8")).hexdigest()[:12]
+def prompt_sha(ids: list[int]) -> str:
+    """A short fingerprint of a tokenised prompt, to notice stored samples of another prompt or chat template."""
+    return hashlib.sha1(",".join(map(str, ids)).encode()).hexdigest()[:12]
 
 
 def samples_file(out_dir: str | Path, name: str) -> Path:
@@ -130,8 +131,8 @@ def sample_model(
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(spec.path, trust_remote_code=trust_remote_code)
-    texts = [render_prompt(p["prompt"], tokenizer) for p in problems]
-    shas = {p["problem_id"]: prompt_sha(text) for p, text in zip(problems, texts)}
+    encoded = [encode_prompt(p["prompt"], tokenizer) for p in problems]
+    shas = {p["problem_id"]: prompt_sha(ids) for p, ids in zip(problems, encoded)}
     stale = sorted({pid for (pid, _), r in existing.items() if pid in shas and r.get("prompt_sha", shas[pid]) != shas[pid]})
     if stale:
         raise ValueError(
@@ -168,13 +169,13 @@ def sample_model(
                 model, tokenizer = load_model(spec.path, device, dtype, trust_remote_code)
                 jobs = [(position[pid], s) for pid, s in missing]
                 _, new = sample_transformers(
-                    model, tokenizer, texts, settings, jobs=jobs, on_batch=append,
+                    model, tokenizer, encoded, settings, jobs=jobs, on_batch=append,
                     progress=progress, desc=f"sampling {spec.name}",
                 )
                 del model
             else:
                 indices = sorted({position[pid] for pid, _ in missing})
-                completions, new = sample_vllm(spec.path, texts, settings, indices, dtype, trust_remote_code)
+                completions, new = sample_vllm(spec.path, encoded, settings, indices, dtype, trust_remote_code)
                 append(completions)
         stats.update(new)
     records = [existing[key] for key in sorted(wanted)]

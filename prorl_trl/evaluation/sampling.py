@@ -75,6 +75,16 @@ def render_prompt(prompt: Any, tokenizer: Any) -> str:
     return prompt
 
 
+def encode_prompt(prompt: Any, tokenizer: Any) -> list[int]:
+    """Token ids the model continues, tokenised like TRL does it for training.
+
+    A chat-rendered prompt already holds any BOS token the template wants, so it is tokenised without special tokens
+    (TRL does the same); a plain-text prompt gets the tokenizer's usual special tokens (a base model's BOS).
+    """
+    text = render_prompt(prompt, tokenizer)
+    return tokenizer(text, add_special_tokens=not is_conversational(prompt))["input_ids"]
+
+
 def completion_for_reward(prompt: Any, text: str) -> Any:
     """A completion in the format TRL hands reward functions: a message list for conversational prompts."""
     return [{"role": "assistant", "content": text}] if is_conversational(prompt) else text
@@ -118,7 +128,7 @@ def generation_config_for(model: Any, tokenizer: Any, settings: SamplingSettings
 def sample_transformers(
     model: Any,
     tokenizer: Any,
-    prompt_texts: Sequence[str],
+    prompt_ids: Sequence[list[int]],
     settings: SamplingSettings,
     jobs: Sequence[tuple[int, int]] | None = None,
     on_batch: Callable[[list[Completion]], None] | None = None,
@@ -127,13 +137,13 @@ def sample_transformers(
 ) -> tuple[list[Completion], dict[str, float]]:
     """Sample completions with `model.generate`; returns the completions and throughput stats.
 
-    `jobs` lists the (prompt index, sample index) rows to draw (default: every prompt x `num_samples`); a resumed run
-    passes only the missing ones. `on_batch` receives each finished batch (used to append to a samples file). The
+    `prompt_ids` are tokenised prompts (`encode_prompt`). `jobs` lists the (prompt index, sample index) rows to draw
+    (default: every prompt x `num_samples`); a resumed run passes only the missing ones. `on_batch` receives each finished batch (used to append to a samples file). The
     caller chooses the model's mode; this function only adds `torch.no_grad()`.
     """
     if jobs is None:
-        jobs = [(p, s) for p in range(len(prompt_texts)) for s in range(settings.num_samples)]
-    encoded = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in prompt_texts]
+        jobs = [(p, s) for p in range(len(prompt_ids)) for s in range(settings.num_samples)]
+    encoded = [list(ids) for ids in prompt_ids]
     order = sorted(jobs, key=lambda job: (-len(encoded[job[0]]), job))
     config = generation_config_for(model, tokenizer, settings)
     eos, pad = set(config.eos_token_id), config.pad_token_id
@@ -192,20 +202,21 @@ def vllm_available() -> bool:
 
 
 def sample_vllm(
-    model_path: str, prompt_texts: Sequence[str], settings: SamplingSettings, prompt_indices: Sequence[int] | None = None,
-    dtype: str = "auto", trust_remote_code: bool = False,
+    model_path: str, prompt_ids: Sequence[list[int]], settings: SamplingSettings,
+    prompt_indices: Sequence[int] | None = None, dtype: str = "auto", trust_remote_code: bool = False,
 ) -> tuple[list[Completion], dict[str, float]]:
-    """Sample with vLLM (GPU only; untested in CPU CI). Resumes at problem granularity: `prompt_indices` to draw."""
+    """Sample with vLLM (GPU only; not exercised by the CPU test suite). Draws all n samples of `prompt_indices`."""
     from vllm import LLM, SamplingParams
 
-    indices = list(range(len(prompt_texts))) if prompt_indices is None else list(prompt_indices)
+    indices = list(range(len(prompt_ids))) if prompt_indices is None else list(prompt_indices)
+    # The engine-level seed makes the run reproducible; a per-request seed would give every prompt the same stream.
     llm = LLM(model=model_path, seed=settings.seed, dtype=dtype, trust_remote_code=trust_remote_code)
     params = SamplingParams(
-        n=settings.num_samples, temperature=settings.temperature, top_p=settings.top_p,
-        max_tokens=settings.max_completion_length, seed=settings.seed,
+        n=settings.num_samples, temperature=settings.temperature, top_p=settings.top_p, top_k=-1,
+        max_tokens=settings.max_completion_length,
     )
     start = time.perf_counter()
-    outputs = llm.generate([prompt_texts[i] for i in indices], params)
+    outputs = llm.generate([{"prompt_token_ids": list(prompt_ids[i])} for i in indices], params)
     seconds = time.perf_counter() - start
     completions = [
         Completion(p, s, out.text, len(out.token_ids), out.finish_reason == "stop")

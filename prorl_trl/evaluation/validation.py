@@ -26,7 +26,7 @@ from transformers import Trainer, TrainerCallback
 
 from .grading import grade, resolve_reward
 from .passk import pass_at_k_per_problem
-from .sampling import SamplingSettings, render_prompt, sample_transformers
+from .sampling import SamplingSettings, encode_prompt, sample_transformers
 
 
 def _first_rows(dataset: Any, num_problems: int | None) -> list[dict[str, Any]]:
@@ -126,7 +126,7 @@ class ValidationCallback(TrainerCallback):
         accelerator = trainer.accelerator
         tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)  # processors wrap one
         rows = self.rows[accelerator.process_index :: accelerator.num_processes]
-        texts = [render_prompt(row["prompt"], tokenizer) for row in rows]
+        encoded = [encode_prompt(row["prompt"], tokenizer) for row in rows]
         settings = self._settings(trainer)
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         was_training = trainer.model.training
@@ -138,7 +138,7 @@ class ValidationCallback(TrainerCallback):
             model.eval()
             try:
                 with accelerator.autocast():
-                    completions, _ = sample_transformers(model, tokenizer, texts, settings) if rows else ([], {})
+                    completions, _ = sample_transformers(model, tokenizer, encoded, settings) if rows else ([], {})
             finally:
                 model.train(was_training)
         rewards, correct = grade(
