@@ -12,15 +12,6 @@ from prorl_trl.evaluation.sampling import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Small models run fastest single-threaded on the shared 2-core CI machine; restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_left_padded_batches_match_unpadded_generation(tiny):
     """top_p -> 0 keeps only the most likely token, so sampling is greedy and comparable row by row."""
     model, tokenizer = tiny
