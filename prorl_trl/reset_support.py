@@ -147,7 +147,7 @@ def quantization_method(model: nn.Module) -> str | None:
     return None
 
 
-def check_reset_support(args: Any, model: nn.Module, accelerator: Any = None) -> None:
+def check_reset_support(args: Any, model: nn.Module | None, accelerator: Any = None) -> None:
     """Raise `ResetNotSupportedError` before training if a hard reset cannot be done correctly here.
 
     Call it once, before the first step, whenever the run will hard-reset. Refused:
@@ -158,6 +158,7 @@ def check_reset_support(args: Any, model: nn.Module, accelerator: Any = None) ->
       need a float copy of the base, which is what QLoRA exists to avoid.
     * LoRA variants we do not merge/re-init (see `check_lora_supported`).
     Full fine-tuning (no PeftModel) is supported: only the optimizer and the reference model are reset.
+    `model=None` checks only the launch (args/accelerator/environment), e.g. before loading a model by name.
     """
     backend = _distributed_backend(args, accelerator)
     if backend is not None:
@@ -168,6 +169,8 @@ def check_reset_support(args: Any, model: nn.Module, accelerator: Any = None) ->
             "--multi_gpu` / `torchrun`). Either launch without DeepSpeed/FSDP (LoRA on a <=8B model fits one GPU per "
             "replica), or disable resets (`hard_reset_between_phases: false` and no phase with `hard_reset: true`)."
         )
+    if model is None:  # launch-only check, usable before the model is loaded
+        return
     method = quantization_method(model)
     if method is not None:
         raise ResetNotSupportedError(

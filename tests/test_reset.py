@@ -261,8 +261,11 @@ def test_fsdp_and_deepspeed_launches_are_refused(monkeypatch, tmp_path):
     args = GRPOConfig(output_dir=str(tmp_path), fsdp="full_shard", use_cpu=True, report_to=[])
     with pytest.raises(ResetNotSupportedError, match="not supported under FSDP.*DDP"):
         check_reset_support(args, lora_model())
+    with pytest.raises(ResetNotSupportedError, match="FSDP"):
+        check_reset_support(args, None)  # launch-only check, before any model is loaded
     plain = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     check_reset_support(plain, lora_model())
+    check_reset_support(plain, None)
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what `accelerate launch --use_deepspeed` exports
     with pytest.raises(ResetNotSupportedError, match="not supported under DeepSpeed"):
         check_reset_support(plain, lora_model())
