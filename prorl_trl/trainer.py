@@ -337,6 +337,8 @@ class ProRLTrainer(ProRLResetMixin, ProRLLoopMixin, GRPOTrainer):
             self.announce(f"ProRL phase '{phase.name}' ended after {self.state.global_step} steps ({self._phase_end_reason}).")
             self._save_log_history()
         self._save_final()
+        # HF recreates `state.log_history` per inner call; after the run it holds the whole run again.
+        self.state.log_history = [dict(entry) for entry in self.prorl_log_history]
         total = sum(n for _, n in losses)
         loss = sum(l * n for l, n in losses) / total if total else float("nan")
         metrics = dict(outputs[-1].metrics) if outputs else {}

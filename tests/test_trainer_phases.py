@@ -94,6 +94,7 @@ def test_prorl_logs_and_history(three_phase_run):
     saved = json.loads((out_dir / "prorl_log_history.json").read_text())
     assert [e["prorl/global_step"] for e in saved if "loss" in e] == [1, 2, 3, 4, 5, 6]
     assert "rewards/recorder/mean" in steps[0]
+    assert [e["prorl/global_step"] for e in trainer.state.log_history if "loss" in e] == [1, 2, 3, 4, 5, 6]
 
 
 def test_merged_saves_and_final_model(three_phase_run):
