@@ -163,7 +163,8 @@ class ProRLTrainer(ProRLResetMixin, ProRLLoopMixin, GRPOTrainer):
         return any(p.hard_reset for p in self.phases) or reshapes or any(isinstance(c, HardResetCallback) for c in callbacks)
 
     def _check_after_init(self) -> None:
-        if self._resets_possible():
+        self._reset_support_checked = self._resets_possible()
+        if self._reset_support_checked:
             reset_ops.check_reset_support(self.args, self.model, self.accelerator)
         if self.args.dynamic_sampling:
             name = self.args.dynamic_sampling_reward or self.reward_func_names[0]

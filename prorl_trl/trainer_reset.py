@@ -98,6 +98,9 @@ class ProRLResetMixin:
         The model's outputs are unchanged (fresh B = 0). `lora_phase` gives the fresh adapter's shape (default: the
         current phase). Saves the merged model under `<output_dir>/merged/reset-<k>/` when `save_merged_on_reset`.
         """
+        if not self._reset_support_checked:  # manual calls in a run that had no reset planned at init
+            reset_ops.check_reset_support(self.args, self.model, self.accelerator)
+            self._reset_support_checked = True
         target = lora_phase or self.current_phase
         model = reset_ops.unwrap_model(self.model)
         new_params = False
