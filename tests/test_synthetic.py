@@ -122,3 +122,26 @@ def test_kk_dataset_is_deterministic_and_mixes_sizes():
 def test_kk_rejects_sizes_the_solver_cannot_handle(num_people):
     with pytest.raises(ValueError, match="num_people"):
         make_kk_dataset(1, num_people=num_people)
+
+
+def test_kk_rows_are_graded_by_the_kk_logic_reward():
+    from rewards import get_reward
+
+    reward = get_reward("kk_logic")
+    rows = make_kk_dataset(20, seed=4, num_people=(2, 8)).to_list()
+    right = [f"<think>...</think><answer>{row['solution_text_format']}</answer>" for row in rows]
+    flipped = [text.replace("knight", "KNAVE").replace("knave", "knight").replace("KNAVE", "knave") for text in right]
+    for columns in ({"names": [r["names"] for r in rows], "solution": [r["solution"] for r in rows]},
+                    {"solution_text_format": [r["solution_text_format"] for r in rows]}):
+        assert reward(completions=right, **columns) == [3.0] * len(rows)
+        assert reward(completions=flipped, **columns) == [-0.5] * len(rows)
+
+
+def test_arithmetic_rows_are_graded_by_the_boxed_answer_reward():
+    from rewards import get_reward
+
+    reward = get_reward("boxed_answer")
+    rows = make_arithmetic_dataset(50, seed=5, num_steps=(1, 3))
+    assert reward(completions=rows["solution"], answer=rows["answer"]) == [1.0] * 50
+    wrong = [f"\\boxed{{{int(answer) + 1}}}" for answer in rows["answer"]]
+    assert reward(completions=wrong, answer=rows["answer"]) == [-1.0] * 50
