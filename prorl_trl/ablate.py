@@ -38,7 +38,7 @@ from typing import Any
 
 import yaml
 
-from .recipe import RecipeLoader, apply_overrides, read_recipe_file
+from .recipe import RecipeLoader, read_recipe_file
 from .recipe_schema import RecipeError, RecipeProblem, suggest
 
 GRID_KEYS = ("base", "output_dir", "metric", "overrides", "variants", "grid", "description")
@@ -65,7 +65,9 @@ def load_grid(path: str | Path) -> tuple[dict[str, Any], list[Variant]]:
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
-        raise RecipeError(str(path), [RecipeProblem("", f"YAML syntax error{where}: {getattr(error, 'problem', error)}")]) from None
+        raise RecipeError(
+            str(path), [RecipeProblem("", f"YAML syntax error{where}: {getattr(error, 'problem', error)}")]
+        ) from None
     problems = []
     if not isinstance(grid, dict):
         raise RecipeError(str(path), [RecipeProblem("", "a grid file must be a mapping", grid)])
@@ -94,7 +96,9 @@ def load_grid(path: str | Path) -> tuple[dict[str, Any], list[Variant]]:
             problems.append(RecipeProblem(f"variants.{name}", "variant names may use letters, digits, - _ . only"))
     if problems:
         raise RecipeError(str(path), problems)
-    grid["base"] = str((path.parent / grid["base"]).resolve()) if not Path(grid["base"]).is_absolute() else grid["base"]
+    grid["base"] = (
+        str((path.parent / grid["base"]).resolve()) if not Path(grid["base"]).is_absolute() else grid["base"]
+    )
     grid.setdefault("output_dir", str(Path("runs") / "ablations" / path.stem))
     return grid, variants
 
@@ -112,7 +116,9 @@ def prepare_variants(grid: dict[str, Any], variants: list[Variant], out: Path) -
         try:
             recipe_from_dict(raw, f"{grid['base']} [{variant.name}]", overrides, dry=True)
         except RecipeError as error:
-            problems += [RecipeProblem(f"variants.{variant.name}: {p.path}", p.message, p.value) for p in error.problems]
+            problems += [
+                RecipeProblem(f"variants.{variant.name}: {p.path}", p.message, p.value) for p in error.problems
+            ]
         variant.raw = raw
     if problems:
         raise RecipeError(grid.get("_file", "grid"), problems)
@@ -122,7 +128,9 @@ def write_variant_recipes(variants: list[Variant], out: Path) -> None:
     recipes_dir = out / "recipes"
     recipes_dir.mkdir(parents=True, exist_ok=True)
     for variant in variants:
-        (recipes_dir / f"{variant.name}.yaml").write_text(yaml.safe_dump(variant.raw, sort_keys=False, allow_unicode=True))
+        (recipes_dir / f"{variant.name}.yaml").write_text(
+            yaml.safe_dump(variant.raw, sort_keys=False, allow_unicode=True)
+        )
 
 
 def _launch_command(launcher: str | None, recipe: Path) -> list[str]:
@@ -137,7 +145,10 @@ def run_variant(variant: Variant, out: Path, launcher: str | None, env: dict[str
     with open(logs / f"{variant.name}.log", "w") as log:
         result = subprocess.run(
             _launch_command(launcher, out / "recipes" / f"{variant.name}.yaml"),
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=os.getcwd(),
         )
     variant.seconds = time.time() - started
     summary_file = out / variant.name / "run_summary.json"
@@ -163,7 +174,15 @@ def pick_metric(variants: list[Variant], requested: str | None) -> str | None:
 def write_summary(variants: list[Variant], out: Path, metric: str | None) -> tuple[Path, Path]:
     """`summary.csv` and `summary.md`: one row per variant, the final validation metric and per-reward means."""
     reward_names = sorted({name for v in variants if v.summary for name in v.summary.get("reward_means", {})})
-    header = ["variant", "status", "steps", metric or "validation", *[f"{name} (mean)" for name in reward_names], "minutes", "overrides"]
+    header = [
+        "variant",
+        "status",
+        "steps",
+        metric or "validation",
+        *[f"{name} (mean)" for name in reward_names],
+        "minutes",
+        "overrides",
+    ]
     rows = []
     for variant in variants:
         summary = variant.summary or {}
@@ -190,7 +209,10 @@ def write_summary(variants: list[Variant], out: Path, metric: str | None) -> tup
         "|" + "|".join("---" for _ in header) + "|",
         *["| " + " | ".join(escape(c) for c in row) + " |" for row in rows],
     ]
-    note = f"\n`{metric}`: last validation value of each run; reward means: average of `rewards/<name>/mean` over all logged training steps.\n"
+    note = (
+        f"\n`{metric}`: last validation value of each run; reward means: average of `rewards/<name>/mean` over all "
+        "logged training steps.\n"
+    )
     md_path.write_text("\n".join(lines) + "\n" + note)
     return csv_path, md_path
 
@@ -202,7 +224,14 @@ def run_ablate(args: Any) -> int:
     if args.only:
         unknown = [name for name in args.only if name not in {v.name for v in variants}]
         if unknown:
-            raise RecipeError(str(args.grid), [RecipeProblem("--only", f"no such variant{suggest(unknown[0], [v.name for v in variants])}", unknown)])
+            raise RecipeError(
+                str(args.grid),
+                [
+                    RecipeProblem(
+                        "--only", f"no such variant{suggest(unknown[0], [v.name for v in variants])}", unknown
+                    )
+                ],
+            )
         variants = [v for v in variants if v.name in args.only]
     prepare_variants(grid, variants, out)
     print(f"{len(variants)} variants of {grid['base']} validated")
@@ -216,7 +245,9 @@ def run_ablate(args: Any) -> int:
             variant.status, variant.summary = "done (earlier run)", _read_summary(summary_file)
         else:
             todo.append(variant)
-    print(f"running {len(todo)} (skipping {len(variants) - len(todo)} already finished), {max(1, args.parallel)} at a time")
+    print(
+        f"running {len(todo)} (skipping {len(variants) - len(todo)} already finished), {max(1, args.parallel)} at a time"
+    )
     requested = args.metric or grid.get("metric")
     lock, finished = threading.Lock(), [0]
 
@@ -234,7 +265,10 @@ def run_ablate(args: Any) -> int:
             metric = pick_metric(variants, requested)
             value = (variant.summary or {}).get("final_eval", {}).get(metric or "")
             shown = f", {metric}={value:.4f}" if isinstance(value, float) else ""
-            print(f"[{finished[0]}/{len(todo)}] {variant.name}: {variant.status} in {variant.seconds / 60:.1f} min{shown}", flush=True)
+            print(
+                f"[{finished[0]}/{len(todo)}] {variant.name}: {variant.status} in {variant.seconds / 60:.1f} min{shown}",
+                flush=True,
+            )
             write_summary(variants, out, metric)
 
     with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:

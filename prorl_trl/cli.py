@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from . import __version__
 from .recipe_schema import RecipeError
@@ -105,7 +106,9 @@ def _add_ablate_arguments(parser: argparse.ArgumentParser) -> None:
         "'accelerate launch --config_file recipes/accelerate/single_gpu.yaml')",
     )
     parser.add_argument(
-        "--devices", default=None, help="comma-separated GPU ids; parallel slot i gets CUDA_VISIBLE_DEVICES=ids[i %% n]"
+        "--devices",
+        default=None,
+        help="comma-separated GPU ids; parallel slot i gets CUDA_VISIBLE_DEVICES=ids[i %% n]",
     )
     parser.add_argument("--metric", default=None, help="validation metric for the table (default: auto-detected)")
     parser.set_defaults(handler=_run_ablate)

@@ -21,18 +21,14 @@ from typing import Any
 import yaml
 
 from .recipe_schema import (
-    SECTIONS,
     TOP_LEVEL_KEYS,
     DataSection,
-    LoggingSection,
     ModelSection,
     PeftSection,
     RecipeError,
     RecipeProblem,
     RewardSpec,
     ValidationSection,
-    check_section,
-    suggest,
 )
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -150,8 +146,6 @@ def apply_overrides(raw: dict[str, Any], overrides: list[tuple[str, Any]]) -> li
 # The validated recipe
 # ---------------------------------------------------------------------------------------------------------------
 
-LOGGING_KEYS = tuple(f.name for f in dataclasses.fields(LoggingSection))
-
 
 @dataclass
 class Recipe:
@@ -236,7 +230,10 @@ class Recipe:
 
 
 def load_recipe(
-    path: str | Path, overrides: list[tuple[str, Any]] | list[str] = (), world_size: int | None = None, dry: bool = True
+    path: str | Path,
+    overrides: list[tuple[str, Any]] | list[str] = (),
+    world_size: int | None = None,
+    dry: bool = True,
 ) -> Recipe:
     """Read, override and fully validate a recipe. Raises `RecipeError` listing every problem.
 
@@ -251,7 +248,11 @@ def load_recipe(
 
 
 def recipe_from_dict(
-    raw: dict[str, Any], file: str, overrides: list[tuple[str, Any]] = (), world_size: int | None = None, dry: bool = True
+    raw: dict[str, Any],
+    file: str,
+    overrides: list[tuple[str, Any]] = (),
+    world_size: int | None = None,
+    dry: bool = True,
 ) -> Recipe:
     """`load_recipe` for a mapping already in memory (`file` names it in messages). `raw` is modified in place."""
     problems = apply_overrides(raw, list(overrides))
@@ -265,35 +266,12 @@ def recipe_from_dict(
     return recipe
 
 
-def build_sections(raw: dict[str, Any], problems: list[RecipeProblem]) -> dict[str, Any]:
-    """Top-level keys and the recipe's own sections (everything except `training`/`phases`/`rewards` semantics)."""
-    for key, value in raw.items():
-        if key not in TOP_LEVEL_KEYS:
-            problems.append(RecipeProblem(str(key), f"unknown section{suggest(key, TOP_LEVEL_KEYS)}", value))
-    for required in ("model", "data", "rewards"):
-        if raw.get(required) is None:
-            problems.append(RecipeProblem(required, "section is required but missing"))
-    sections: dict[str, Any] = {}
-    for name, cls in SECTIONS.items():
-        value = raw.get(name)
-        if value is None:
-            sections[name] = None
-        elif isinstance(value, str) and name == "model":
-            sections[name] = ModelSection(name_or_path=value)  # `model: Qwen/Qwen2-0.5B` shorthand
-        else:
-            sections[name] = check_section(value, cls, name, problems)
-    specs = []
-    raw_rewards = raw.get("rewards")
-    if raw_rewards is not None and not isinstance(raw_rewards, list):
-        problems.append(RecipeProblem("rewards", "expected a list of `{name, weight, params}` entries", raw_rewards))
-    elif raw_rewards is not None:
-        if not raw_rewards:
-            problems.append(RecipeProblem("rewards", "needs at least one reward", raw_rewards))
-        for index, entry in enumerate(raw_rewards):
-            entry = {"name": entry} if isinstance(entry, str) else entry
-            specs.append(check_section(entry, RewardSpec, f"rewards.{index}", problems))
-    sections["rewards"] = specs
-    return sections
-
-
-__all__ = ["Recipe", "RecipeError", "RecipeProblem", "load_recipe", "recipe_from_dict", "parse_overrides", "apply_overrides"]
+__all__ = [
+    "Recipe",
+    "RecipeError",
+    "RecipeProblem",
+    "load_recipe",
+    "recipe_from_dict",
+    "parse_overrides",
+    "apply_overrides",
+]

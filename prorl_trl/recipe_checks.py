@@ -14,7 +14,20 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .recipe_schema import RecipeProblem, check_mapping, dataclass_hints, suggest
+from .recipe_schema import (
+    SECTIONS,
+    TOP_LEVEL_KEYS,
+    LoggingSection,
+    ModelSection,
+    RecipeProblem,
+    RewardSpec,
+    check_mapping,
+    check_section,
+    dataclass_hints,
+    suggest,
+)
+
+LOGGING_KEYS = tuple(f.name for f in dataclasses.fields(LoggingSection))
 
 # Switches whose validity depends on the machine (TrainingArguments refuses bf16 on a CPU-only box); a dry run
 # checks their type only.
@@ -62,7 +75,7 @@ PHASE_MESSAGE = re.compile(r"phase (\d+)")
 
 
 def check_recipe(file: str, raw: dict[str, Any], problems: list[RecipeProblem], world_size: int, dry: bool):
-    from .recipe import LOGGING_KEYS, Recipe, build_sections
+    from .recipe import Recipe
 
     sections = build_sections(raw, problems)
     training = check_training(raw.get("training"), sections.get("logging"), raw.get("logging"), problems)
@@ -97,9 +110,41 @@ def check_recipe(file: str, raw: dict[str, Any], problems: list[RecipeProblem], 
         description=raw.get("description"),
         distill=raw.get("distill"),
     )
+    check_validation(validation, recipe.rewards, problems)
     check_assembled(recipe, reward_names, problems, world_size, dry)
     recipe.warnings += [f"{p.path} = {p.value!r}: {p.message} (`train` will stop here)" for p in missing_paths]
     return recipe
+
+
+def build_sections(raw: dict[str, Any], problems: list[RecipeProblem]) -> dict[str, Any]:
+    """Top-level keys and the recipe's own sections (everything except `training`/`phases`/`rewards` semantics)."""
+    for key, value in raw.items():
+        if key not in TOP_LEVEL_KEYS:
+            problems.append(RecipeProblem(str(key), f"unknown section{suggest(key, TOP_LEVEL_KEYS)}", value))
+    for required in ("model", "data", "rewards"):
+        if raw.get(required) is None:
+            problems.append(RecipeProblem(required, "section is required but missing"))
+    sections: dict[str, Any] = {}
+    for name, cls in SECTIONS.items():
+        value = raw.get(name)
+        if value is None:
+            sections[name] = None
+        elif isinstance(value, str) and name == "model":
+            sections[name] = ModelSection(name_or_path=value)  # `model: Qwen/Qwen2-0.5B` shorthand
+        else:
+            sections[name] = check_section(value, cls, name, problems)
+    specs = []
+    raw_rewards = raw.get("rewards")
+    if raw_rewards is not None and not isinstance(raw_rewards, list):
+        problems.append(RecipeProblem("rewards", "expected a list of `{name, weight, params}` entries", raw_rewards))
+    elif raw_rewards is not None:
+        if not raw_rewards:
+            problems.append(RecipeProblem("rewards", "needs at least one reward", raw_rewards))
+        for index, entry in enumerate(raw_rewards):
+            entry = {"name": entry} if isinstance(entry, str) else entry
+            specs.append(check_section(entry, RewardSpec, f"rewards.{index}", problems))
+    sections["rewards"] = specs
+    return sections
 
 
 def check_training(raw: Any, logging_section: Any, raw_logging: Any, problems: list[RecipeProblem]):
@@ -139,9 +184,7 @@ def check_phases(raw: dict[str, Any], problems: list[RecipeProblem]) -> list[dic
     hints, _, required = dataclass_hints(PhaseConfig)
     checked = []
     for index, phase in enumerate(phases):
-        checked.append(
-            check_mapping(phase, f"phases.{index}", hints, problems, required=required, metadata=RANGES)
-        )
+        checked.append(check_mapping(phase, f"phases.{index}", hints, problems, required=required, metadata=RANGES))
     return checked
 
 
@@ -152,7 +195,9 @@ def check_rewards(specs: list[Any], problems: list[RecipeProblem]) -> list[str]:
     try:
         import rewards
     except ImportError as error:
-        problems.append(RecipeProblem("rewards", f"the reward registry (`rewards` package) cannot be imported: {error}"))
+        problems.append(
+            RecipeProblem("rewards", f"the reward registry (`rewards` package) cannot be imported: {error}")
+        )
         return []
     available = rewards.available()
     names = []
@@ -160,13 +205,19 @@ def check_rewards(specs: list[Any], problems: list[RecipeProblem]) -> list[str]:
         if spec.name not in available:
             listing = ", ".join(sorted(available))
             problems.append(
-                RecipeProblem(f"rewards.{index}.name", f"unknown reward{suggest(spec.name, available)} (available: {listing})", spec.name)
+                RecipeProblem(
+                    f"rewards.{index}.name",
+                    f"unknown reward{suggest(spec.name, available)} (available: {listing})",
+                    spec.name,
+                )
             )
             continue
         try:
             function = rewards.get_reward(spec.name, **spec.params)
         except Exception as error:  # a bad parameter: say which reward and why
-            problems.append(RecipeProblem(f"rewards.{index}.params", f"rejected by `{spec.name}`: {error}", spec.params))
+            problems.append(
+                RecipeProblem(f"rewards.{index}.params", f"rejected by `{spec.name}`: {error}", spec.params)
+            )
             continue
         names.append(getattr(function, "__name__", spec.name))
     return names
@@ -187,18 +238,43 @@ def check_data(data: Any, validation: Any, problems: list[RecipeProblem]) -> Non
     spec = BUILDERS.get(data.builder)
     if spec is None:
         listing = ", ".join(sorted(BUILDERS))
-        problems.append(RecipeProblem("data.builder", f"unknown builder{suggest(data.builder, BUILDERS)} (available: {listing})", data.builder))
+        problems.append(
+            RecipeProblem(
+                "data.builder",
+                f"unknown builder{suggest(data.builder, BUILDERS)} (available: {listing})",
+                data.builder,
+            )
+        )
         return
     if data.template is not None and data.template not in TEMPLATES:
         listing = ", ".join(sorted(TEMPLATES))
-        problems.append(RecipeProblem("data.template", f"unknown template{suggest(data.template, TEMPLATES)} (available: {listing})", data.template))
+        problems.append(
+            RecipeProblem(
+                "data.template",
+                f"unknown template{suggest(data.template, TEMPLATES)} (available: {listing})",
+                data.template,
+            )
+        )
     if data.columns and not spec.needs_columns:
-        problems.append(RecipeProblem("data.columns", f"builder `{data.builder}` has fixed columns; `columns` is for jsonl/parquet", data.columns))
+        problems.append(
+            RecipeProblem(
+                "data.columns",
+                f"builder `{data.builder}` has fixed columns; `columns` is for jsonl/parquet",
+                data.columns,
+            )
+        )
     hints = {name: kind for name, (kind, _) in spec.options.items()}
     check_mapping(data.options, "data.options", hints, problems)
     if spec.default_source is None and data.source is None and not data.builder.startswith("synthetic_"):
-        problems.append(RecipeProblem("data.source", f"builder `{data.builder}` needs a source (hub id or local file)"))
-    if validation is not None and validation.enabled and data.validation_split is None and spec.default_validation_split is None:
+        problems.append(
+            RecipeProblem("data.source", f"builder `{data.builder}` needs a source (hub id or local file)")
+        )
+    if (
+        validation is not None
+        and validation.enabled
+        and data.validation_split is None
+        and spec.default_validation_split is None
+    ):
         problems.append(RecipeProblem("data.validation_split", "the `validation` section needs a validation split"))
 
 
@@ -213,6 +289,27 @@ def check_distill(section: Any, data: Any, problems: list[RecipeProblem]) -> Non
         return
     for path, message in check_distill_section(section, data=data):
         problems.append(RecipeProblem(path, message))
+
+
+def check_validation(validation: Any, specs: list[Any], problems: list[RecipeProblem]) -> None:
+    if validation is None:
+        return
+    too_big = [k for k in validation.ks if not 1 <= k <= validation.num_samples]
+    if too_big:
+        problems.append(
+            RecipeProblem(
+                "validation.ks", f"each k must be in [1, num_samples={validation.num_samples}]", validation.ks
+            )
+        )
+    names = [spec.name for spec in specs]
+    if validation.reward is not None and validation.reward not in names:
+        problems.append(
+            RecipeProblem(
+                "validation.reward",
+                f"names no reward of this recipe{suggest(validation.reward, names)} (rewards: {', '.join(names)})",
+                validation.reward,
+            )
+        )
 
 
 def check_local_paths(model: Any, data: Any) -> list[RecipeProblem]:
@@ -244,7 +341,9 @@ def check_assembled(recipe: Any, reward_names: list[str], problems: list[RecipeP
             problems.append(RecipeProblem("peft", str(error)))
             return
     # Only warnings about keys the recipe sets (TRL's own defaults trigger some, e.g. gradient_checkpointing).
-    recipe.warnings = sorted({str(w.message) for w in caught if any(f"`{key}`" in str(w.message) for key in recipe.training)})
+    recipe.warnings = sorted(
+        {str(w.message) for w in caught if any(f"`{key}`" in str(w.message) for key in recipe.training)}
+    )
     try:
         recipe.resolved_phases = resolve_phases(args, peft_config, world_size)
     except ValueError as error:
@@ -253,12 +352,18 @@ def check_assembled(recipe: Any, reward_names: list[str], problems: list[RecipeP
         weights = phase.get("reward_weights")
         if weights is not None and len(weights) != len(recipe.rewards):
             problems.append(
-                RecipeProblem(f"phases.{index}.reward_weights", f"needs {len(recipe.rewards)} weights (one per reward)", weights)
+                RecipeProblem(
+                    f"phases.{index}.reward_weights", f"needs {len(recipe.rewards)} weights (one per reward)", weights
+                )
             )
     name = recipe.training.get("dynamic_sampling_reward")
     if name is not None and reward_names and name not in reward_names:
         problems.append(
-            RecipeProblem("training.dynamic_sampling_reward", f"names no reward of this recipe{suggest(name, reward_names)} (rewards: {', '.join(reward_names)})", name)
+            RecipeProblem(
+                "training.dynamic_sampling_reward",
+                f"names no reward of this recipe{suggest(name, reward_names)} (rewards: {', '.join(reward_names)})",
+                name,
+            )
         )
 
 

@@ -35,11 +35,15 @@ def describe_recipe(recipe: Recipe, world_size: int = 1) -> str:
         f"recipe:  {recipe.file}" + (f" - {recipe.description.strip().splitlines()[0]}" if recipe.description else ""),
         f"model:   {recipe.model.name_or_path} ({recipe.model.dtype}, {lora})",
         f"data:    {data.builder} {data.source or '(default source)'} [{data.split or 'default split'}]"
-        + (f", validation [{data.validation_split}] x{data.validation_size or 'all'}" if data.validation_split else ""),
+        + (
+            f", validation [{data.validation_split}] x{data.validation_size or 'all'}" if data.validation_split else ""
+        ),
         "rewards: " + ", ".join(f"{spec.name} x{spec.weight:g}" for spec in recipe.rewards),
     ]
     phases = recipe.resolved_phases or resolve_phases(recipe.training_args(dry=True), recipe.peft_config(), world_size)
-    lines.append(f"{'phase':<16}{'steps':>6}{'T':>6}{'top_p':>6}{'n':>4}{'max_len':>8}{'buffer':>7}{'lora_r':>7}{'reset':>6}")
+    lines.append(
+        f"{'phase':<16}{'steps':>6}{'T':>6}{'top_p':>6}{'n':>4}{'max_len':>8}{'buffer':>7}{'lora_r':>7}{'reset':>6}"
+    )
     for phase in phases:
         lines.append(
             f"{phase.name[:15]:<16}{phase.max_steps:>6}{phase.temperature:>6g}{phase.top_p:>6g}{phase.num_generations:>4}"
@@ -68,7 +72,9 @@ def _validation_callback(recipe: Recipe, eval_dataset: Any, args: Any) -> Any:
     from .evaluation.validation import ValidationCallback
 
     settings = recipe.validation
-    spec = next((s for s in recipe.rewards if s.name == settings.reward), None) if settings.reward else recipe.rewards[0]
+    spec = (
+        next((s for s in recipe.rewards if s.name == settings.reward), None) if settings.reward else recipe.rewards[0]
+    )
     import rewards
 
     reward = rewards.get_reward(spec.name, **spec.params) if spec else rewards.get_reward(settings.reward)
@@ -129,7 +135,9 @@ def run_train(recipe_path: str, overrides: list[str]) -> int:
     if recipe.distill is not None:  # distil a teacher into the model first; the phases start from the student
         from .distill import run_distill_section
 
-        student = run_distill_section(recipe.distill, recipe.model.name_or_path, Path(args.output_dir) / "distill", recipe.data)
+        student = run_distill_section(
+            recipe.distill, recipe.model.name_or_path, Path(args.output_dir) / "distill", recipe.data
+        )
         recipe.model = dataclasses.replace(recipe.model, name_or_path=str(student), tokenizer_name_or_path=None)
     tokenizer = _load_tokenizer(recipe)
     from accelerate import PartialState
@@ -165,7 +173,9 @@ def run_train(recipe_path: str, overrides: list[str]) -> int:
     log_history = recorder.entries
     summary = summarize_log(log_history)
     summary.update(recipe=str(recipe_path), overrides=list(overrides), seconds=round(time.time() - started, 1))
-    (output_dir / "run_summary.json").write_text(json.dumps({**summary, "log_history": log_history}, indent=1, default=str))
+    (output_dir / "run_summary.json").write_text(
+        json.dumps({**summary, "log_history": log_history}, indent=1, default=str)
+    )
     final = output_dir / "final"
     print(f"\ndone in {summary['seconds']:.0f}s, {summary['steps']} steps.", file=sys.stdout)
     for key, value in sorted(summary["final_eval"].items()):

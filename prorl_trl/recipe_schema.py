@@ -1,4 +1,5 @@
-"""The recipe's own sections (`model`, `peft`, `data`, `rewards`, `validation`, `logging`) and the checker that reads them.
+"""The recipe's own sections (`model`, `peft`, `data`, `rewards`, `validation`, `logging`) and the checker that
+reads them.
 
 `training` and `phases` have no schema here: they are checked against `ProRLConfig` / `PhaseConfig` by
 introspection (see `recipe.py`), so a field added there needs no edit here. This module imports nothing heavy, so
@@ -16,7 +17,6 @@ import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any
-
 
 NO_VALUE = object()  # "the problem is not about one value" (a missing key, a whole file)
 
@@ -247,7 +247,9 @@ class ModelSection:
     bnb_4bit_quant_type: str = field(
         default="nf4", metadata={"help": "4-bit quantisation type.", "choices": ["nf4", "fp4"]}
     )
-    bnb_4bit_use_double_quant: bool = field(default=True, metadata={"help": "Nested quantisation of the 4-bit scales."})
+    bnb_4bit_use_double_quant: bool = field(
+        default=True, metadata={"help": "Nested quantisation of the 4-bit scales."}
+    )
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Run the model repo's own Python code. Off unless you trust the repo."}
     )
@@ -281,9 +283,12 @@ class DataSection:
         default=None, metadata={"help": "Hub dataset id or local file/folder; None: the builder's hub id."}
     )
     config: str | None = field(default=None, metadata={"help": "Hub dataset config name; None: the builder's."})
-    split: str | None = field(default=None, metadata={"help": "Training split; None: the builder's (train; math500: test)."})
+    split: str | None = field(
+        default=None, metadata={"help": "Training split; None: the builder's (train; math500: test)."}
+    )
     data_files: str | list[str] | None = field(
-        default=None, metadata={"help": "Files inside a hub dataset repo that holds several (`load_dataset(data_files=)`)."}
+        default=None,
+        metadata={"help": "Files inside a hub dataset repo that holds several (`load_dataset(data_files=)`)."},
     )
     template: str | None = field(
         default=None, metadata={"help": "Prompt template name (prorl_trl.data.templates); None: the builder's."}
@@ -298,7 +303,8 @@ class DataSection:
     )
     system_prompt: str | None = field(default=None, metadata={"help": "Replaces the template's system prompt."})
     columns: dict[str, str] = field(
-        default_factory=dict, metadata={"help": "Column mapping `{prompt: <col>, answer: <col>, ...}` (jsonl/parquet)."}
+        default_factory=dict,
+        metadata={"help": "Column mapping `{prompt: <col>, answer: <col>, ...}` (jsonl/parquet)."},
     )
     options: dict[str, Any] = field(
         default_factory=dict, metadata={"help": "Builder-specific options (e.g. kk `num_people`)."}
@@ -343,7 +349,9 @@ class ValidationSection:
         default=None, metadata={"help": "Reward (registry name) that grades validation; None: the recipe's first."}
     )
     batch_size: int = field(default=16, metadata={"help": "Prompts per generate call.", "min": 1})
-    at_start: bool = field(default=True, metadata={"help": "Also validate before the first step (the 'before' point)."})
+    at_start: bool = field(
+        default=True, metadata={"help": "Also validate before the first step (the 'before' point)."}
+    )
 
 
 @dataclass

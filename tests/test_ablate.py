@@ -87,7 +87,18 @@ def test_bad_variant_fails_validation_before_anything_runs(tmp_path, tiny_dir, s
 
 def test_grid_axes_expand_to_the_cartesian_product(tmp_path):
     path = tmp_path / "grid.yaml"
-    path.write_text(yaml.safe_dump({"base": "x.yaml", "grid": {"rank": {"r8": {"peft.r": 8}, "r4": {"peft.r": 4}}, "gens": {"g2": {}, "g3": {"training.num_generations": 3}}}}, sort_keys=False))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "base": "x.yaml",
+                "grid": {
+                    "rank": {"r8": {"peft.r": 8}, "r4": {"peft.r": 4}},
+                    "gens": {"g2": {}, "g3": {"training.num_generations": 3}},
+                },
+            },
+            sort_keys=False,
+        )
+    )
     _, variants = load_grid(path)
     assert [v.name for v in variants] == ["r8_g2", "r8_g3", "r4_g2", "r4_g3"]
     assert variants[1].overrides == {"peft.r": 8, "training.num_generations": 3}

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import rewards
 from datasets import Dataset
 
+import rewards
 from prorl_trl.data import BUILDERS, build_dataset
 from prorl_trl.data.builders import gsm8k_gold, last_boxed_content
 from prorl_trl.data.templates import KK_SYSTEM, render_prompt
@@ -21,11 +21,17 @@ def section(**kwargs) -> DataSection:
 
 
 def test_gsm8k_gold_is_the_number_after_hashes_and_prompt_asks_for_boxed(shared_data):
-    data = build_dataset(section(builder="gsm8k", source=str(shared_data / "gsm8k"), prompt_format="plain", max_train_samples=5))
+    data = build_dataset(
+        section(builder="gsm8k", source=str(shared_data / "gsm8k"), prompt_format="plain", max_train_samples=5)
+    )
     first = json.loads(open(shared_data / "gsm8k" / "train.jsonl").readline())
     assert data.column_names == ["question", "answer", "prompt"]
     assert data[0]["question"] == first["question"] and data[0]["answer"] == "72"
-    assert isinstance(data[0]["prompt"], str) and "\\boxed{}" in data[0]["prompt"] and first["question"] in data[0]["prompt"]
+    assert (
+        isinstance(data[0]["prompt"], str)
+        and "\\boxed{}" in data[0]["prompt"]
+        and first["question"] in data[0]["prompt"]
+    )
     assert len(data) == 5
     reward = rewards.get_reward("boxed_answer")
     assert reward(completions=["so \\boxed{72}", "\\boxed{71}"], answer=[data[0]["answer"]] * 2) == [1.0, -1.0]
@@ -47,7 +53,9 @@ def test_gsm8k_chat_prompt_and_validation_split(shared_data):
 
 
 def test_math500_keeps_level_and_subject(shared_data):
-    data = build_dataset(section(builder="math500", source=str(shared_data / "math500"), max_train_samples=20))  # split: test
+    data = build_dataset(
+        section(builder="math500", source=str(shared_data / "math500"), max_train_samples=20)
+    )  # split: test
     assert {"prompt", "answer", "level", "subject", "unique_id"} <= set(data.column_names)
     rows = [json.loads(line) for line in open(shared_data / "math500" / "test.jsonl")][:20]
     assert data["level"] == [r["level"] for r in rows] and data["subject"] == [r["subject"] for r in rows]
@@ -60,17 +68,37 @@ def test_kk_keeps_names_solution_and_uses_the_logic_rl_prompt(shared_data):
     row = json.loads(open(shared_data / "kk" / "3ppl_train.jsonl").readline())
     assert {"names", "solution", "solution_text_format", "prompt"} <= set(data.column_names)
     assert data[0]["names"] == row["names"] and data[0]["solution"] == row["solution"]
-    assert data[0]["prompt"][0] == {"role": "system", "content": KK_SYSTEM} and row["quiz"] in data[0]["prompt"][1]["content"]
-    truth = "\n".join(f"({i}) {n} is a {'knight' if k else 'knave'}" for i, (n, k) in enumerate(zip(row["names"], row["solution"]), 1))
+    assert (
+        data[0]["prompt"][0] == {"role": "system", "content": KK_SYSTEM}
+        and row["quiz"] in data[0]["prompt"][1]["content"]
+    )
+    truth = "\n".join(
+        f"({i}) {n} is a {'knight' if k else 'knave'}"
+        for i, (n, k) in enumerate(zip(row["names"], row["solution"], strict=True), 1)
+    )
     reward = rewards.get_reward("kk_logic")
     good = f"<think>x</think><answer>{truth}</answer>"
-    assert reward(completions=[good], **{k: [data[0][k]] for k in ("names", "solution", "solution_text_format")}) == [3.0]
+    assert reward(completions=[good], **{k: [data[0][k]] for k in ("names", "solution", "solution_text_format")}) == [
+        3.0
+    ]
 
 
 def test_areal_rows_give_answer_from_the_boxed_solution(shared_data, tmp_path):
     rows = [json.loads(line) for line in open(shared_data / "math500" / "test.jsonl")][:6]
     path = tmp_path / "areal.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"<|User|>{r['problem']}<|Assistant|><think>\n", "solutions": [f"\\boxed{{{r['answer']}}}"], "query_id": str(i)}) + "\n" for i, r in enumerate(rows)))
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "prompt": f"<|User|>{r['problem']}<|Assistant|><think>\n",
+                    "solutions": [f"\\boxed{{{r['answer']}}}"],
+                    "query_id": str(i),
+                }
+            )
+            + "\n"
+            for i, r in enumerate(rows)
+        )
+    )
     data = build_dataset(section(builder="areal", source=str(path), prompt_format="plain"))
     assert data["answer"] == [r["answer"] for r in rows]
     assert data[0]["prompt"].startswith("<|User|>") and data[0]["solutions"] == [f"\\boxed{{{rows[0]['answer']}}}"]
@@ -84,7 +112,13 @@ def test_table_builders_map_columns(shared_data, tmp_path, builder):
         parquet = tmp_path / "math.parquet"
         Dataset.from_json(str(source)).select(range(10)).to_parquet(str(parquet))
         source = parquet
-    spec = section(builder=builder, source=str(source), columns={"prompt": "problem", "answer": "answer", "level": "level"}, template="boxed_math", max_train_samples=10)
+    spec = section(
+        builder=builder,
+        source=str(source),
+        columns={"prompt": "problem", "answer": "answer", "level": "level"},
+        template="boxed_math",
+        max_train_samples=10,
+    )
     data = build_dataset(spec)
     assert set(data.column_names) == {"question", "answer", "level", "prompt"} and len(data) == 10
     with pytest.raises(ValueError, match="no column"):
@@ -95,7 +129,10 @@ def test_prompt_length_filter_counts_template_tokens(shared_data):
     tokenizer = build_tiny_tokenizer()
     spec = dict(builder="gsm8k", source=str(shared_data / "gsm8k"), max_train_samples=50)
     full = build_dataset(section(**spec), tokenizer=tokenizer)
-    lengths = [len(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True)["input_ids"]) for p in full["prompt"]]
+    lengths = [
+        len(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True)["input_ids"])
+        for p in full["prompt"]
+    ]
     limit = sorted(lengths)[25]
     kept = build_dataset(section(**spec, max_prompt_tokens=limit), tokenizer=tokenizer)
     assert len(kept) == sum(length <= limit for length in lengths) and 0 < len(kept) < 50
@@ -104,7 +141,11 @@ def test_prompt_length_filter_counts_template_tokens(shared_data):
 
 
 def test_synthetic_builders_give_disjoint_seeded_splits():
-    arithmetic = section(builder="synthetic_arithmetic", options={"num_train": 12, "num_validation": 5, "seed": 3}, validation_split="validation")
+    arithmetic = section(
+        builder="synthetic_arithmetic",
+        options={"num_train": 12, "num_validation": 5, "seed": 3},
+        validation_split="validation",
+    )
     train, validation = build_dataset(arithmetic), build_dataset(arithmetic, "validation")
     assert len(train) == 12 and len(validation) == 5 and set(train["question"]).isdisjoint(validation["question"])
     assert build_dataset(arithmetic)["question"] == train["question"]  # deterministic

@@ -82,7 +82,10 @@ def test_every_shipped_recipe_validates(capsys, recipe):
 
 def test_prorl_recipe_has_the_seed_phase_table():
     recipe = load_recipe(REPO / "recipes" / "prorl_gsm8k_qwen2_0.5b.yaml")
-    table = [(p.temperature, p.top_p, p.num_generations, p.max_completion_length, p.overlong_buffer, p.lora_r) for p in recipe.resolved_phases]
+    table = [
+        (p.temperature, p.top_p, p.num_generations, p.max_completion_length, p.overlong_buffer, p.lora_r)
+        for p in recipe.resolved_phases
+    ]
     assert table == [
         (1.0, 0.7, 16, 4096, 0, 32),
         (1.0, 0.9, 16, 4096, 0, 32),
@@ -91,10 +94,26 @@ def test_prorl_recipe_has_the_seed_phase_table():
         (1.2, 1.0, 32, 6144, 4096, 64),
     ]
     assert [p.hard_reset for p in recipe.resolved_phases] == [False, True, True, True, True]
-    assert recipe.resolved_phases[-1].lora_target_modules == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    assert recipe.resolved_phases[0].generation_batch_size == 32 and recipe.resolved_phases[-1].generation_batch_size == 64
+    assert recipe.resolved_phases[-1].lora_target_modules == [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ]
+    assert (
+        recipe.resolved_phases[0].generation_batch_size == 32
+        and recipe.resolved_phases[-1].generation_batch_size == 64
+    )
     args = recipe.training_args(dry=True)
-    assert (args.learning_rate, args.beta, args.per_device_train_batch_size, args.gradient_accumulation_steps) == (2e-6, 0.001, 16, 2)
+    assert (args.learning_rate, args.beta, args.per_device_train_batch_size, args.gradient_accumulation_steps) == (
+        2e-6,
+        0.001,
+        16,
+        2,
+    )
     assert recipe.data.max_prompt_tokens == 512 and recipe.data.validation_size == 100
     assert (recipe.validation.temperature, recipe.validation.top_p) == (1.0, 0.7)
     assert recipe.peft_config().r == 32 and sorted(recipe.peft_config().target_modules) == ["k_proj", "q_proj"]
@@ -103,16 +122,41 @@ def test_prorl_recipe_has_the_seed_phase_table():
 
 BAD_INPUTS = {
     # id: (recipe, key path in the message, value text in the message, other required text)
-    "misspelled_training_key": (changed("training.learnig_rate", 1e-6), "training.learnig_rate", "1e-06", "did you mean `learning_rate`"),
-    "misspelled_section": (changed("valdation", {"eval_steps": 1}), "valdation", "eval_steps", "did you mean `validation`"),
-    "misspelled_phase_key": (changed("phases.1.temprature", 1.1), "phases.1.temprature", "1.1", "did you mean `temperature`"),
+    "misspelled_training_key": (
+        changed("training.learnig_rate", 1e-6),
+        "training.learnig_rate",
+        "1e-06",
+        "did you mean `learning_rate`",
+    ),
+    "misspelled_section": (
+        changed("valdation", {"eval_steps": 1}),
+        "valdation",
+        "eval_steps",
+        "did you mean `validation`",
+    ),
+    "misspelled_phase_key": (
+        changed("phases.1.temprature", 1.1),
+        "phases.1.temprature",
+        "1.1",
+        "did you mean `temperature`",
+    ),
     "wrong_type": (changed("training.learning_rate", "fast"), "training.learning_rate", "'fast'", "expected a number"),
     "wrong_type_section": (changed("peft.r", "eight"), "peft.r", "'eight'", "expected an integer"),
     "num_generations_below_2": (changed("training.num_generations", 1), "training.num_generations", "1", ">= 2"),
     "phase_num_generations_below_2": (changed("phases.2.num_generations", 1), "phases.2.num_generations", "1", ">= 2"),
     "negative_learning_rate": (changed("training.learning_rate", -1e-5), "training.learning_rate", "-1e-05", ">= 0"),
-    "overlong_buffer_too_long": (changed("training.overlong_buffer", 64), "training.overlong_buffer", "64", "shorter than max_completion_length"),
-    "phase_overlong_buffer_too_long": (changed("phases.1.overlong_buffer", 100), "phases.1", "overlong_buffer (100)", "max_completion_length (64)"),
+    "overlong_buffer_too_long": (
+        changed("training.overlong_buffer", 64),
+        "training.overlong_buffer",
+        "64",
+        "shorter than max_completion_length",
+    ),
+    "phase_overlong_buffer_too_long": (
+        changed("phases.1.overlong_buffer", 100),
+        "phases.1",
+        "overlong_buffer (100)",
+        "max_completion_length (64)",
+    ),
     "lora_rank_zero": (changed("peft.r", 0), "peft.r", "0", ">= 1"),
     "phase_lora_rank_zero": (changed("phases.2.lora_r", 0), "phases.2.lora_r", "0", ">= 1"),
     "unknown_reward": (changed("rewards.0.name", "boxed_answr"), "rewards.0.name", "'boxed_answr'", "available: "),
@@ -120,9 +164,24 @@ BAD_INPUTS = {
     "phase_without_max_steps": (changed("phases.0.max_steps", DELETE), "phases.0.max_steps", "", "required"),
     "top_p_above_1": (changed("validation.top_p", 1.5), "validation.top_p", "1.5", "<= 1"),
     "unknown_builder": (changed("data.builder", "gsm8"), "data.builder", "'gsm8'", "did you mean `gsm8k`"),
-    "bad_scheduler_choice": (changed("training.lr_scheduler_type", "constnat"), "training.lr_scheduler_type", "constnat", "did you mean `constant`"),
-    "columns_on_a_fixed_builder": (changed("data.columns", {"prompt": "q"}), "data.columns", "'q'", "for jsonl/parquet"),
-    "reserved_training_key": (changed("training.reward_weights", [1.0]), "training.reward_weights", "[1.0]", "rewards[i].weight"),
+    "bad_scheduler_choice": (
+        changed("training.lr_scheduler_type", "constnat"),
+        "training.lr_scheduler_type",
+        "constnat",
+        "did you mean `constant`",
+    ),
+    "columns_on_a_fixed_builder": (
+        changed("data.columns", {"prompt": "q"}),
+        "data.columns",
+        "'q'",
+        "for jsonl/parquet",
+    ),
+    "reserved_training_key": (
+        changed("training.reward_weights", [1.0]),
+        "training.reward_weights",
+        "[1.0]",
+        "rewards[i].weight",
+    ),
     "bad_reward_params": (changed("rewards.0.params", {"corect": 2.0}), "rewards.0.params", "corect", "boxed_answer"),
 }
 
@@ -138,9 +197,7 @@ def test_bad_input_exits_2_with_file_key_and_value(capsys, tmp_path, case):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize(
-    "key, value", [("data.source", "./no/such/folder"), ("model.name_or_path", "/no/such/model")]
-)
+@pytest.mark.parametrize("key, value", [("data.source", "./no/such/folder"), ("model.name_or_path", "/no/such/model")])
 def test_missing_local_paths_stop_train_and_are_noted_by_validate(capsys, tmp_path, key, value):
     path = write(tmp_path, changed(key, value))
     code, out, err = run_validate(capsys, path)
@@ -181,7 +238,15 @@ def test_overrides_set_nested_keys_and_parse_yaml_scalars(tmp_path):
     path = write(tmp_path, BASE)
     recipe = load_recipe(
         path,
-        ["--training.learning_rate", "3e-6", "--phases.2.temperature=1.4", "--peft.target_modules", "[q_proj, k_proj]", "--beta", "0.01"],
+        [
+            "--training.learning_rate",
+            "3e-6",
+            "--phases.2.temperature=1.4",
+            "--peft.target_modules",
+            "[q_proj, k_proj]",
+            "--beta",
+            "0.01",
+        ],
     )
     assert recipe.training["learning_rate"] == 3e-6 and recipe.training["beta"] == 0.01
     assert recipe.resolved_phases[2].temperature == 1.4 and recipe.resolved_phases[1].temperature == 1.0
@@ -210,7 +275,11 @@ def test_bad_overrides_exit_2(capsys, tmp_path, tokens, message):
 
 def test_parse_overrides_reads_values_like_the_recipe_does():
     assert parse_overrides(["--a.b", "1e-6", "--c=true", "--d", "[1, 2]", "--e", "-3", "--f", "none"]) == [
-        ("a.b", 1e-6), ("c", True), ("d", [1, 2]), ("e", -3), ("f", "none"),
+        ("a.b", 1e-6),
+        ("c", True),
+        ("d", [1, 2]),
+        ("e", -3),
+        ("f", "none"),
     ]
     with pytest.raises(RecipeError):
         parse_overrides(["--a"])
@@ -225,7 +294,9 @@ def test_validate_as_a_process_is_light_and_clean(tmp_path):
         "print('HEAVY', heavy); raise SystemExit(code)"
     )
     for path, expected in ((good, 0), (bad, 2)):
-        result = subprocess.run([sys.executable, "-c", probe, "validate", str(path)], capture_output=True, text=True, cwd=REPO)
+        result = subprocess.run(
+            [sys.executable, "-c", probe, "validate", str(path)], capture_output=True, text=True, cwd=REPO
+        )
         assert result.returncode == expected, result.stderr
         assert "HEAVY []" in result.stdout and "Traceback" not in result.stderr
     assert "training.num_generations = 1" in result.stderr

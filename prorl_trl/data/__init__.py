@@ -7,8 +7,9 @@ The table below is the one place that says which builders exist. It imports noth
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass(frozen=True)

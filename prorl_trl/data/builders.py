@@ -27,9 +27,7 @@ LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 def is_local_source(source: str) -> bool:
     """Whether a `source` names a local file or folder rather than a hub id (checked before loading anything)."""
-    return (
-        source.startswith(("/", "./", "../", "~")) or source.endswith(LOCAL_SUFFIXES) or Path(source).exists()
-    )
+    return source.startswith(("/", "./", "../", "~")) or source.endswith(LOCAL_SUFFIXES) or Path(source).exists()
 
 
 def read_local(path: str | Path) -> Dataset:
@@ -100,10 +98,17 @@ def load_math500(source: str, config: str | None, split: str, columns: dict[str,
     return data.remove_columns([c for c in data.column_names if c not in ["question", *keep]])
 
 
-def load_kk(source: str, config: str | None, split: str, columns: dict[str, str], data_files=None, num_people: int = 5) -> Dataset:
+def load_kk(
+    source: str, config: str | None, split: str, columns: dict[str, str], data_files=None, num_people: int = 5
+) -> Dataset:
     # Hub layout: config = train/test, split = "<N>ppl"; shared-data layout: "<N>ppl_<split>.jsonl".
     data = load_source(
-        source, split, split, local_name=f"{num_people}ppl_{split}", hub_split=f"{num_people}ppl", data_files=data_files
+        source,
+        split,
+        split,
+        local_name=f"{num_people}ppl_{split}",
+        hub_split=f"{num_people}ppl",
+        data_files=data_files,
     )
     data = data.rename_column("quiz", "question")
     keep = ["question", "names", "solution", "solution_text_format"]
@@ -166,7 +171,9 @@ def _synthetic(make: str, split: str, options: dict[str, Any], keep: list[str]) 
     if isinstance(options.get("num_people"), list):
         options["num_people"] = tuple(options["num_people"])
     data = getattr(synthetic, make)(size, seed=seed, **options)
-    data = data.remove_columns([c for c in ("question",) if c in data.column_names]).rename_column("prompt", "question")
+    data = data.remove_columns([c for c in ("question",) if c in data.column_names]).rename_column(
+        "prompt", "question"
+    )
     return data.remove_columns([c for c in data.column_names if c not in ["question", *keep]])
 
 
@@ -200,7 +207,11 @@ def build_dataset(data: DataSection, which: str = "train", tokenizer: Any = None
     """
     spec = BUILDERS[data.builder]
     if which == "train":
-        source, split, limit = data.source or spec.default_source, data.split or spec.default_split, data.max_train_samples
+        source, split, limit = (
+            data.source or spec.default_source,
+            data.split or spec.default_split,
+            data.max_train_samples,
+        )
     else:
         split = data.validation_split
         if split is None:
