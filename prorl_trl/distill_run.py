@@ -196,25 +196,25 @@ def _build_distilled_set(
     process merges the parts in process order (vLLM sampling runs on the main process only).
     """
     output_dir = Path(config.output_dir)
-    problems = [dict(row) for row in (load_problems(config) if problems is None else problems)]
     num_shards = 1 if config.use_vllm else state.num_processes
     part = output_dir / f"distill_part{state.process_index}"
+    tokenizer = None
+    if sample_fn is None and state.process_index < num_shards:
+        tokenizer = load_tokenizer(config.teacher)
+        sample_fn = teacher_sample_fn(
+            config.teacher,
+            output_dir,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            max_completion_length=config.max_completion_length,
+            batch_size=config.sampling_batch_size,
+            seed=config.seed + state.process_index,
+            use_vllm=config.use_vllm,
+            device=_device(config, state),
+            name=f"teacher-part{state.process_index}",
+        )
+    problems = [dict(row) for row in (load_problems(config) if problems is None else problems)]
     if state.process_index < num_shards:
-        tokenizer = None
-        if sample_fn is None:
-            tokenizer = load_tokenizer(config.teacher)
-            sample_fn = teacher_sample_fn(
-                config.teacher,
-                output_dir,
-                temperature=config.temperature,
-                top_p=config.top_p,
-                max_completion_length=config.max_completion_length,
-                batch_size=config.sampling_batch_size,
-                seed=config.seed + state.process_index,
-                use_vllm=config.use_vllm,
-                device=_device(config, state),
-                name=f"teacher-part{state.process_index}",
-            )
         shard = problems[state.process_index :: num_shards]
         rows, stats = rejection_sample(
             shard, sample_fn, reward_fn, config.samples, config.correct_threshold, tokenizer

@@ -201,14 +201,15 @@ def teacher_sample_fn(
     missing (the sampler refuses to resume with other sampling settings or other prompts). Conversational prompts
     are rendered with the teacher's chat template. The model is loaded for the call and released after it.
     """
-    from .evaluation.runner import ModelSpec, sample_model
+    from .evaluation.runner import ModelSpec, check_resumable, sample_model
     from .evaluation.sampling import SamplingSettings, vllm_available
 
     if use_vllm and not vllm_available():
         raise RuntimeError("use_vllm=True but vLLM is not importable: `pip install -e .[vllm]`, or sample without it.")
+    spec = ModelSpec(name, teacher)
 
-    def sample(prompts: list[Any], num_samples: int) -> list[list[str]]:
-        settings = SamplingSettings(
+    def settings_for(num_samples: int) -> SamplingSettings:
+        return SamplingSettings(
             num_samples=num_samples,
             temperature=temperature,
             top_p=top_p,
@@ -216,11 +217,15 @@ def teacher_sample_fn(
             batch_size=batch_size,
             seed=seed,
         )
+
+    check_resumable(samples_dir, [spec], settings_for(1))  # stored samples drawn otherwise: refuse before any work
+
+    def sample(prompts: list[Any], num_samples: int) -> list[list[str]]:
         problems = [{"problem_id": str(index), "prompt": prompt} for index, prompt in enumerate(prompts)]
         records, _ = sample_model(
-            ModelSpec(name, teacher),
+            spec,
             problems,
-            settings,
+            settings_for(num_samples),
             samples_dir,
             backend="vllm" if use_vllm else "transformers",
             device=device,

@@ -315,6 +315,9 @@ def test_run_distill_section_chains_data_builder_teacher_and_lora_student(teache
     stamp = weights.stat().st_mtime_ns
     assert run_distill_section(section, str(tiny_dir), tmp_path / "distill") == student_path
     assert weights.stat().st_mtime_ns == stamp
+    # Stored teacher samples drawn at another temperature are never mixed in: refused before any sampling.
+    with pytest.raises(ValueError, match=r"sampled with other settings \(temperature: 1\.0 -> 0\.7\)"):
+        run_distill_section({**section, "temperature": 0.7}, str(tiny_dir), tmp_path / "distill")
 
 
 def test_shipped_recipe_is_the_seed_setup():
