@@ -301,3 +301,19 @@ def test_validate_as_a_process_is_light_and_clean(tmp_path):
         assert "HEAVY []" in result.stdout and "Traceback" not in result.stderr
     assert "training.num_generations = 1" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_model_section_reaches_the_loader_settings(tmp_path):
+    recipe = load_recipe(
+        write(tmp_path, BASE),
+        ["--model.quantization", "4bit", "--model.attn_implementation", "sdpa", "--model.revision", "main"],
+    )
+    args = recipe.training_args(dry=True)
+    assert args.model_init_kwargs == {"dtype": "bfloat16", "attn_implementation": "sdpa", "revision": "main"}
+    assert args.trust_remote_code is False and args.reward_weights == [1.0]
+    quantization = recipe.quantization_config()
+    assert quantization.load_in_4bit and quantization.bnb_4bit_quant_type == "nf4"
+    assert load_recipe(write(tmp_path, BASE), ["--model.quantization", "8bit"]).quantization_config().load_in_8bit
+    assert load_recipe(write(tmp_path, BASE)).quantization_config() is None
+    lora = recipe.peft_config()
+    assert (lora.r, lora.lora_alpha, sorted(lora.target_modules), lora.task_type) == (8, 16, ["q_proj", "v_proj"], "CAUSAL_LM")
