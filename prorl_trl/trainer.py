@@ -96,7 +96,6 @@ class ProRLTrainer(ProRLResetMixin, ProRLLoopMixin, GRPOTrainer):
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
 
         self._check_after_init()
-        self._lora_shape = self._live_lora_shape()
         self.sampling: dict[str, Any] = {key: getattr(self, key) for key in SAMPLING_KEYS}
         self._state_callback = ProRLStateCallback(self)
         self.add_callback(self._state_callback)
@@ -267,18 +266,22 @@ class ProRLTrainer(ProRLResetMixin, ProRLLoopMixin, GRPOTrainer):
         self.optimizer = inner
         self.lr_scheduler = None
 
-    def _live_lora_shape(self) -> tuple | None:
+    def _adapter_differs(self, phase: ResolvedPhase) -> bool:
+        """Whether `phase` asks for another adapter than the live one (rank, wrapped modules or alpha).
+
+        Compares wrapped modules, not spellings: PEFT rewrites `target_modules="all-linear"` into module names.
+        An alpha change alone keeps the Parameters but rescales the delta, so it too needs a merge first.
+        """
         model = reset_ops.unwrap_model(self.model)
-        config = getattr(model, "peft_config", {}).get("default")
-        if config is None:
-            return None
-        targets = config.target_modules
-        targets = tuple(sorted(targets)) if isinstance(targets, (list, tuple, set, frozenset)) else targets
-        return (config.r, config.lora_alpha, targets)
+        if phase.lora_r is None or not hasattr(model, "peft_config"):
+            return False
+        if reset_ops.adapter_needs_rebuild(model, r=phase.lora_r, target_modules=phase.lora_target_modules):
+            return True
+        return phase.lora_alpha is not None and phase.lora_alpha != model.peft_config["default"].lora_alpha
 
     def _enter_phase(self, phase: ResolvedPhase) -> None:
         """Phase boundary: hard reset (or the adapter reshape a LoRA change forces), then the phase's settings."""
-        reshape = phase.lora_r is not None and phase.lora_shape != self._lora_shape
+        reshape = self._adapter_differs(phase)
         if phase.index > 0 and (phase.hard_reset or reshape or self._pending_reset):
             if not phase.hard_reset:
                 reason = self._pending_reset or "LoRA shape change"

@@ -44,7 +44,7 @@ class ProRLResetMixin:
         self._global_step_offset = state["global_step_offset"]
         self._resumed_phase_step = state["phase_global_step"]
         self._pending_reset = state.get("pending_reset")
-        if phase.lora_r is not None and phase.lora_shape != self._lora_shape:
+        if self._adapter_differs(phase):
             self._reinit_adapter(phase)
         self._apply_phase(phase)
         self._state_callback.load_state_dict(state.get("callbacks", {}))
@@ -61,7 +61,6 @@ class ProRLResetMixin:
             self.model, r=phase.lora_r, lora_alpha=phase.lora_alpha, target_modules=phase.lora_target_modules, seed=self._reset_seed()
         )
         reset_ops.broadcast_adapter(self.model)
-        self._lora_shape = self._live_lora_shape()
         if new_params:
             self.optimizer, self.lr_scheduler, self.model_wrapped = None, None, self.model
 
@@ -110,7 +109,6 @@ class ProRLResetMixin:
                 model, r=target.lora_r, lora_alpha=target.lora_alpha, target_modules=target.lora_target_modules, seed=self._reset_seed()
             )
             reset_ops.broadcast_adapter(model)
-            self._lora_shape = self._live_lora_shape()
             if self.args.reset_reference:  # a TRL "ref" adapter (PeftModel given with beta > 0) -> the merged base
                 reset_ops.reset_reference_adapter(model)
         elif self.args.reset_reference and self.ref_model is not None:
