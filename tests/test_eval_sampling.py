@@ -78,3 +78,21 @@ def test_render_prompt_uses_the_chat_template_for_messages(tiny):
 def test_bad_sampling_settings_are_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingSettings(**kwargs)
+
+
+def test_fixed_shape_static_cache_path_gives_the_same_completions(tiny):
+    """`compile=True` pads every batch to one width and row count (for a single compilation on GPU); on CPU
+    transformers does not compile, but the static cache and the fixed-shape padding are exercised and must not
+    change what is generated (greedy via top_p -> 0)."""
+    model, tokenizer = tiny
+    model.eval()
+    prompts = [encode_prompt(text, tokenizer) for text in ["1+1=", "a longer prompt, 3*3=", "x"]]
+    plain = SamplingSettings(num_samples=2, top_p=1e-9, max_completion_length=5, batch_size=4)
+    fixed = SamplingSettings(num_samples=2, top_p=1e-9, max_completion_length=5, batch_size=4, compile=True)
+    expected, _ = sample_transformers(model, tokenizer, prompts, plain)
+    got, stats = sample_transformers(model, tokenizer, prompts, fixed)
+    assert stats["completions"] == 6
+    key = lambda c: (c.prompt_index, c.sample_index)  # noqa: E731
+    assert [(key(c), c.text, c.num_tokens) for c in sorted(got, key=key)] == [
+        (key(c), c.text, c.num_tokens) for c in sorted(expected, key=key)
+    ]

@@ -25,6 +25,11 @@ class SamplingSettings:
     max_completion_length: int = field(default=256, metadata={"help": "Maximum new tokens per completion."})
     batch_size: int = field(default=64, metadata={"help": "Sequences (prompt x sample rows) per generate call."})
     seed: int = field(default=0, metadata={"help": "Seed of the sampler; batch i uses seed + i."})
+    compile: bool = field(
+        default=False,
+        metadata={"help": "Static KV cache + torch.compile'd decode step with fixed batch shapes (GPU; ~5x on small "
+                  "models, one compilation per run)."},
+    )
 
     def __post_init__(self):
         problems = []
@@ -146,6 +151,12 @@ def sample_transformers(
     encoded = [list(ids) for ids in prompt_ids]
     order = sorted(jobs, key=lambda job: (-len(encoded[job[0]]), job))
     config = generation_config_for(model, tokenizer, settings)
+    # Compiled decoding recompiles for every new shape, so every batch gets the same width and row count.
+    fixed_width = max((len(encoded[p]) for p, _ in order), default=0) if settings.compile else None
+    if settings.compile:
+        from prorl_trl.generation import enable_compiled_generation
+
+        enable_compiled_generation(config, max_cache_len=fixed_width + settings.max_completion_length)
     eos, pad = set(config.eos_token_id), config.pad_token_id
     device = next(model.parameters()).device
     completions: list[Completion] = []
@@ -158,7 +169,9 @@ def sample_transformers(
         bar = tqdm(total=len(order), desc=desc, unit="completion")
     for batch_index, batch in enumerate(batches):
         rows = [encoded[p] for p, _ in batch]
-        width = max(len(r) for r in rows)
+        if settings.compile:  # pad the last batch with copies of its last row; their outputs are dropped
+            rows += [rows[-1]] * (min(settings.batch_size, len(order)) - len(rows))
+        width = fixed_width or max(len(r) for r in rows)
         input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, row in enumerate(rows):  # left padding: the new tokens of every row start at the same position
@@ -176,7 +189,7 @@ def sample_transformers(
         stats["seconds"] += time.perf_counter() - start
         new_tokens = output[:, width:].tolist()
         finished_batch = []
-        for (prompt_index, sample_index), tokens in zip(batch, new_tokens):
+        for (prompt_index, sample_index), tokens in zip(batch, new_tokens[: len(batch)]):
             cut = next((i for i, t in enumerate(tokens) if t in eos), None)
             kept = tokens if cut is None else tokens[: cut + 1]
             text = tokenizer.decode(kept, skip_special_tokens=True)

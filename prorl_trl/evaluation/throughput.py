@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-chars", type=int, default=200)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--batch-sizes", default="8,32,64")
+    parser.add_argument("--compile", action="store_true", help="static cache + compiled decode (GPU)")
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -53,13 +54,17 @@ def main(argv: list[str] | None = None) -> None:
                for i in range(args.problems)]
     parameters = sum(p.numel() for p in model.parameters()) / 1e6
     print(f"eval sampler throughput | {hardware(device)} | torch {torch.__version__} | {parameters:.1f}M params {dtype}")
-    print(f"{args.problems} problems x n={args.n}, {args.max_new_tokens} new tokens each")
+    print(f"{args.problems} problems x n={args.n}, {args.max_new_tokens} new tokens each, compile={args.compile}")
     print("| batch_size | completions | seconds | completions/s | tokens/s |")
     print("|---|---|---|---|---|")
     warm = SamplingSettings(num_samples=1, max_completion_length=4, batch_size=4)
     sample_transformers(model, tokenizer, prompts[:2], warm)
     for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
-        settings = SamplingSettings(num_samples=args.n, max_completion_length=args.max_new_tokens, batch_size=batch_size)
+        settings = SamplingSettings(
+            num_samples=args.n, max_completion_length=args.max_new_tokens, batch_size=batch_size, compile=args.compile
+        )
+        if args.compile:  # the first call of a shape compiles; time the second
+            sample_transformers(model, tokenizer, prompts, settings)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         start = time.perf_counter()
