@@ -352,3 +352,37 @@ def test_train_student_on_conversational_rows(tiny_dir, tmp_path, one_thread):
     model_dir, losses = train_student(config, rows, str(tiny_dir))
     assert losses["loss_after"] < losses["loss_before"]
     assert (model_dir / "config.json").is_file()
+
+
+def test_two_processes_split_the_sampling_and_merge_one_distilled_set(teacher_dir, tiny_dir, tmp_path):
+    """`torchrun --nproc_per_node 2` (gloo on CPU): each process samples half the problems, one merged set, DDP SFT."""
+    import os
+    import subprocess
+    import sys
+
+    problems = _addition_problems(12, seed=5, distinct=True)
+    write_jsonl(problems, tmp_path / "problems.jsonl")
+    data = {"source": str(tmp_path / "problems.jsonl"), "template": "raw", "prompt_format": "plain"}
+    data["columns"] = {"prompt": "prompt", "answer": "answer"}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "prorl_trl", "distill",
+        "--teacher", str(teacher_dir), "--student", str(tiny_dir), "--dataset", "jsonl",
+        "--dataset_kwargs", json.dumps(data), "--reward", "boxed_answer", "--out", str(tmp_path / "out"),
+        "--samples", "3", "--max_completion_length", "8", "--num_train_epochs", "1", "--max_length", "64",
+        "--per_device_train_batch_size", "4", "--use_cpu", "true", "--bf16", "false",
+        "--sft_kwargs", '{"gradient_checkpointing": false}',
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    samples = tmp_path / "out" / "samples"
+    part_sizes = [len(read_jsonl(samples / f"teacher-part{rank}.jsonl")) for rank in (0, 1)]
+    assert part_sizes == [6 * 3, 6 * 3]  # every process drew its own half
+    summary = json.loads((tmp_path / "out" / SUMMARY_FILE).read_text())
+    rows = read_jsonl(tmp_path / "out" / DISTILLED_FILE)
+    assert summary["num_problems"] == 12 and summary["num_samples"] == 36 and summary["num_kept"] == len(rows)
+    assert len({row["prompt"] for row in rows}) == len(rows)
+    assert not list((tmp_path / "out").glob("distill_part*"))
+    assert (tmp_path / "out" / "model" / "config.json").is_file()
