@@ -365,8 +365,8 @@ def test_two_processes_split_the_sampling_and_merge_one_distilled_set(teacher_di
     data = {"source": str(tmp_path / "problems.jsonl"), "template": "raw", "prompt_format": "plain"}
     data["columns"] = {"prompt": "prompt", "answer": "answer"}
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "prorl_trl", "distill",
-        "--teacher", str(teacher_dir), "--student", str(tiny_dir), "--dataset", "jsonl",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "prorl_trl", "distill", "--teacher", str(teacher_dir), "--student", str(tiny_dir), "--dataset", "jsonl",
         "--dataset_kwargs", json.dumps(data), "--reward", "boxed_answer", "--out", str(tmp_path / "out"),
         "--samples", "3", "--max_completion_length", "8", "--num_train_epochs", "1", "--max_length", "64",
         "--per_device_train_batch_size", "4", "--use_cpu", "true", "--bf16", "false",
