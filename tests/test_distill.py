@@ -386,3 +386,51 @@ def test_two_processes_split_the_sampling_and_merge_one_distilled_set(teacher_di
     assert len({row["prompt"] for row in rows}) == len(rows)
     assert not list((tmp_path / "out").glob("distill_part*"))
     assert (tmp_path / "out" / "model" / "config.json").is_file()
+
+
+def test_recipe_with_distill_section_trains_the_phases_from_the_distilled_student(
+    teacher_dir, tiny_dir, tmp_path, one_thread
+):
+    """`prorl-trl train RECIPE` with a `distill:` section: distillation first (on the recipe's data), then ProRL."""
+    import yaml
+    from safetensors.torch import load_file
+
+    from prorl_trl.cli import main
+
+    write_jsonl(_addition_problems(20, seed=3, distinct=True), tmp_path / "problems.jsonl")
+    recipe = {
+        "model": {"name_or_path": str(tiny_dir), "dtype": "float32"},
+        "peft": None,
+        "distill": {
+            "teacher": str(teacher_dir), "reward": "boxed_answer", "samples": 3, "max_completion_length": 8,
+            "num_train_epochs": 2, "learning_rate": 3e-3, "per_device_train_batch_size": 4, "max_length": 64,
+            "sft_kwargs": {"gradient_checkpointing": False}, **CPU,
+        },
+        "data": {
+            "builder": "jsonl", "source": str(tmp_path / "problems.jsonl"), "template": "raw",
+            "prompt_format": "plain", "columns": {"prompt": "prompt", "answer": "answer"},
+        },
+        "rewards": [{"name": "boxed_answer"}],
+        "training": {
+            "output_dir": str(tmp_path / "run"), "use_cpu": True, "bf16": False, "learning_rate": 1e-4,
+            "per_device_train_batch_size": 8, "num_generations": 4, "max_completion_length": 8,
+            "save_strategy": "no", "seed": 0,
+        },
+        "phases": [{"name": "rl", "max_steps": 2}],
+        "logging": {"report_to": "none", "logging_steps": 1, "disable_tqdm": True},
+    }  # fmt: skip
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    assert main(["train", str(tmp_path / "recipe.yaml")]) == 0
+
+    summary = json.loads((tmp_path / "run" / "distill" / SUMMARY_FILE).read_text())
+    assert summary["num_problems"] == 20 and summary["num_kept"] > 0  # distilled on the recipe's `data:`
+    original, distilled, final = (
+        load_file(path / "model.safetensors")
+        for path in (tiny_dir, tmp_path / "run" / "distill" / "model", tmp_path / "run" / "final")
+    )
+
+    def distance(a, b):
+        return sum((a[name] - b[name]).float().norm().item() for name in a)
+
+    # The two RL steps start from the distilled student, not from the recipe's original model.
+    assert distance(final, distilled) < 0.1 * distance(final, original)
