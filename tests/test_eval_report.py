@@ -163,3 +163,28 @@ def test_ols_matches_scipy_linregress():
     assert table.loc["intercept", "std_err"] == pytest.approx(reference.intercept_stderr)
     with pytest.raises(ValueError, match="more problems"):
         ols(np.array([0.1, 0.2]), np.array([[1.0, 0.0], [1.0, 1.0]]), ["intercept", "x"])
+
+
+def test_always_wrong_reference_that_solved_everything_gives_an_empty_subset(tmp_path, tiny_dir, shared_data, math_rows):
+    _write_samples(tmp_path, "a", math_rows, lambda i: N)
+    _write_samples(tmp_path, "b", math_rows, counts_b)
+    status = _eval([
+        "--model", f"a={tiny_dir}", "--model", f"b={tiny_dir}", "--dataset", "math500",
+        "--data-files", str(shared_data / "math500"), "--limit", "5", "--n", str(N), "--k", "1,4",
+        "--subset", "always-wrong:a", "--out", str(tmp_path), "--no-progress", "--no-plots",
+    ])
+    assert status == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["always_wrong"]["problems"] == [] and summary["pass_at_k"] == []
+    assert "(0 problems)" in (tmp_path / "report.md").read_text()
+
+
+def test_non_integer_subset_keeps_only_non_integer_gold_answers(math_rows):
+    from prorl_trl.evaluation.problems import is_integer_answer, select
+
+    assert [is_integer_answer({"answer": a}) for a in ["12", "-3", "$5$", "1,000", "\\frac{1}{2}", "2\\sqrt{3}", "0.5"]] == [
+        True, True, True, True, False, False, False
+    ]
+    kept = select(math_rows, "non-integer", limit=5)
+    assert len(kept) == 5 and not any(is_integer_answer(r) for r in kept)
+    assert [r["problem_id"] for r in kept] == [r["problem_id"] for r in math_rows if not is_integer_answer(r)][:5]

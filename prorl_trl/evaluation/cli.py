@@ -1,7 +1,8 @@
 """`prorl-trl eval`: sample n completions per problem per model, grade with the reward registry, report pass@k.
 
 `prorl_trl.cli` wires `add_eval_arguments` / `run_eval` as the `eval` subcommand; `python -m prorl_trl.evaluation.cli`
-runs it standalone. Every argument is checked before a model or dataset is loaded and before `--out` is created.
+runs it standalone. Arguments are checked before any model is loaded and before `--out` is created (the dataset is
+read first only where a check needs its columns: `--breakdown`, empty subsets); bad ones exit with status 2.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 from .grading import DEFAULT_REWARDS, resolve_reward
 from .problems import DATASETS, check_breakdown, load_rows, select, with_problem_ids
 from .runner import ModelSpec, check_resumable
-from .sampling import SamplingSettings
+from .sampling import SamplingSettings, vllm_available
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -98,6 +99,8 @@ def _parse(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--dataset jsonl needs --data-files FILE.jsonl and --columns prompt=<column>,answer=<column>.")
     columns = _pairs(args.columns.split(",") if args.columns else [], "--columns")
     options = {k: _number(v) for k, v in _pairs(args.data_option, "--data-option").items()}
+    if args.backend == "vllm" and not vllm_available():
+        raise ValueError("--backend vllm: vLLM is not importable here; install the `vllm` extra or use --backend transformers.")
     batch_size = args.batch_size
     if batch_size is None:
         import torch

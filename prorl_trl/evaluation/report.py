@@ -18,6 +18,8 @@ import pandas as pd
 from .passk import bootstrap_interval, pass_at_k_per_problem
 
 OVERALL = "overall"
+PASSK_COLUMNS = ["model", "group_by", "group", "k", "pass_at_k", "ci_low", "ci_high", "num_problems", "mean_reward"]
+ALWAYS_WRONG_COLUMNS = ["model", "reference", "k", "num_problems", "expected_solved", "ci_low", "ci_high", "solved_any"]
 
 
 def per_problem_table(
@@ -63,7 +65,9 @@ def passk_table(
     seed: int = 0,
 ) -> pd.DataFrame:
     """Mean pass@k with bootstrap intervals for every model, k, and group (`group_by` = "overall" or a field)."""
-    rows = []
+    rows: list[dict[str, Any]] = []
+    if per_problem.empty:  # e.g. the always-wrong reference solved everything
+        return pd.DataFrame(rows, columns=PASSK_COLUMNS)
     for model, frame in per_problem.groupby("model", sort=False):
         slices = [(OVERALL, OVERALL, frame)]
         for field_ in breakdown:
@@ -76,7 +80,7 @@ def passk_table(
                     **_interval_row(values, num_resamples, confidence, seed), "num_problems": int(len(part)),
                     "mean_reward": float(np.nanmean(part["mean_reward"])) if part["mean_reward"].notna().any() else None,
                 })
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=PASSK_COLUMNS)
 
 
 def always_wrong_table(
@@ -88,9 +92,11 @@ def always_wrong_table(
     `expected_solved` is the sum of unbiased pass@k over those problems (with a bootstrap interval of that sum);
     `solved_any` counts problems with at least one correct sample among all n.
     """
+    rows: list[dict[str, Any]] = []
+    if per_problem.empty:
+        return pd.DataFrame(rows, columns=ALWAYS_WRONG_COLUMNS), []
     ref = per_problem[per_problem["model"] == reference]
     hard = sorted(ref.loc[ref["num_correct"] == 0, "problem_id"].tolist())
-    rows = []
     for model, frame in per_problem.groupby("model", sort=False):
         if model == reference:
             continue
@@ -103,7 +109,7 @@ def always_wrong_table(
                 "expected_solved": float(values.sum()), "ci_low": low * len(part), "ci_high": high * len(part),
                 "solved_any": int((part["num_correct"] > 0).sum()),
             })
-    return pd.DataFrame(rows), hard
+    return pd.DataFrame(rows, columns=ALWAYS_WRONG_COLUMNS), hard
 
 
 def _natural(value: Any) -> tuple:

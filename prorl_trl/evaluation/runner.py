@@ -100,6 +100,17 @@ def load_model(path: str, device: str = "auto", dtype: str = "auto", trust_remot
     return model.to(device).eval(), tokenizer
 
 
+def _free_accelerator_memory() -> None:
+    """Release the finished model's GPU memory before the next model loads (several models run in one process)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def resolve_device(device: str) -> str:
     import torch
 
@@ -173,6 +184,7 @@ def sample_model(
                     progress=progress, desc=f"sampling {spec.name}",
                 )
                 del model
+                _free_accelerator_memory()
             else:
                 indices = sorted({position[pid] for pid, _ in missing})
                 completions, new = sample_vllm(spec.path, encoded, settings, indices, dtype, trust_remote_code)
