@@ -1,14 +1,10 @@
 """A phase that keeps the adapter (`hard_reset: false`, same LoRA settings) must not be hard-reset.
 
-KNOWN BUG (xfail, strict): with `LoraConfig(target_modules="all-linear")` PEFT rewrites the config's
-`target_modules` into the set of full module names (in the caller's object too, after `resolve_phases` has read
-"all-linear"). `ProRLTrainer._enter_phase` compares `phase.lora_shape` ("all-linear") with `_live_lora_shape()` (the
-name set), sees a "LoRA shape change" and forces a hard reset at every boundary. Fix: decide with
-`prorl_trl.reset.adapter_needs_rebuild(model, r=phase.lora_r, target_modules=phase.lora_target_modules)` (compares
-the wrapped modules, not the spelling) plus an alpha comparison, instead of the tuple comparison. Remove the marker then.
+Regression test: with `LoraConfig(target_modules="all-linear")` PEFT rewrites the config's `target_modules` into the
+set of full module names (in the caller's object too), so comparing configs saw a "LoRA shape change" and forced a
+reset at every phase boundary. The trainer now decides with `prorl_trl.reset.adapter_needs_rebuild` (wrapped modules).
 """
 
-import pytest
 from datasets import Dataset
 from peft import LoraConfig
 
@@ -22,7 +18,6 @@ def constant_reward(completion_ids, **kwargs):
     return [float(len(ids) % 3) for ids in completion_ids]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="'all-linear' is seen as a LoRA shape change (docstring)")
 def test_all_linear_phase_without_reset_keeps_the_adapter(tmp_path):
     model, tokenizer = build_tiny(seed=0)
     args = ProRLConfig(
