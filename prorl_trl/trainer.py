@@ -14,6 +14,7 @@ tests/test_trainer_internals.py). Resets/resume live in `trainer_reset.py`, loop
 * `train`: runs the phases; the HF loop itself is untouched.
 * `log`: adds `prorl/*` keys and keeps `prorl_log_history` across phases (HF recreates `state.log_history` per call).
 * `_get_output_dir`: checkpoints go to `<output_dir>/phase-<i>/` because HF names them by the per-call step.
+* `create_scheduler` (trainer_reset.py): keeps the LR-schedule horizon of an in-loop reset across a resume.
 * `_calculate_rewards` / `_generate_and_score_completions`: dynamic sampling (no hook exists in TRL).
 * `_compute_loss` / `_get_per_token_logps_and_entropies`: minibatch early stop needs the policy log-probs TRL
   computes inside the loss and does not return.
@@ -92,6 +93,7 @@ class ProRLTrainer(ProRLResetMixin, ProRLLoopMixin, GRPOTrainer):
         self._early_stopped = 0
         self._fused_forward_at_init: dict[int, Any] = {}
         self._phase_end_reason = "max_steps"
+        self._scheduler_horizon: int | None = None
 
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
 
@@ -249,6 +251,7 @@ class ProRLTrainer(ProRLResetMixin, ProRLLoopMixin, GRPOTrainer):
             self.overlong_penalty.factor = phase.overlong_penalty_factor
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
         self.apply_sampling(**{key: getattr(phase, key) for key in SAMPLING_KEYS})
+        self._scheduler_horizon = None  # each phase's schedule spans the phase (see `create_scheduler`)
         # TRL privates: the generation buffer and its micro-step counter belong to the previous dataloader.
         self._buffered_inputs = None
         self._step = 0

@@ -161,6 +161,7 @@ class ProRLStateCallback(TrainerCallback):
                 "resets": trainer.prorl_resets,
                 "merged_base": trainer.prorl_merged_path,
                 "pending_reset": trainer._pending_reset,
+                "scheduler_horizon": trainer._scheduler_horizon,
                 "sampling": trainer.sampling,
                 "callbacks": self.state_dict(),
             },

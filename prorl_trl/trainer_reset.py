@@ -47,6 +47,7 @@ class ProRLResetMixin:
         if self._adapter_differs(phase):
             self._reinit_adapter(phase)
         self._apply_phase(phase)
+        self._scheduler_horizon = state.get("scheduler_horizon")
         self._state_callback.load_state_dict(state.get("callbacks", {}))
         history = Path(self.args.output_dir) / LOG_HISTORY_NAME
         if history.is_file():
@@ -87,6 +88,17 @@ class ProRLResetMixin:
             self.processing_class.save_pretrained(path)
 
     # --------------------------------------------------------------------------------------------------- reset
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """HF's, but over the horizon of the last in-loop reset when there was one in this phase.
+
+        After an in-loop reset the schedule restarts over the phase's *remaining* steps; a checkpoint stores only the
+        scheduler's `state_dict` (a LambdaLR keeps no horizon), and on resume HF rebuilds the schedule over the whole
+        phase. `_scheduler_horizon` (saved in `prorl_state.json`) makes the rebuilt schedule the same one.
+        """
+        if self._scheduler_horizon is not None:
+            num_training_steps = self._scheduler_horizon
+        return super().create_scheduler(num_training_steps=num_training_steps, optimizer=optimizer)
+
     def request_hard_reset(self, reason: str = "requested") -> None:
         """Ask for a hard reset at the start of the next step (safe point: no pending gradients, before generation)."""
         self._pending_reset = reason
@@ -157,8 +169,8 @@ class ProRLResetMixin:
             return
         if self._in_training_loop:
             self.lr_scheduler = None
-            remaining = max(self.state.max_steps - self.state.global_step, 1)
-            self.create_scheduler(num_training_steps=remaining, optimizer=self.optimizer)
+            self._scheduler_horizon = max(self.state.max_steps - self.state.global_step, 1)
+            self.create_scheduler(num_training_steps=self._scheduler_horizon, optimizer=self.optimizer)
             self.callback_handler.optimizer = self.optimizer
             self.callback_handler.lr_scheduler = self.lr_scheduler
 
