@@ -181,7 +181,13 @@ class _TrlTokenReward(Reward):
         completions = _require_completions(self.__name__, completions, completion_ids)
         _token_lengths(self.__name__, completion_ids, 0)
         trl_reward = self._trl_reward()
-        rewards: list[float | None] = []
+        try:  # the whole batch in one call (TRL's speed); item by item only if an entry is malformed
+            rewards = [float(value) for value in trl_reward(completion_ids=completion_ids)]
+            if len(rewards) == len(completion_ids) and all(math.isfinite(value) for value in rewards):
+                return rewards
+        except Exception:
+            pass
+        rewards = []
         for ids in completion_ids:
             try:
                 value = float(trl_reward(completion_ids=[ids])[0])

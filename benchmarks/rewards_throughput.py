@@ -1,0 +1,258 @@
+"""CPU throughput of every registry reward, side by side with its `trl.rewards` equivalent, on GSM8K-style completions.
+
+Completions are built from the GSM8K test golds (`../shared/data/gsm8k/test.jsonl`), one of each kind per gold:
+correct answers in several spellings (`\\boxed{1,234}`, `\\boxed{\\$1234.00}`, `\\boxed{1234 \\text{ dollars}}`,
+`\\boxed{x = 1234}`), wrong answers (off by one, doubled), an unboxed final sentence, and noisy ones (the worked
+solution with its `<<a=b>>` annotations, an earlier wrong box, think/answer tags). Each completion's ground truth is
+known by construction: correct iff its last box holds the gold number. `kk_logic` gets knights-and-knaves completions
+built the same way from `kk/*ppl_test.jsonl`. Token ids are the UTF-8 bytes (the tiny tokenizer's ids).
+
+Every reward is called as GRPOTrainer calls it (keyword arguments, batches of `--batch-size` completions, dataset
+columns repeated per completion) in this one process, so a single core does the work; `math_equivalence` uses its
+math-verify worker only for answers its fast path cannot decide (none in GSM8K; counted in the table). TRL's rewards
+get the gold number itself (`accuracy_reward` cannot read `#### 1,234`) and conversational completions (the only
+format they accept). Reported: completions/s over the whole run (best of `--repeats`), median milliseconds per
+completion over batches, and agreement with the ground truth for correctness rewards.
+
+    python benchmarks/rewards_throughput.py            # full run (>= 5,000 completions), writes the results file
+    python benchmarks/rewards_throughput.py --smoke    # a few hundred completions, prints only
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+import rewards  # noqa: E402
+
+DEFAULT_DATA = REPO_ROOT.parent / "shared" / "data"
+RESULTS_FILE = REPO_ROOT / "benchmarks" / "results" / "rewards_throughput.md"
+
+
+def cpu_name() -> str:
+    try:
+        output = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in output.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def gsm8k_completions(data_dir: Path, count: int, seed: int = 0) -> tuple[list[str], list[str], list[bool]]:
+    """`count` completions, their raw GSM8K gold answers, and whether each is correct by construction."""
+    rows = [json.loads(line) for line in (data_dir / "gsm8k" / "test.jsonl").read_text().splitlines()]
+    rng = random.Random(seed)
+    texts, golds, truth = [], [], []
+    while len(texts) < count:
+        for row in rows:
+            final = row["answer"].rsplit("####", 1)[1].strip().replace(",", "")
+            value = int(final) if final.lstrip("-").isdigit() else float(final)
+            work = row["answer"].rsplit("####", 1)[0].strip()
+            with_commas = f"{value:,}" if isinstance(value, int) else final
+            wrong = value + rng.choice([1, -1, 10])
+            variants = [
+                (rf"Let me compute. {work} The answer is $\boxed{{{final}}}$.", True),
+                (rf"{work}\nSo the total is \boxed{{{with_commas}}}", True),
+                (rf"<think>\n{work}\n</think>\n<answer>\n\boxed{{\${final}.00}}\n</answer>", True),
+                (rf"{work} Hence \boxed{{{final} \text{{ dollars}}}}.", True),
+                (rf"First, set up. Next, {work} Finally, \boxed{{x = {final}}}", True),
+                (rf"I first guessed \boxed{{{wrong}}} but rechecking: {work} so \boxed{{{final}}}", True),
+                (rf"{work} The answer is \boxed{{{wrong}}}.", False),
+                (rf"Step 1: {work}\nStep 2: double it: \boxed{{{value * 2 + 1}}}", False),
+                (rf"{work} so she has {final} left.", False),
+                (rf"\boxed{{{final}}} was my first guess; {work} actually \boxed{{{wrong}}}", False),
+            ]
+            text, correct = variants[len(texts) % len(variants)]
+            texts.append(text)
+            golds.append(row["answer"])
+            truth.append(correct)
+            if len(texts) == count:
+                break
+    return texts, golds, truth
+
+
+def kk_completions(data_dir: Path, count: int) -> tuple[list[str], list[list[str]], list[list[bool]]]:
+    rows = []
+    for path in sorted((data_dir / "kk").glob("*ppl_test.jsonl")):
+        rows += [json.loads(line) for line in path.read_text().splitlines()]
+    texts, names, solutions = [], [], []
+    while len(texts) < count:
+        for row in rows:
+            roles = list(row["solution"])
+            if len(texts) % 3 == 1:
+                roles[0] = not roles[0]
+            body = "\n".join(f"({i + 1}) {n} is a {'knight' if r else 'knave'}" for i, (n, r) in enumerate(zip(row["names"], roles)))
+            think = f"<think>{row['quiz'][:300]} Let me check each statement.</think>"
+            text = f"{think}<answer>{body}</answer>" if len(texts) % 3 != 2 else f"{body}"
+            texts.append(text)
+            names.append(row["names"])
+            solutions.append(row["solution"])
+            if len(texts) == count:
+                break
+    return texts, names, solutions
+
+
+def measure(function, batches: list[dict], repeats: int) -> tuple[float, float, list]:
+    """(completions/s of the best run, median ms per completion over batches, outputs of the last run)."""
+    best_total, per_completion_ms, outputs = float("inf"), [], []
+    for _ in range(repeats):
+        for cache in (rewards.gold_text, rewards.gold_number, rewards.correctness._normalized_gold):
+            cache.cache_clear()
+        outputs, times = [], []
+        for batch in batches:
+            start = time.perf_counter()
+            outputs += function(**batch)
+            times.append((time.perf_counter() - start) / len(batch["completion_ids"]))
+        total = sum(time * len(batch["completion_ids"]) for time, batch in zip(times, batches))
+        if total < best_total:
+            best_total, per_completion_ms = total, [1000 * t for t in times]
+    count = sum(len(batch["completion_ids"]) for batch in batches)
+    return count / best_total, statistics.median(per_completion_ms), outputs
+
+
+def agreement(outputs: list, truth: list[bool], correct_value: float) -> float:
+    return sum((value == correct_value) == label for value, label in zip(outputs, truth)) / len(truth)
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="shared data folder (default ../shared/data)")
+    parser.add_argument("--num-completions", type=int, default=6000, help="GSM8K-style completions (>= 5000)")
+    parser.add_argument("--batch-size", type=int, default=64, help="completions per reward call")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per reward; the best is reported")
+    parser.add_argument("--output", type=Path, default=None, help=f"markdown file (default {RESULTS_FILE} unless --smoke)")
+    parser.add_argument("--smoke", action="store_true", help="a few hundred completions, one repeat, no results file")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.num_completions, args.repeats = min(args.num_completions, 200), 1
+    elif args.output is None:
+        args.output = RESULTS_FILE
+
+    from trl.rewards import (
+        accuracy_reward,
+        get_cosine_scaled_reward,
+        get_repetition_penalty_reward,
+        get_soft_overlong_punishment,
+    )
+
+    texts, golds, truth = gsm8k_completions(args.data, args.num_completions)
+    numbers = [gold.rsplit("####", 1)[1].strip().replace(",", "") for gold in golds]
+    ids = [list(text.encode()) for text in texts]
+    max_len = 1024
+
+    def batches_of(**columns) -> list[dict]:
+        return [
+            {key: values[start : start + args.batch_size] for key, values in columns.items()}
+            for start in range(0, len(texts), args.batch_size)
+        ]
+
+    ours = batches_of(prompts=[f"p{i // 8}" for i in range(len(texts))], completions=texts, completion_ids=ids, answer=golds)
+    theirs = batches_of(completions=[[{"role": "assistant", "content": t}] for t in texts], completion_ids=ids,
+                        solution=numbers)
+    kk_texts, kk_names, kk_solutions = kk_completions(args.data, len(texts))
+    kk_batches = [
+        {"completions": kk_texts[s : s + args.batch_size], "completion_ids": [[0]] * len(kk_texts[s : s + args.batch_size]),
+         "names": kk_names[s : s + args.batch_size], "solution": kk_solutions[s : s + args.batch_size]}
+        for s in range(0, len(kk_texts), args.batch_size)
+    ]
+    overlong = dict(max_completion_len=max_len, soft_punish_cache=256)
+    cosine = get_cosine_scaled_reward(max_len=max_len)
+    trl_equivalents = {
+        "boxed_answer": ("accuracy_reward", lambda **b: accuracy_reward(**b)),
+        "math_equivalence": ("accuracy_reward", lambda **b: accuracy_reward(**b)),
+        "cosine_scaled": ("get_cosine_scaled_reward", lambda **b: cosine(**b)),
+        "repetition_penalty": ("get_repetition_penalty_reward", get_repetition_penalty_reward()),
+        "soft_overlong": ("get_soft_overlong_punishment", get_soft_overlong_punishment(**overlong)),
+    }
+    params = {"cosine_scaled": {"max_len": max_len}, "soft_overlong": overlong}
+
+    from rewards._verify import shared_worker
+
+    rows, trl_cache = [], {}
+    for name in sorted(rewards.BUILTIN_REWARDS):
+        reward = rewards.get_reward(name, **params.get(name, {}))
+        batches = kk_batches if name == "kk_logic" else ours
+        worker_items = _worker_items(reward, batches) if name == "math_equivalence" else None
+        rate, median_ms, outputs = measure(reward, batches, args.repeats)
+        row = {"reward": name, "rate": rate, "median_ms": median_ms, "trl": "—", "trl_rate": None, "trl_ms": None,
+               "agree": None, "trl_agree": None, "worker_items": worker_items}
+        if name in ("boxed_answer", "math_equivalence"):
+            row["agree"] = agreement(outputs, truth, reward.correct)
+        if name in trl_equivalents:
+            trl_name, trl_function = trl_equivalents[name]
+            if trl_name not in trl_cache:  # accuracy_reward is slow: measure it once for both correctness rewards
+                trl_cache[trl_name] = measure(trl_function, theirs, 1 if trl_name == "accuracy_reward" else args.repeats)
+            trl_rate, trl_ms, trl_outputs = trl_cache[trl_name]
+            row.update(trl=trl_name, trl_rate=trl_rate, trl_ms=trl_ms)
+            if trl_name == "accuracy_reward":
+                row["trl_agree"] = agreement(trl_outputs, truth, 1.0)
+        rows.append(row)
+        print(f"{name}: {rate:,.0f} completions/s", file=sys.stderr)
+    shared_worker().close()
+    table = render(rows, args, len(texts))
+    print(table)
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(table + "\n")
+    return table
+
+
+def _worker_items(reward, batches: list[dict]) -> int:
+    """How many completions `math_equivalence` cannot decide without math-verify."""
+    return sum(
+        isinstance(reward._fast_check(rewards.completion_text(c), g), tuple)
+        for batch in batches
+        for c, g in zip(batch["completions"], batch["answer"])
+    )
+
+
+def render(rows: list[dict], args, count: int) -> str:
+    import trl
+
+    def rate(value):
+        return "—" if value is None else f"{value:,.0f}"
+
+    def ms(value):
+        return "—" if value is None else f"{value:.4f}"
+
+    def pct(value):
+        return "—" if value is None else f"{100 * value:.1f}%"
+
+    lines = [
+        f"# Reward throughput (CPU, one core){' — smoke run' if args.smoke else ''}",
+        "",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- CPU: {cpu_name()} (lscpu model name); Python {platform.python_version()}; trl {trl.__version__}",
+        f"- {count} GSM8K-style completions from gsm8k/test.jsonl golds (kk_logic: {count} from kk/*ppl_test.jsonl), "
+        f"batches of {args.batch_size}, best of {args.repeats} runs (accuracy_reward: 1 run)",
+        "- agreement = fraction of completions where reward says correct iff the constructed ground truth says so",
+        "",
+        "| reward | completions/s | median ms/completion | agreement | trl.rewards equivalent | trl completions/s "
+        "| trl median ms | trl agreement | speed-up |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        speedup = "—" if row["trl_rate"] is None else f"{row['rate'] / row['trl_rate']:.1f}×"
+        name = row["reward"] + (f" ({row['worker_items']} via math-verify)" if row["worker_items"] is not None else "")
+        lines.append(
+            f"| {name} | {rate(row['rate'])} | {ms(row['median_ms'])} | {pct(row['agree'])} | {row['trl']} "
+            f"| {rate(row['trl_rate'])} | {ms(row['trl_ms'])} | {pct(row['trl_agree'])} | {speedup} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""The reward throughput benchmark runs end to end in --smoke mode (so it cannot rot) and prints one complete table."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import rewards
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_rewards_throughput_smoke(shared_data, tmp_path):
+    path = REPO_ROOT / "benchmarks" / "rewards_throughput.py"
+    spec = importlib.util.spec_from_file_location("rewards_throughput_smoke", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    output = tmp_path / "table.md"
+    table = module.main(["--smoke", "--data", str(shared_data), "--output", str(output)])
+    assert output.read_text().strip() == table.strip()
+    assert "CPU: " in table and "smoke run" in table
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| reward")]
+    assert sorted(row.split("|")[1].split("(")[0].strip() for row in rows) == sorted(rewards.BUILTIN_REWARDS)
+    # the constructed ground truth is reproduced exactly by both correctness rewards
+    for row in rows:
+        cells = [cell.strip() for cell in row.split("|")]
+        if cells[1].startswith(("boxed_answer", "math_equivalence")):
+            assert cells[4] == "100.0%"
