@@ -34,6 +34,7 @@ from trl.trainer.utils import add_fused_lm_head
 
 from prorl_trl import reset as reset_ops
 from prorl_trl.config import ProRLConfig, ResolvedPhase, resolve_phases
+from prorl_trl.generation import configure_trainer_generation
 from prorl_trl.overlong import OverlongPenalty
 from prorl_trl.trainer_parts import ProRLLoopMixin, ProRLStateCallback
 from prorl_trl.trainer_reset import ProRLResetMixin
@@ -94,6 +95,7 @@ class ProRLTrainer(ProRLResetMixin, ProRLLoopMixin, GRPOTrainer):
         self._fused_forward_at_init: dict[int, Any] = {}
         self._phase_end_reason = "max_steps"
         self._scheduler_horizon: int | None = None
+        self._compiled_generation = False
 
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
 
@@ -208,6 +210,11 @@ class ProRLTrainer(ProRLResetMixin, ProRLLoopMixin, GRPOTrainer):
             self._patch_fused_heads(changed["temperature"])
         if self.overlong_penalty is not None:
             self.overlong_penalty.max_completion_length = self.max_completion_length
+        if self.args.compiled_generation and ("max_completion_length" in changed or not self._compiled_generation):
+            # The static cache is sized from the cap, so it follows every cap change (one compilation per shape).
+            self._compiled_generation = configure_trainer_generation(
+                self, max_prompt_length=self.args.generation_max_prompt_length
+            )
         self.sampling = {key: getattr(self, key) for key in SAMPLING_KEYS}
 
     def _patch_fused_heads(self, temperature: float) -> None:

@@ -161,3 +161,26 @@ def test_kv_cache_bytes_per_token_for_qwen2_05b_shape():
     model, _ = build_tiny(seed=0, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
     # 2 (K and V) x 3 layers x 2 KV heads x head_dim 16 x 2 bytes (bf16)
     assert kv_cache_bytes_per_token(model.config, torch.bfloat16) == 2 * 3 * 2 * 16 * 2
+
+
+def test_prorl_config_exposes_compiled_generation_and_trainer_skips_it_on_cpu(tmp_path):
+    """`compiled_generation` is a ProRLConfig switch; on CPU the trainer keeps TRL's eager default path."""
+    from datasets import Dataset
+
+    from prorl_trl import PhaseConfig, ProRLConfig, ProRLTrainer
+    from prorl_trl.tiny import build_tiny
+
+    model, tokenizer = build_tiny(seed=0)
+    args = ProRLConfig(
+        output_dir=str(tmp_path), use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
+        per_device_train_batch_size=4, num_generations=4, max_completion_length=4, save_strategy="no",
+        compiled_generation=True, generation_max_prompt_length=16, phases=[PhaseConfig(max_steps=1)],
+    )
+    trainer = ProRLTrainer(
+        model=model, processing_class=tokenizer, args=args,
+        reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+        train_dataset=Dataset.from_list([{"prompt": "1+1="}] * 8),
+    )
+    trainer.train()
+    assert trainer.generation_config.disable_compile is True  # TRL's default stays on CPU
+    assert trainer._compiled_generation is False
