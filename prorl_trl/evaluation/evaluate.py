@@ -80,8 +80,11 @@ def evaluate(
     if plots and not per_problem.empty:
         from .plots import plot_pass1_histogram, plot_passk
 
-        plot_paths = [plot_passk(passk, out, group_by) for group_by in ["overall", *breakdown]]
-        plot_paths += [plot_pass1_histogram(per_problem, spec.name, out) for spec in models]
+        try:
+            plot_paths = [plot_passk(passk, out, group_by) for group_by in ["overall", *breakdown]]
+            plot_paths += [plot_pass1_histogram(per_problem, spec.name, out) for spec in models]
+        except ImportError:
+            print("prorl-trl eval: plots skipped: they need matplotlib (pip install 'prorl-trl[plots]').")
     per_problem.to_csv(out / "per_problem.csv", index=False)
     run_settings = {
         "dataset": dataset, "models": {m.name: m.path for m in models}, "num_problems": len(rows),
@@ -106,6 +109,9 @@ def _regressions(per_problem, k: int, features: Sequence[str]) -> dict[str, Any]
             tables[model] = feature_regression(part, "outcome", features)
         except ValueError as error:
             print(f"prorl-trl eval: regression for {model} skipped: {error}")
+        except ImportError:
+            print("prorl-trl eval: regression table skipped: it needs scipy (pip install 'prorl-trl[plots]').")
+            return {}
     return tables
 
 
