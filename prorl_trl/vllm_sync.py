@@ -20,16 +20,21 @@ from __future__ import annotations
 from typing import Any
 
 VLLM_SAMPLING_ATTRIBUTES = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_completion_length")
-# How vLLM's SamplingParams (and thus `generation_kwargs`) spell each attribute.
+# How vLLM's SamplingParams spell each attribute in `generation_kwargs`.
 VLLM_SAMPLING_PARAMS_NAMES = {name: name for name in VLLM_SAMPLING_ATTRIBUTES} | {"max_completion_length": "max_tokens"}
+# Every `generation_kwargs` key that overrides a setting, on either backend (transformers spells the cap max_new_tokens).
+_OVERRIDING_KEYS = {name: {name, VLLM_SAMPLING_PARAMS_NAMES[name]} for name in VLLM_SAMPLING_ATTRIBUTES}
+_OVERRIDING_KEYS["max_completion_length"].add("max_new_tokens")
 
 
 def shadowed_by_generation_kwargs(generation_kwargs: dict[str, Any] | None, settings: Any) -> list[str]:
-    """Scheduled settings that `generation_kwargs` would override on the vLLM path (TRL applies that dict last)."""
-    generation_kwargs = generation_kwargs or {}
-    return sorted(
-        name for name in settings if name in generation_kwargs or VLLM_SAMPLING_PARAMS_NAMES.get(name) in generation_kwargs
-    )
+    """Settings (TRL names) that `generation_kwargs` would silently override, on the transformers or the vLLM path.
+
+    TRL applies `generation_kwargs` after (and over) its explicit sampling fields on both backends, so a phase or
+    schedule value for one of these would never reach generation. Checks both spellings of the completion cap.
+    """
+    keys = set(generation_kwargs or {})
+    return sorted(name for name in settings if _OVERRIDING_KEYS.get(name, {name}) & keys)
 
 
 def apply_vllm_sampling(vllm_generation: Any, generation_kwargs: dict[str, Any] | None = None, **settings: Any) -> dict:
@@ -64,20 +69,3 @@ def force_weight_sync(trainer: Any) -> None:
     if getattr(trainer, "use_vllm", False):
         trainer._last_loaded_step = -1
 
-
-def check_vllm_phase_lengths(args: Any, max_completion_lengths: list[int]) -> None:
-    """Fail before training if a phase's completion cap cannot fit vLLM's context window, fixed at init.
-
-    Colocated vLLM sizes its KV cache for `vllm_max_model_length` once; a later phase with a longer
-    `max_completion_length` would fail mid-run (or be cut) when prompt + completion exceed it.
-    """
-    limit = getattr(args, "vllm_max_model_length", None)
-    if not getattr(args, "use_vllm", False) or limit is None:
-        return
-    too_long = [length for length in max_completion_lengths if length >= limit]
-    if too_long:
-        raise ValueError(
-            f"vllm_max_model_length={limit} is fixed when vLLM starts, but phases ask for max_completion_length "
-            f"{too_long} (plus the prompt). Set vllm_max_model_length to at least the longest prompt + "
-            f"{max(max_completion_lengths)} tokens."
-        )

@@ -11,17 +11,20 @@ import pytest
 import torch
 from accelerate import Accelerator
 from peft import LoraConfig, get_peft_model
-from trl import GRPOConfig
 from trl.distributed import DistributedBackend
 from trl.generation.vllm_generation import VLLMGeneration
 from trl.trainer.grpo_trainer import GRPOTrainer
 
-from prorl_trl.reset import lora_layers, merge_lora_in_place, merged_state_dict, reinit_adapter
+from prorl_trl.reset import (
+    lora_layers,
+    merge_lora_in_place,
+    merged_state_dict,
+    reinit_adapter,
+)
 from prorl_trl.tiny import build_tiny
 from prorl_trl.vllm_sync import (
     VLLM_SAMPLING_ATTRIBUTES,
     apply_vllm_sampling,
-    check_vllm_phase_lengths,
     force_weight_sync,
     shadowed_by_generation_kwargs,
 )
@@ -82,17 +85,19 @@ def test_generation_kwargs_that_shadow_a_schedule_are_refused():
         apply_vllm_sampling(generation, max_tokens=64)
 
 
-def test_force_weight_sync_and_phase_length_check(tmp_path):
+def test_force_weight_sync_sets_the_tag_trl_compares():
     class Trainer:  # only the two attributes TRL's check reads
         use_vllm, _last_loaded_step = True, 7
 
     trainer = Trainer()
     force_weight_sync(trainer)
     assert trainer._last_loaded_step == -1
-    args = GRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_max_model_length=512, use_cpu=True, report_to=[])
-    check_vllm_phase_lengths(args, [128, 256])
-    with pytest.raises(ValueError, match="vllm_max_model_length=512 .* \\[1024\\]"):
-        check_vllm_phase_lengths(args, [256, 1024])
+
+
+def test_both_spellings_of_the_completion_cap_are_caught():
+    for key in ("max_tokens", "max_new_tokens", "max_completion_length"):
+        assert shadowed_by_generation_kwargs({key: 64}, ["max_completion_length", "top_p"]) == ["max_completion_length"]
+    assert shadowed_by_generation_kwargs({"seed": 0, "stop": ["x"]}, ["max_completion_length", "top_k"]) == []
 
 
 # ------------------------------------------------------------------------------------- what vLLM receives
