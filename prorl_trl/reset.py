@@ -9,6 +9,11 @@ Why "in place": the HF training loop, the DDP wrapper, `accelerator._models`, `c
 weights' storage, a same-shape re-init overwrites the existing LoRA tensors, and only a change of rank/targets creates
 new Parameter objects (the caller must then build a new optimizer, and under DDP do it between `train()` calls).
 
+Functions: `merge_lora_in_place` + `reinit_adapter` (the reset; `adapter_needs_rebuild` says beforehand whether it
+creates new Parameters), `broadcast_adapter` (DDP), `reset_optimizer_state`, `sync_reference` (full fine-tuning) /
+`reset_reference_adapter` (TRL's "ref" adapter), `save_merged_model` (+ `recover_interrupted_save`), and
+`check_reset_support` (from `prorl_trl.reset_support`).
+
 Supported: PEFT LoRA on `nn.Linear` layers (`peft.tuners.lora.layer.Linear`), init `True`/`"gaussian"`, full-precision
 (fp32/bf16/fp16) base weights, single process or DDP. Refused with a clear error: DoRA and other LoRA variants,
 PiSSA/OLoRA/LoftQ/EVA/CorDA inits (their A/B are tied to a decomposition of the base), `modules_to_save`,
