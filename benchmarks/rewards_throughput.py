@@ -10,8 +10,10 @@ built the same way from `kk/*ppl_test.jsonl`. Token ids are the UTF-8 bytes (the
 Every reward is called as GRPOTrainer calls it (keyword arguments, batches of `--batch-size` completions, dataset
 columns repeated per completion) in this one process, so a single core does the work; `math_equivalence` uses its
 math-verify worker only for answers its fast path cannot decide (none in GSM8K; counted in the table). TRL's rewards
-get the gold number itself (`accuracy_reward` cannot read `#### 1,234`) and conversational completions (the only
-format they accept). Reported: completions/s over the whole run (best of `--repeats`), median milliseconds per
+get the gold in the form they parse best (the GSM8K number itself, as `accuracy_reward` cannot read `#### 1,234`;
+MATH answers inside `$...$`) and conversational completions (the only format they accept). A last row scores
+MATH-500 answers (gold, an equivalent rewrite such as `\\frac12` or `2\\,220`, a wrong one), where most comparisons
+need the symbolic path. Reported: completions/s over the whole run (best of `--repeats`), median milliseconds per
 completion over batches, and agreement with the ground truth for correctness rewards.
 
     python benchmarks/rewards_throughput.py            # full run (>= 5,000 completions), writes the results file
@@ -25,6 +27,7 @@ import datetime
 import json
 import platform
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -103,6 +106,36 @@ def kk_completions(data_dir: Path, count: int) -> tuple[list[str], list[list[str
             if len(texts) == count:
                 break
     return texts, names, solutions
+
+
+def math500_completions(data_dir: Path, count: int) -> tuple[list[str], list[str], list[bool]]:
+    """Per MATH-500 answer: the gold boxed, an equivalent rewrite (`\\frac12`, `\\sqrt2`, `1\\,000`, no degree sign,
+    spaces), and a wrong one (last digit changed, or another problem's answer); ground truth by construction."""
+    rows = [json.loads(line) for line in (data_dir / "math500" / "test.jsonl").read_text().splitlines()][:count]
+    rewrites = [
+        (re.compile(r"\\[dt]?frac\{(\d)\}\{(\d)\}"), r"\\frac\1\2"),
+        (re.compile(r"\\sqrt\{(\d)\}"), r"\\sqrt\1"),
+        (re.compile(r"^(\d{1,3})(\d{3})$"), r"\1\\,\2"),
+        (re.compile(r"\^\\circ"), ""),
+        (re.compile(r"(?<!\\),(?=\S)"), ", "),
+    ]
+    texts, golds, truth = [], [], []
+    for index, row in enumerate(rows):
+        gold = row["answer"]
+        rewritten = gold
+        for pattern, replacement in rewrites:
+            rewritten = pattern.sub(replacement, rewritten)
+        digits = [i for i, c in enumerate(gold) if c.isdigit()]
+        if digits:
+            last = digits[-1]
+            wrong = gold[:last] + str((int(gold[last]) + 1) % 10) + gold[last + 1 :]
+        else:
+            wrong = rows[(index + 1) % len(rows)]["answer"]
+        for text, correct in ((gold, True), (rewritten, True), (wrong, False)):
+            texts.append(rf"Reasoning... so the final answer is $\boxed{{{text}}}$.")
+            golds.append(gold)
+            truth.append(correct)
+    return texts, golds, truth
 
 
 def measure(function, batches: list[dict], repeats: int) -> tuple[float, float, list]:
@@ -201,6 +234,27 @@ def main(argv: list[str] | None = None) -> str:
                 row["trl_agree"] = agreement(trl_outputs, truth, 1.0)
         rows.append(row)
         print(f"{name}: {rate:,.0f} completions/s", file=sys.stderr)
+    # MATH-style answers: most need the symbolic path (math-verify in the worker process), so this is its speed.
+    math_texts, math_golds, math_truth = math500_completions(args.data, 50 if args.smoke else 500)
+    math_ours = [
+        {"completions": math_texts[s : s + args.batch_size], "completion_ids": [[0]] * len(math_texts[s : s + args.batch_size]),
+         "answer": math_golds[s : s + args.batch_size]}
+        for s in range(0, len(math_texts), args.batch_size)
+    ]
+    math_theirs = [
+        {"completions": [[{"role": "assistant", "content": t}] for t in batch["completions"]],
+         "completion_ids": batch["completion_ids"], "solution": [f"${gold}$" for gold in batch["answer"]]}
+        for batch in math_ours
+    ]
+    reward = rewards.get_reward("math_equivalence")
+    reward(completions=[r"\boxed{x+1}"], answer=["1+x"])  # start the worker process: a one-time cost, not throughput
+    worker_items = _worker_items(reward, math_ours)
+    rate, median_ms, outputs = measure(reward, math_ours, args.repeats)
+    trl_rate, trl_ms, trl_outputs = measure(lambda **b: accuracy_reward(**b), math_theirs, 1)
+    rows.append({"reward": f"math_equivalence on {len(math_texts)} MATH-500 answers", "rate": rate,
+                 "median_ms": median_ms, "trl": "accuracy_reward", "trl_rate": trl_rate, "trl_ms": trl_ms,
+                 "agree": agreement(outputs, math_truth, 1.0), "trl_agree": agreement(trl_outputs, math_truth, 1.0),
+                 "worker_items": worker_items})
     shared_worker().close()
     table = render(rows, args, len(texts))
     print(table)

@@ -2,7 +2,6 @@ r"""Correctness rewards: the seed's numeric `\boxed{}` rule and LaTeX/symbolic e
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from functools import lru_cache
 from typing import Any
@@ -66,6 +65,10 @@ _PATHOLOGICAL = re.compile(
     r"|\d{4,}\s*!|!\s*!"  # big or iterated factorials
 )
 _MAX_SYMBOLIC_ANSWER_CHARS = 1000
+# Answers math-verify reads too loosely: numbers in a base (`52_8`: it drops the subscript) and squared/cubed units
+# (`15\mbox{ cm}^2`: units=True drops the unit with its power). These are compared literally.
+_BASE_NUMBER = re.compile(r"([0-9A-Za-z]+)_\{?(\d+)\}?")
+_UNIT_POWER = re.compile(r"\\(?:text|mbox|mathrm)\{[^{}]*\}\s*\^\s*\{?(\d+)\}?")
 
 
 @lru_cache(maxsize=65536)
@@ -115,8 +118,6 @@ class MathEquivalence(CorrectnessReward):
         prescreen: bool = True,
         name: str | None = None,
     ) -> None:
-        if importlib.util.find_spec("math_verify") is None:
-            raise ImportError("math_equivalence needs math-verify: pip install 'math-verify>=0.9'")
         if not timeout_seconds > 0:
             raise ValueError(f"timeout_seconds must be > 0 (seconds per completion), got {timeout_seconds!r}")
         self.correct, self.incorrect, self.answer_key = float(correct), float(incorrect), answer_key
@@ -142,6 +143,12 @@ class MathEquivalence(CorrectnessReward):
             if not any(character.isdigit() for character in normalized):
                 return False
         if not any(character.isalnum() for character in normalized):
+            return False
+        gold_base = _BASE_NUMBER.fullmatch(gold_compact)
+        if gold_base:
+            answer_base = _BASE_NUMBER.fullmatch("".join(normalized.split()))
+            return bool(answer_base) and answer_base.groups() == gold_base.groups()
+        if _UNIT_POWER.findall(gold_normalized) != _UNIT_POWER.findall(normalized) and _UNIT_POWER.search(normalized):
             return False
         if self.prescreen and (len(normalized) > _MAX_SYMBOLIC_ANSWER_CHARS or _PATHOLOGICAL.search(normalized)):
             return False
