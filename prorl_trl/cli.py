@@ -145,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "handler", None) is None:
         parser.print_help(sys.stderr)
         return 2
+    if any(token in ("-h", "--help") for token in getattr(args, "overrides", None) or []):
+        parser.parse_args([args.command, "--help"])  # `train RECIPE --help`: the subcommand's help, exit 0
     try:
         return int(args.handler(args) or 0)
     except RecipeError as error:

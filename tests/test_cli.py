@@ -88,5 +88,11 @@ def test_shipped_accelerate_configs_load(name):
         assert config.deepspeed_config["zero_stage"] == int(name[-1])
 
 
+def test_help_after_the_recipe_shows_the_override_syntax(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", str(TINY_RECIPE), "--help"])
+    assert exit_info.value.code == 0 and "--phases.2.temperature 1.2" in capsys.readouterr().out
+
+
 def test_no_command_is_a_usage_error(capsys):
     assert main([]) == 2
