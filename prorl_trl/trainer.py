@@ -38,6 +38,7 @@ from prorl_trl.generation import configure_trainer_generation
 from prorl_trl.overlong import OverlongPenalty
 from prorl_trl.trainer_parts import ProRLLoopMixin, ProRLStateCallback
 from prorl_trl.trainer_reset import ProRLResetMixin
+from prorl_trl.vllm_sync import apply_vllm_sampling, shadowed_by_generation_kwargs
 
 logger = logging.getLogger("prorl_trl")
 
@@ -122,7 +123,7 @@ class ProRLTrainer(ProRLResetMixin, ProRLLoopMixin, GRPOTrainer):
                     f"ProRLConfig phase {phase.index} ({phase.name}): reward_weights has {len(phase.reward_weights)} "
                     f"entries for {len(reward_funcs)} reward functions (the overlong penalty is added separately)."
                 )
-        scheduled = sorted(set(args.generation_kwargs or {}) & set(SAMPLING_KEYS + ("max_new_tokens",)))
+        scheduled = shadowed_by_generation_kwargs(args.generation_kwargs, SAMPLING_KEYS)
         if scheduled:
             raise ValueError(
                 f"generation_kwargs sets {scheduled}, which TRL applies after (and over) the phase settings. Set them "
@@ -201,7 +202,7 @@ class ProRLTrainer(ProRLResetMixin, ProRLLoopMixin, GRPOTrainer):
             setattr(self, key, value)
             setattr(self.args, key, value)
             if self.use_vllm:
-                setattr(self.vllm_generation, key, value)
+                apply_vllm_sampling(self.vllm_generation, **{key: value})
             else:
                 name = _GENERATION_CONFIG_NAMES.get(key, key)
                 setattr(self.generation_config, name, value)
