@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import random
 import re
@@ -97,7 +98,9 @@ def kk_completions(data_dir: Path, count: int) -> tuple[list[str], list[list[str
             roles = list(row["solution"])
             if len(texts) % 3 == 1:
                 roles[0] = not roles[0]
-            body = "\n".join(f"({i + 1}) {n} is a {'knight' if r else 'knave'}" for i, (n, r) in enumerate(zip(row["names"], roles)))
+            body = "\n".join(
+                f"({i + 1}) {n} is a {'knight' if r else 'knave'}" for i, (n, r) in enumerate(zip(row["names"], roles))
+            )
             think = f"<think>{row['quiz'][:300]} Let me check each statement.</think>"
             text = f"{think}<answer>{body}</answer>" if len(texts) % 3 != 2 else f"{body}"
             texts.append(text)
@@ -166,7 +169,9 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--num-completions", type=int, default=6000, help="GSM8K-style completions (>= 5000)")
     parser.add_argument("--batch-size", type=int, default=64, help="completions per reward call")
     parser.add_argument("--repeats", type=int, default=3, help="runs per reward; the best is reported")
-    parser.add_argument("--output", type=Path, default=None, help=f"markdown file (default {RESULTS_FILE} unless --smoke)")
+    parser.add_argument(
+        "--output", type=Path, default=None, help=f"markdown file (default {RESULTS_FILE} unless --smoke)"
+    )
     parser.add_argument("--smoke", action="store_true", help="a few hundred completions, one repeat, no results file")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -192,13 +197,20 @@ def main(argv: list[str] | None = None) -> str:
             for start in range(0, len(texts), args.batch_size)
         ]
 
-    ours = batches_of(prompts=[f"p{i // 8}" for i in range(len(texts))], completions=texts, completion_ids=ids, answer=golds)
-    theirs = batches_of(completions=[[{"role": "assistant", "content": t}] for t in texts], completion_ids=ids,
-                        solution=numbers)
+    ours = batches_of(
+        prompts=[f"p{i // 8}" for i in range(len(texts))], completions=texts, completion_ids=ids, answer=golds
+    )
+    theirs = batches_of(
+        completions=[[{"role": "assistant", "content": t}] for t in texts], completion_ids=ids, solution=numbers
+    )
     kk_texts, kk_names, kk_solutions = kk_completions(args.data, len(texts))
     kk_batches = [
-        {"completions": kk_texts[s : s + args.batch_size], "completion_ids": [[0]] * len(kk_texts[s : s + args.batch_size]),
-         "names": kk_names[s : s + args.batch_size], "solution": kk_solutions[s : s + args.batch_size]}
+        {
+            "completions": kk_texts[s : s + args.batch_size],
+            "completion_ids": [[0]] * len(kk_texts[s : s + args.batch_size]),
+            "names": kk_names[s : s + args.batch_size],
+            "solution": kk_solutions[s : s + args.batch_size],
+        }
         for s in range(0, len(kk_texts), args.batch_size)
     ]
     overlong = dict(max_completion_len=max_len, soft_punish_cache=256)
@@ -220,14 +232,25 @@ def main(argv: list[str] | None = None) -> str:
         batches = kk_batches if name == "kk_logic" else ours
         worker_items = _worker_items(reward, batches) if name == "math_equivalence" else None
         rate, median_ms, outputs = measure(reward, batches, args.repeats)
-        row = {"reward": name, "rate": rate, "median_ms": median_ms, "trl": "—", "trl_rate": None, "trl_ms": None,
-               "agree": None, "trl_agree": None, "worker_items": worker_items}
+        row = {
+            "reward": name,
+            "rate": rate,
+            "median_ms": median_ms,
+            "trl": "—",
+            "trl_rate": None,
+            "trl_ms": None,
+            "agree": None,
+            "trl_agree": None,
+            "worker_items": worker_items,
+        }
         if name in ("boxed_answer", "math_equivalence"):
             row["agree"] = agreement(outputs, truth, reward.correct)
         if name in trl_equivalents:
             trl_name, trl_function = trl_equivalents[name]
             if trl_name not in trl_cache:  # accuracy_reward is slow: measure it once for both correctness rewards
-                trl_cache[trl_name] = measure(trl_function, theirs, 1 if trl_name == "accuracy_reward" else args.repeats)
+                trl_cache[trl_name] = measure(
+                    trl_function, theirs, 1 if trl_name == "accuracy_reward" else args.repeats
+                )
             trl_rate, trl_ms, trl_outputs = trl_cache[trl_name]
             row.update(trl=trl_name, trl_rate=trl_rate, trl_ms=trl_ms)
             if trl_name == "accuracy_reward":
@@ -237,13 +260,19 @@ def main(argv: list[str] | None = None) -> str:
     # MATH-style answers: most need the symbolic path (math-verify in the worker process), so this is its speed.
     math_texts, math_golds, math_truth = math500_completions(args.data, 50 if args.smoke else 500)
     math_ours = [
-        {"completions": math_texts[s : s + args.batch_size], "completion_ids": [[0]] * len(math_texts[s : s + args.batch_size]),
-         "answer": math_golds[s : s + args.batch_size]}
+        {
+            "completions": math_texts[s : s + args.batch_size],
+            "completion_ids": [[0]] * len(math_texts[s : s + args.batch_size]),
+            "answer": math_golds[s : s + args.batch_size],
+        }
         for s in range(0, len(math_texts), args.batch_size)
     ]
     math_theirs = [
-        {"completions": [[{"role": "assistant", "content": t}] for t in batch["completions"]],
-         "completion_ids": batch["completion_ids"], "solution": [f"${gold}$" for gold in batch["answer"]]}
+        {
+            "completions": [[{"role": "assistant", "content": t}] for t in batch["completions"]],
+            "completion_ids": batch["completion_ids"],
+            "solution": [f"${gold}$" for gold in batch["answer"]],
+        }
         for batch in math_ours
     ]
     reward = rewards.get_reward("math_equivalence")
@@ -251,10 +280,19 @@ def main(argv: list[str] | None = None) -> str:
     worker_items = _worker_items(reward, math_ours)
     rate, median_ms, outputs = measure(reward, math_ours, args.repeats)
     trl_rate, trl_ms, trl_outputs = measure(lambda **b: accuracy_reward(**b), math_theirs, 1)
-    rows.append({"reward": f"math_equivalence on {len(math_texts)} MATH-500 answers", "rate": rate,
-                 "median_ms": median_ms, "trl": "accuracy_reward", "trl_rate": trl_rate, "trl_ms": trl_ms,
-                 "agree": agreement(outputs, math_truth, 1.0), "trl_agree": agreement(trl_outputs, math_truth, 1.0),
-                 "worker_items": worker_items})
+    rows.append(
+        {
+            "reward": f"math_equivalence on {len(math_texts)} MATH-500 answers",
+            "rate": rate,
+            "median_ms": median_ms,
+            "trl": "accuracy_reward",
+            "trl_rate": trl_rate,
+            "trl_ms": trl_ms,
+            "agree": agreement(outputs, math_truth, 1.0),
+            "trl_agree": agreement(trl_outputs, math_truth, 1.0),
+            "worker_items": worker_items,
+        }
+    )
     shared_worker().close()
     table = render(rows, args, len(texts))
     print(table)
@@ -271,6 +309,13 @@ def _worker_items(reward, batches: list[dict]) -> int:
         for batch in batches
         for c, g in zip(batch["completions"], batch["answer"])
     )
+
+
+def _cpu_context() -> str:
+    """How many cores this process may use and how busy the machine was: shared machines give noisy rates."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = ", ".join(f"{value:.1f}" for value in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    return f"single-threaded Python; cores allowed to this process: {cores}; load average (1/5/15 min): {load}"
 
 
 def render(rows: list[dict], args, count: int) -> str:
@@ -290,6 +335,7 @@ def render(rows: list[dict], args, count: int) -> str:
         "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
         f"- CPU: {cpu_name()} (lscpu model name); Python {platform.python_version()}; trl {trl.__version__}",
+        f"- {_cpu_context()}",
         f"- {count} GSM8K-style completions from gsm8k/test.jsonl golds (kk_logic: {count} from kk/*ppl_test.jsonl), "
         f"batches of {args.batch_size}, best of {args.repeats} runs (accuracy_reward: 1 run)",
         "- agreement = fraction of completions where reward says correct iff the constructed ground truth says so",

@@ -2,7 +2,8 @@
 
 ```python
 from rewards import get_reward
-trainer = GRPOTrainer(..., reward_funcs=[get_reward("math_equivalence"), get_reward("soft_overlong", max_completion_len=1024, soft_punish_cache=256)])
+overlong = get_reward("soft_overlong", max_completion_len=1024, soft_punish_cache=256)
+trainer = GRPOTrainer(..., reward_funcs=[get_reward("math_equivalence"), overlong], args=GRPOConfig(...))
 ```
 or, from TRL's command line: `trl grpo --reward_funcs rewards.boxed_answer rewards.tag_count ...` (the module-level
 instances below, built with default parameters).

@@ -146,7 +146,11 @@ class CorrectnessReward(GoldReward):
         return results
 
     def is_correct(
-        self, prompts: list | None = None, completions: list | None = None, completion_ids: list | None = None, **kwargs
+        self,
+        prompts: list | None = None,
+        completions: list | None = None,
+        completion_ids: list | None = None,
+        **kwargs,
     ) -> list[bool | None]:
         completions = _require_completions(self.__name__, completions, completion_ids)
         golds = self._columns(kwargs)["gold"]

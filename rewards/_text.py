@@ -45,7 +45,9 @@ def completion_text(completion: Any) -> str:
         content = message.get("content")
         if isinstance(content, list):
             content = "".join(
-                part.get("text", "") for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)
+                part.get("text", "")
+                for part in content
+                if isinstance(part, dict) and isinstance(part.get("text"), str)
             )
         if isinstance(content, str):
             texts.append(content)

@@ -41,7 +41,9 @@ class _CheckedLengthReward(Reward):
             self._checker = get_reward(checker, answer_key=answer_key)
         else:
             if answer_key != "answer":
-                raise ValueError("answer_key applies to a checker given by name; set it on the checker instance instead")
+                raise ValueError(
+                    "answer_key applies to a checker given by name; set it on the checker instance instead"
+                )
             self._checker = checker
         if not callable(getattr(self._checker, "is_correct", None)):
             raise TypeError(
@@ -101,7 +103,9 @@ class CosineScaled(_CheckedLengthReward):
     def value(self, correct: bool, length: int) -> float:
         """The reward of one completion of `length` tokens."""
         low, high = (
-            (self.min_value_correct, self.max_value_correct) if correct else (self.max_value_wrong, self.min_value_wrong)
+            (self.min_value_correct, self.max_value_correct)
+            if correct
+            else (self.max_value_wrong, self.min_value_wrong)
         )
         progress = min(length / self.max_len, 1.0)
         return low + 0.5 * (high - low) * (1.0 + math.cos(math.pi * progress))
@@ -243,10 +247,13 @@ class SoftOverlong(_TrlTokenReward):
 
     registry_name = "soft_overlong"
 
-    def __init__(self, max_completion_len: int = 20480, soft_punish_cache: int = 4096, name: str | None = None) -> None:
+    def __init__(
+        self, max_completion_len: int = 20480, soft_punish_cache: int = 4096, name: str | None = None
+    ) -> None:
         if not 0 <= soft_punish_cache <= max_completion_len:
             raise ValueError(
-                f"need 0 <= soft_punish_cache <= max_completion_len (tokens), got soft_punish_cache={soft_punish_cache}, "
+                "need 0 <= soft_punish_cache <= max_completion_len (tokens), got "
+                f"soft_punish_cache={soft_punish_cache}, "
                 f"max_completion_len={max_completion_len}"
             )
         self.max_completion_len, self.soft_punish_cache = int(max_completion_len), int(soft_punish_cache)

@@ -111,9 +111,7 @@ class KKLogic(CorrectnessReward):
     def score(self, text: str, gold: tuple[Any, Any]) -> float | None:
         """Format score + answer score of one completion against one `(names, solution)` gold."""
         names, solution = gold
-        roles = (
-            _gold_roles(names, solution, None) if names is not None else _gold_roles(None, None, solution)
-        )
+        roles = _gold_roles(names, solution, None) if names is not None else _gold_roles(None, None, solution)
         if not roles:
             return None
         if self.prefilled_think:

@@ -85,7 +85,9 @@ def register(name: str, *, factory: bool | None = None, overwrite: bool = False)
         if not callable(obj):
             raise TypeError(f"@register('{name}') needs a function or a class, got {obj!r}")
         if not overwrite and (name in BUILTIN_REWARDS or name in _USER_REWARDS):
-            raise ValueError(f"a reward named '{name}' is already registered; pick another name or pass overwrite=True")
+            raise ValueError(
+                f"a reward named '{name}' is already registered; pick another name or pass overwrite=True"
+            )
         is_factory = factory if factory is not None else (inspect.isclass(obj) or not _is_reward_function(obj))
         _USER_REWARDS[name] = obj if is_factory else functools.partial(_bind_function, obj, name)
         return obj

@@ -63,8 +63,15 @@ def test_completion_text_formats():
 
 @pytest.mark.parametrize(
     "gold, expected",
-    [("Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 1,234", 1234.0), ("72", 72.0), (72, 72.0), ("-3.5", -3.5),
-     ("", None), (None, None), ("no number", None)],
+    [
+        ("Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 1,234", 1234.0),
+        ("72", 72.0),
+        (72, 72.0),
+        ("-3.5", -3.5),
+        ("", None),
+        (None, None),
+        ("no number", None),
+    ],
 )
 def test_gold_number(gold, expected):
     assert rewards.gold_number(gold) == expected
@@ -96,7 +103,9 @@ BOXED_CASES = [
 def test_boxed_answer_seed_rule(completions_format):
     texts = [text for text, _, _ in BOXED_CASES]
     completions = texts if completions_format == "plain" else [chat(text) for text in texts]
-    got = rewards.boxed_answer(prompts=["q"] * len(texts), completions=completions, answer=[g for _, g, _ in BOXED_CASES])
+    got = rewards.boxed_answer(
+        prompts=["q"] * len(texts), completions=completions, answer=[g for _, g, _ in BOXED_CASES]
+    )
     assert got == [expected for _, _, expected in BOXED_CASES]
 
 
@@ -234,8 +243,14 @@ def test_tag_count_vectors():
 
 
 def test_reasoning_steps_vectors():
-    texts = ["Step 1: a\nStep 2: b\nStep 3: c", "First, a. Second, b. Next, c. Finally, d.", "First, a. Finally, b.",
-             "1. a\n2. b\n3. c", "plain", "intro\n- a\n* b"]
+    texts = [
+        "Step 1: a\nStep 2: b\nStep 3: c",
+        "First, a. Second, b. Next, c. Finally, d.",
+        "First, a. Finally, b.",
+        "1. a\n2. b\n3. c",
+        "plain",
+        "intro\n- a\n* b",
+    ]
     for completions in both_formats(texts):
         assert rewards.reasoning_steps(completions=completions) == [1.0, 1.0, 2 / 3, 1 / 3, 0.0, 2 / 3]
 
@@ -264,10 +279,20 @@ def test_cosine_scaled_vectors_tokens_and_clamp():
 
 
 def test_cosine_scaled_custom_values_and_none_gold():
-    reward = get_reward("cosine_scaled", max_len=10, min_value_wrong=-10.0, max_value_wrong=0.0,
-                        min_value_correct=1.0, max_value_correct=2.0, checker="boxed_answer")
-    got = reward(completions=[r"\boxed{1}", r"\boxed{2}", r"\boxed{1}"], completion_ids=[[0], [0] * 10, [0]],
-                 answer=["1", "1", "no gold"])
+    reward = get_reward(
+        "cosine_scaled",
+        max_len=10,
+        min_value_wrong=-10.0,
+        max_value_wrong=0.0,
+        min_value_correct=1.0,
+        max_value_correct=2.0,
+        checker="boxed_answer",
+    )
+    got = reward(
+        completions=[r"\boxed{1}", r"\boxed{2}", r"\boxed{1}"],
+        completion_ids=[[0], [0] * 10, [0]],
+        answer=["1", "1", "no gold"],
+    )
     assert [round(v, 4) for v in got[:2]] == [round(1 + 0.5 * (1 + math.cos(math.pi / 10)), 4), 0.0]
     assert got[2] is None
 
@@ -288,7 +313,11 @@ def test_repetition_penalty_vectors_match_trl():
     ids = [[1, 2, 3, 4], [5, 5, 5, 5, 5], [7], [1, 2, 1, 2, 1, 2]]
     assert reward(completions=["x"] * 4, completion_ids=ids) == [0.0, -0.75, 0.0, -0.6]
     # word vectors of the notes, on token ids standing for words: "A B C A B C" (n=3) -> -0.25
-    assert rewards.repetition_penalty(completion_ids=[[1, 2, 3, 1, 2, 3], [1, 1, 1, 1], [1, 2, 1, 2]]) == [-0.25, -0.5, 0.0]
+    assert rewards.repetition_penalty(completion_ids=[[1, 2, 3, 1, 2, 3], [1, 1, 1, 1], [1, 2, 1, 2]]) == [
+        -0.25,
+        -0.5,
+        0.0,
+    ]
     with pytest.raises(ValueError, match="max_penalty must be <= 0"):
         get_reward("repetition_penalty", max_penalty=0.5)
 
@@ -329,8 +358,9 @@ KK_GOOD = "<think>reasoning</think><answer>(1) Zoey is a knight\n(2) Oliver is a
 def test_kk_logic_vectors(text, expected):
     for completions in both_formats([text]):
         by_bools = rewards.kk_logic(completions=completions, names=[["Zoey", "Oliver"]], solution=[[True, False]])
-        by_text = rewards.kk_logic(completions=completions,
-                                   solution_text_format=["(1) Zoey is a knight\n(2) Oliver is a knave"])
+        by_text = rewards.kk_logic(
+            completions=completions, solution_text_format=["(1) Zoey is a knight\n(2) Oliver is a knave"]
+        )
         assert by_bools == by_text == [expected]
 
 
@@ -338,8 +368,10 @@ def test_kk_logic_prefilled_think_and_real_data(shared_data):
     import json
 
     row = json.loads((shared_data / "kk" / "3ppl_test.jsonl").read_text().splitlines()[0])
-    body = "\n".join(f"({i + 1}) {name} is a {'knight' if role else 'knave'}"
-                     for i, (name, role) in enumerate(zip(row["names"], row["solution"])))
+    body = "\n".join(
+        f"({i + 1}) {name} is a {'knight' if role else 'knave'}"
+        for i, (name, role) in enumerate(zip(row["names"], row["solution"]))
+    )
     completion = f"Let me think.</think><answer>{body}</answer>"
     columns = {"names": [row["names"]], "solution": [row["solution"]], "quiz": [row["quiz"]]}
     assert rewards.kk_logic(completions=[completion], **columns) == [-3.0]
@@ -354,8 +386,16 @@ def test_kk_logic_prefilled_think_and_real_data(shared_data):
 
 def test_available_and_unknown_name():
     assert set(rewards.available()) >= {
-        "boxed_answer", "math_equivalence", "think_answer_format", "tag_count", "reasoning_steps",
-        "cosine_scaled", "kimi_length", "repetition_penalty", "soft_overlong", "kk_logic",
+        "boxed_answer",
+        "math_equivalence",
+        "think_answer_format",
+        "tag_count",
+        "reasoning_steps",
+        "cosine_scaled",
+        "kimi_length",
+        "repetition_penalty",
+        "soft_overlong",
+        "kk_logic",
     }
     with pytest.raises(ValueError, match="Did you mean 'boxed_answer'"):
         get_reward("boxed_answr")
@@ -450,7 +490,8 @@ def test_is_correct_helper():
 
 
 def test_import_is_light_and_independent_of_prorl_trl():
-    code = "import sys, rewards; print(sorted(m for m in ('prorl_trl','sympy','math_verify','trl','torch') if m in sys.modules))"
+    heavy = "('prorl_trl', 'sympy', 'math_verify', 'trl', 'torch')"
+    code = f"import sys, rewards; print(sorted(m for m in {heavy} if m in sys.modules))"
     output = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert output.stdout.strip() == "[]"
 
@@ -467,8 +508,15 @@ def test_guard_trl_grpo_script_resolves_dotted_reward_paths():
 
 
 @pytest.mark.parametrize(
-    "module", ["rewards._text", "rewards.correctness", "rewards.formatting", "rewards.length", "rewards.logic",
-               "rewards.registry"],
+    "module",
+    [
+        "rewards._text",
+        "rewards.correctness",
+        "rewards.formatting",
+        "rewards.length",
+        "rewards.logic",
+        "rewards.registry",
+    ],
 )
 def test_docstring_examples(module):
     """Every docstring Example runs and prints the literal list of rewards (``` fences are markdown, not output)."""

@@ -2,8 +2,8 @@
 float (or None) per completion within its documented range, never raises and never hangs.
 
 Hypothesis draws the inputs of each batch (random text with control characters and odd unicode, and the seed of the
-random generator that mixes it with adversarial pieces: deep nesting, unbalanced braces, huge numbers, 100 kB strings, tag
-floods, towers of powers, malformed messages). Each example is one TRL-sized call of BATCH completions.
+random generator that mixes it with adversarial pieces: deep nesting, unbalanced braces, huge numbers, 100 kB strings,
+tag floods, towers of powers, malformed messages). Each example is one TRL-sized call of BATCH completions.
 """
 
 from __future__ import annotations
@@ -59,13 +59,62 @@ ADVERSARIAL = [
     "#### " + "9" * 500,
     "a" * _BIG,
 ]
-SNIPPETS = ["\\boxed{", "}", "{", "\\fbox{", "<think>\n", "\n</think>\n", "<answer>\n", "\n</answer>", "<think>",
-            "</think>", "<answer>", "</answer>", "Step 3:", "First,", "\n- ", "1,234", "-7.5", "\\frac{1}{2}",
-            "\\sqrt{2}", "^{", "!", "Ann is a knight", "Bob is a knave", "\\$", "\\%", "^\\circ", "\\,", "####"]
-GOLDS = ["#### 1,234", "72", 72, "-3", "\\frac{1}{2}", "(1,2)", "\\text{(C)}", "x^2+1", "", None, "9" * 400,
-         "\\boxed{5}", "1e999", ["not", "a", "string"]]
-MALFORMED = [None, 5, 3.5, {"content": None}, [{"role": "assistant", "content": ["x", 1]}], [{"role": "user"}], [[]],
-             [{"role": "assistant", "content": {"nested": "dict"}}]]
+SNIPPETS = [
+    "\\boxed{",
+    "}",
+    "{",
+    "\\fbox{",
+    "<think>\n",
+    "\n</think>\n",
+    "<answer>\n",
+    "\n</answer>",
+    "<think>",
+    "</think>",
+    "<answer>",
+    "</answer>",
+    "Step 3:",
+    "First,",
+    "\n- ",
+    "1,234",
+    "-7.5",
+    "\\frac{1}{2}",
+    "\\sqrt{2}",
+    "^{",
+    "!",
+    "Ann is a knight",
+    "Bob is a knave",
+    "\\$",
+    "\\%",
+    "^\\circ",
+    "\\,",
+    "####",
+]
+GOLDS = [
+    "#### 1,234",
+    "72",
+    72,
+    "-3",
+    "\\frac{1}{2}",
+    "(1,2)",
+    "\\text{(C)}",
+    "x^2+1",
+    "",
+    None,
+    "9" * 400,
+    "\\boxed{5}",
+    "1e999",
+    ["not", "a", "string"],
+]
+MALFORMED = [
+    None,
+    5,
+    3.5,
+    {"content": None},
+    [{"role": "assistant", "content": ["x", 1]}],
+    [{"role": "user"}],
+    [[]],
+    [{"role": "assistant", "content": {"nested": "dict"}}],
+]
 
 # The range each reward promises (None always allowed).
 RANGES = {
@@ -109,7 +158,9 @@ def build_batch(rng, drawn_texts: list[str]) -> dict:
             length = rng.choice([0, 1, 2, 3, rng.randint(0, 64), rng.randint(0, 5000)])
             completion_ids.append([rng.randint(0, 3) for _ in range(min(length, 64))] * max(1, length // 64))
         prompts.append(rng.choice(["p1", "p2", [{"role": "user", "content": "p3"}]]))
-    solutions = [rng.choice([[True, False], [False, False, True], [], ["knight", "knave"], None]) for _ in range(BATCH)]
+    solutions = [
+        rng.choice([[True, False], [False, False, True], [], ["knight", "knave"], None]) for _ in range(BATCH)
+    ]
     names = [rng.choice([["Ann", "Bob"], ["Ann", "Bob", "Cy"], [], ["A(b", "*"]]) for _ in range(BATCH)]
     for index in range(BATCH):  # only rows whose names and solution have the same length are valid data
         if solutions[index] is None or len(solutions[index]) != len(names[index]):
@@ -137,8 +188,14 @@ def test_reward_never_raises_and_stays_finite(name):
     low, high = RANGES[name]
     seen = {"completions": 0}
 
-    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(drawn=st.lists(st.text(max_size=80), min_size=1, max_size=16), seed=st.integers(0, 2**32 - 1))
     def check(drawn, seed):
         batch = build_batch(random.Random(seed), drawn)
@@ -152,8 +209,11 @@ def test_reward_never_raises_and_stays_finite(name):
     assert seen["completions"] >= 10_000
 
 
-@given(st.lists(st.sampled_from(["<think>\n", "\n</think>\n", "<answer>\n", "\n</answer>", "\n", "x", "<", ">"]),
-                max_size=14).map("".join))
+@given(
+    st.lists(
+        st.sampled_from(["<think>\n", "\n</think>\n", "<answer>\n", "\n</answer>", "\n", "x", "<", ">"]), max_size=14
+    ).map("".join)
+)
 @settings(max_examples=1500, deadline=None, derandomize=True, database=None)
 def test_think_answer_format_equals_open_r1_regex(text):
     """The linear-time matcher accepts exactly what open-r1's backtracking regex accepts."""
@@ -162,7 +222,9 @@ def test_think_answer_format_equals_open_r1_regex(text):
     assert get_reward("think_answer_format")(completions=[text]) == [expected]
 
 
-@given(st.lists(st.sampled_from(["<answer>", "</answer>", "a", "<think>", "</think>", "\n"]), max_size=14).map("".join))
+@given(
+    st.lists(st.sampled_from(["<answer>", "</answer>", "a", "<think>", "</think>", "\n"]), max_size=14).map("".join)
+)
 @settings(max_examples=1000, deadline=None, derandomize=True, database=None)
 def test_last_answer_equals_logic_rl_regex(text):
     from rewards.logic import _last_answer

@@ -58,7 +58,11 @@ def test_grpo_trainer_logs_each_registry_reward_with_weights(tiny, tmp_path):
     step_logs = [entry for entry in trainer.state.log_history if "reward" in entry]
     assert len(step_logs) == 2
     names = [f.__name__ for f in reward_funcs]
-    assert names == ["math_equivalence", "boxed_answer_correct5_incorrect-5", "soft_overlong_max_completion_len8_soft_punish_cache4"]
+    assert names == [
+        "math_equivalence",
+        "boxed_answer_correct5_incorrect-5",
+        "soft_overlong_max_completion_len8_soft_punish_cache4",
+    ]
     for entry in step_logs:
         means = [entry[f"rewards/{name}/mean"] for name in names]
         assert all(math.isfinite(mean) for mean in means)
@@ -85,10 +89,17 @@ def test_trl_grpo_script_resolves_dotted_reward_paths(tiny_dir, tmp_path, monkey
         reward_funcs=["rewards.boxed_answer", "rewards.tag_count", "rewards.soft_overlong"],
     )
     training_args = tiny_grpo_args(output_dir, max_steps=1, save_strategy="steps", save_steps=1)
-    main(script_args, training_args, ModelConfig(model_name_or_path=str(tiny_dir), dtype="float32"), DatasetMixtureConfig())
+    main(
+        script_args,
+        training_args,
+        ModelConfig(model_name_or_path=str(tiny_dir), dtype="float32"),
+        DatasetMixtureConfig(),
+    )
     state = json.loads((output_dir / "checkpoint-1" / "trainer_state.json").read_text())
     logged = {key for entry in state["log_history"] for key in entry}
     for name in ("boxed_answer", "tag_count", "soft_overlong"):
         assert f"rewards/{name}/mean" in logged
-    boxed = [entry["rewards/boxed_answer/mean"] for entry in state["log_history"] if "rewards/boxed_answer/mean" in entry]
+    boxed = [
+        entry["rewards/boxed_answer/mean"] for entry in state["log_history"] if "rewards/boxed_answer/mean" in entry
+    ]
     assert all(-1.0 <= value <= 1.0 for value in boxed)
