@@ -39,10 +39,10 @@ class Reward:
     """Base of the registry rewards: a picklable callable class with TRL's reward signature.
 
     Subclasses set `registry_name`, store their parameters as attributes named like their `__init__` arguments, call
-    `self._set_name(name)` at the end of `__init__`, and implement `_score(text, ids, index, columns)`; `fallback`
-    is what a completion scores when scoring it raised. The instance `__name__` (TRL's metric name
-    `rewards/<__name__>/mean`) is the registry name plus one `_<param><value>` suffix per non-default parameter, so two
-    configurations never collide; `name=` overrides it.
+    `self._set_name(name)` at the end of `__init__`, and implement `_score(text, ids)` (or `__call__` when a reward
+    needs the whole batch); `fallback` is what a completion scores when scoring it raised. The instance `__name__`
+    (TRL's metric name `rewards/<__name__>/mean`) is the registry name plus one `_<param><value>` suffix per
+    non-default parameter, so two configurations never collide; `name=` overrides it.
     """
 
     registry_name: ClassVar[str] = "reward"
@@ -66,11 +66,7 @@ class Reward:
     def __repr__(self) -> str:
         return f"<reward {self.__name__}>"
 
-    def _columns(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Dataset columns this reward needs, checked once per call (subclasses override)."""
-        return {}
-
-    def _score(self, text: str, ids: Sequence[int] | None, index: int, columns: dict[str, Any]) -> float | None:
+    def _score(self, text: str, ids: Sequence[int] | None) -> float | None:
         raise NotImplementedError
 
     def __call__(
@@ -80,13 +76,12 @@ class Reward:
         completion_ids: list | None = None,
         **kwargs: Any,
     ) -> list[float | None]:
-        completions = _require_completions(self.__name__, completions, completion_ids)
-        columns = self._columns({"prompts": prompts, "completion_ids": completion_ids, **kwargs})
+        completions = require_completions(self.__name__, completions, completion_ids)
         rewards = []
         for index, completion in enumerate(completions):
             try:
                 ids = completion_ids[index] if completion_ids is not None else None
-                reward = self._score(completion_text(completion), ids, index, columns)
+                reward = self._score(completion_text(completion), ids)
                 if reward is not None and not math.isfinite(reward):
                     reward = self.fallback
             except Exception:  # a malformed completion scores the fallback; it never stops training
@@ -95,7 +90,7 @@ class Reward:
         return rewards
 
 
-def _require_completions(reward_name: str, completions: Any, completion_ids: Any) -> list:
+def require_completions(reward_name: str, completions: Any, completion_ids: Any) -> list:
     if completions is None:
         if completion_ids is None:
             raise TypeError(f"reward '{reward_name}' was called without completions or completion_ids")
@@ -107,20 +102,9 @@ def _require_completions(reward_name: str, completions: Any, completion_ids: Any
     return completions
 
 
-class GoldReward(Reward):
-    """A reward that compares each completion with a gold answer read from the column `answer_key`."""
-
-    answer_key: str = "answer"
-
-    def _columns(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        if self.answer_key not in kwargs:
-            hint = f" or pass answer_key=<your column> (get_reward('{self.registry_name}', answer_key=...))"
-            raise missing_column_error(self.__name__, self.answer_key, kwargs, hint)
-        return {"gold": kwargs[self.answer_key]}
-
-
-class CorrectnessReward(GoldReward):
-    """A binary reward: `correct` when the completion's answer matches the gold, else `incorrect`.
+class CorrectnessReward(Reward):
+    """A binary reward: `correct` when the completion's answer matches the gold (column `answer_key`), else
+    `incorrect`.
 
     Other code asks for binary correctness with `is_correct(...)` (same arguments as the reward call): True/False per
     completion, None where the gold is unusable. Dynamic sampling, `cosine_scaled` and `kimi_length` use it.
@@ -128,10 +112,14 @@ class CorrectnessReward(GoldReward):
 
     correct: float = 1.0
     incorrect: float = 0.0
+    answer_key: str = "answer"
 
-    @property
-    def fallback(self) -> float:  # type: ignore[override]
-        return self.incorrect
+    def _golds(self, kwargs: dict[str, Any]) -> list:
+        """The gold of each completion, from the dataset columns; one clear error when a column is missing."""
+        if self.answer_key not in kwargs:
+            hint = f" or pass answer_key=<your column> (get_reward('{self.registry_name}', answer_key=...))"
+            raise missing_column_error(self.__name__, self.answer_key, kwargs, hint)
+        return list(kwargs[self.answer_key])
 
     def _check(self, text: str, gold: Any) -> bool | None:
         raise NotImplementedError
@@ -152,11 +140,11 @@ class CorrectnessReward(GoldReward):
         completion_ids: list | None = None,
         **kwargs,
     ) -> list[bool | None]:
-        completions = _require_completions(self.__name__, completions, completion_ids)
-        golds = self._columns(kwargs)["gold"]
+        completions = require_completions(self.__name__, completions, completion_ids)
+        golds = self._golds(kwargs)
         if len(golds) != len(completions):
             raise ValueError(f"reward '{self.__name__}': {len(completions)} completions but {len(golds)} gold answers")
-        return self._check_batch([completion_text(c) for c in completions], list(golds))
+        return self._check_batch([completion_text(c) for c in completions], golds)
 
     def __call__(self, prompts=None, completions=None, completion_ids=None, **kwargs) -> list[float | None]:
         verdicts = self.is_correct(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any
 
 from ._base import Reward
 
@@ -41,7 +40,7 @@ class ThinkAnswerFormat(Reward):
         self.prefilled_think = bool(prefilled_think)
         self._set_name(name)
 
-    def _score(self, text: str, ids: Sequence[int] | None, index: int, columns: dict[str, Any]) -> float:
+    def _score(self, text: str, ids: Sequence[int] | None) -> float:
         # Same language as re.match(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$", text, DOTALL|MULTILINE),
         # without its backtracking: the earliest think/answer boundary leaves the most room for `</answer>`.
         text = _prefill(text, self.prefilled_think)
@@ -72,7 +71,7 @@ class TagCount(Reward):
         self.prefilled_think = bool(prefilled_think)
         self._set_name(name)
 
-    def _score(self, text: str, ids: Sequence[int] | None, index: int, columns: dict[str, Any]) -> float:
+    def _score(self, text: str, ids: Sequence[int] | None) -> float:
         text = _prefill(text, self.prefilled_think)
         return 0.25 * sum(text.count(tag) == 1 for tag in self._TAGS)
 
@@ -98,5 +97,5 @@ class ReasoningSteps(Reward):
         self.min_steps = int(min_steps)
         self._set_name(name)
 
-    def _score(self, text: str, ids: Sequence[int] | None, index: int, columns: dict[str, Any]) -> float:
+    def _score(self, text: str, ids: Sequence[int] | None) -> float:
         return min(1.0, len(_REASONING_STEP.findall(text)) / self.min_steps)

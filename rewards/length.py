@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ._base import MissingColumnError, Reward, _require_completions
+from ._base import MissingColumnError, Reward, require_completions
 
 
 def _token_lengths(reward_name: str, completion_ids: Any, count: int) -> list[int | None]:
@@ -52,7 +52,7 @@ class _CheckedLengthReward(Reward):
             )
 
     def _verdicts_and_lengths(self, prompts, completions, completion_ids, kwargs):
-        completions = _require_completions(self.__name__, completions, completion_ids)
+        completions = require_completions(self.__name__, completions, completion_ids)
         lengths = _token_lengths(self.__name__, completion_ids, len(completions))
         try:
             verdicts = self._checker.is_correct(
@@ -182,7 +182,7 @@ class _TrlTokenReward(Reward):
         raise NotImplementedError
 
     def __call__(self, prompts=None, completions=None, completion_ids=None, **kwargs) -> list[float | None]:
-        completions = _require_completions(self.__name__, completions, completion_ids)
+        completions = require_completions(self.__name__, completions, completion_ids)
         _token_lengths(self.__name__, completion_ids, 0)
         trl_reward = self._trl_reward()
         try:  # the whole batch in one call (TRL's speed); item by item only if an entry is malformed

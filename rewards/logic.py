@@ -6,7 +6,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from ._base import CorrectnessReward, missing_column_error
+from ._base import CorrectnessReward, missing_column_error, require_completions
+from ._text import completion_text
 
 _TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 _GOLD_LINE = re.compile(r"\b([A-Za-z]+)\b.*?\b(knight|knave)\b", re.IGNORECASE)
@@ -33,15 +34,17 @@ def _last_answer(text: str) -> str | None:
         found, position = text[start + len("<answer>") : end].strip(), end + len("</answer>")
 
 
-def _gold_roles(names: Any, solution: Any, solution_text: Any) -> dict[str, str] | None:
-    if names is not None and solution is not None:
+def _gold_roles(names: Any, solution: Any) -> dict[str, str] | None:
+    """`{name: "knight"|"knave"}` from `names` + `solution` (bools or role words), or, when `names` is None, from the
+    `solution_text_format` text in `solution`."""
+    if names is not None:
         roles = {}
         for name, role in zip(names, solution, strict=True):
             roles[str(name)] = ("knight" if role else "knave") if isinstance(role, bool) else str(role).lower()
         return roles
-    if isinstance(solution_text, str):
+    if isinstance(solution, str):
         roles = {}
-        for line in solution_text.split("\n"):
+        for line in solution.split("\n"):
             match = _GOLD_LINE.search(line) if line.strip() else None
             if match:
                 roles[match.group(1)] = match.group(2).lower()
@@ -100,18 +103,18 @@ class KKLogic(CorrectnessReward):
         self.names_key, self.solution_key, self.solution_text_key = names_key, solution_key, solution_text_key
         self._set_name(name)
 
-    def _columns(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def _golds(self, kwargs: dict[str, Any]) -> list:
         if self.names_key in kwargs and self.solution_key in kwargs:
-            return {"gold": list(zip(kwargs[self.names_key], kwargs[self.solution_key], strict=True))}
+            return list(zip(kwargs[self.names_key], kwargs[self.solution_key], strict=True))
         if self.solution_text_key in kwargs:
-            return {"gold": [(None, text) for text in kwargs[self.solution_text_key]]}
+            return [(None, text) for text in kwargs[self.solution_text_key]]
         column = f"{self.names_key}' + '{self.solution_key}' (or '{self.solution_text_key}"
         raise missing_column_error(self.__name__, column, kwargs)
 
     def score(self, text: str, gold: tuple[Any, Any]) -> float | None:
         """Format score + answer score of one completion against one `(names, solution)` gold."""
         names, solution = gold
-        roles = _gold_roles(names, solution, None) if names is not None else _gold_roles(None, None, solution)
+        roles = _gold_roles(names, solution)
         if not roles:
             return None
         if self.prefilled_think:
@@ -130,11 +133,8 @@ class KKLogic(CorrectnessReward):
         return None if value is None else value == 3.0
 
     def __call__(self, prompts=None, completions=None, completion_ids=None, **kwargs) -> list[float | None]:
-        from ._base import _require_completions
-        from ._text import completion_text
-
-        completions = _require_completions(self.__name__, completions, completion_ids)
-        golds = self._columns(kwargs)["gold"]
+        completions = require_completions(self.__name__, completions, completion_ids)
+        golds = self._golds(kwargs)
         rewards: list[float | None] = []
         for completion, gold in zip(completions, golds, strict=True):
             try:
