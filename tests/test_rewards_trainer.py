@@ -52,7 +52,10 @@ def test_grpo_trainer_logs_each_registry_reward_with_weights(tiny, tmp_path):
         processing_class=tokenizer,
         reward_funcs=reward_funcs,
         args=tiny_grpo_args(tmp_path, reward_weights=weights),
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2, "answer": ANSWERS * 2}),
+        # conversational prompts: TRL hands the rewards message-list completions (the plain format is run below)
+        train_dataset=Dataset.from_dict(
+            {"prompt": [[{"role": "user", "content": p}] for p in PROMPTS * 2], "answer": ANSWERS * 2}
+        ),
     )
     trainer.train()
     step_logs = [entry for entry in trainer.state.log_history if "reward" in entry]
