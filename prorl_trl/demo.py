@@ -47,8 +47,9 @@ DEMO_RECIPE: dict[str, Any] = {
         "output_dir": "demo-out/run",
         "use_cpu": True,
         "bf16": False,
-        "learning_rate": 1.0e-4,
-        "lr_scheduler_type": "constant",
+        "learning_rate": 2.5e-4,
+        "lr_scheduler_type": "constant_with_warmup",
+        "warmup_steps": 10,
         "per_device_train_batch_size": 64,
         "num_generations": 8,
         "max_completion_length": 8,
@@ -60,12 +61,12 @@ DEMO_RECIPE: dict[str, Any] = {
         "seed": 0,
     },
     "phases": [
-        {"name": "explore", "max_steps": 60},
-        {"name": "sharpen", "max_steps": 60, "temperature": 0.9},
+        {"name": "explore", "max_steps": 75},
+        {"name": "sharpen", "max_steps": 75, "temperature": 0.9},
     ],
     "validation": {
-        "eval_steps": 20,
-        "num_samples": 2,
+        "eval_steps": 25,
+        "num_samples": 4,
         "temperature": 1.0,
         "max_completion_length": 8,
         "batch_size": 50,
@@ -98,7 +99,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="prorl-demo", help="output folder (created; default: ./prorl-demo)")
     parser.add_argument("--smoke", action="store_true", help="a seconds-long run of the same pipeline (tests)")
     parser.add_argument(
-        "--sft-steps", type=int, default=None, help="warm-start SFT steps (default 70; 5 with --smoke)"
+        "--sft-steps", type=int, default=None, help="warm-start SFT steps (default 100; 5 with --smoke)"
     )
     parser.add_argument("--sft-learning-rate", type=float, default=1e-3, help="warm-start SFT learning rate")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
@@ -135,7 +136,7 @@ def run_demo(args: argparse.Namespace) -> int:
     summary = run_demo_pipeline(
         Path(args.out),
         smoke=args.smoke,
-        sft_steps=args.sft_steps if args.sft_steps is not None else (5 if args.smoke else 70),
+        sft_steps=args.sft_steps if args.sft_steps is not None else (5 if args.smoke else 100),
         sft_learning_rate=args.sft_learning_rate,
         seed=args.seed,
     )
@@ -158,7 +159,9 @@ def demo_recipe(out: Path, smoke: bool) -> dict[str, Any]:
     return raw
 
 
-def run_demo_pipeline(out: Path, smoke: bool, sft_steps: int, sft_learning_rate: float, seed: int = 0) -> dict[str, Any]:
+def run_demo_pipeline(
+    out: Path, smoke: bool, sft_steps: int, sft_learning_rate: float, seed: int = 0
+) -> dict[str, Any]:
     """Warm start, RL (the recipe, via `prorl-trl train`'s code), plots and report. Returns the summary."""
     from .recipe import recipe_from_dict
     from .recipe_run import run_train
@@ -223,7 +226,9 @@ def run_demo_pipeline(out: Path, smoke: bool, sft_steps: int, sft_learning_rate:
     return summary
 
 
-def warm_start(model, tokenizer, recipe, steps: int, learning_rate: float, output_dir: Path, seed: int) -> float | None:
+def warm_start(
+    model, tokenizer, recipe, steps: int, learning_rate: float, output_dir: Path, seed: int
+) -> float | None:
     """Supervised fine-tune on the recipe's own training prompts with `\\boxed{answer}` targets (TRL SFTTrainer).
 
     The targets teach the answer format and some arithmetic; the few steps keep the model mediocre on purpose.
@@ -275,7 +280,9 @@ def _plots(history: list[dict[str, Any]], validation: tuple[list[float], list[fl
     from .plots import plot_training_curves
 
     training = [entry for entry in history if "reward" in entry or "entropy" in entry]
-    return plot_training_curves(training, folder, validation={"validation pass@1": validation}, boundaries=_boundaries(history))
+    return plot_training_curves(
+        training, folder, validation={"validation pass@1": validation}, boundaries=_boundaries(history)
+    )
 
 
 def _boundaries(history: list[dict[str, Any]]) -> list[float]:
@@ -291,9 +298,11 @@ def render_report(summary: dict[str, Any]) -> str:
     lines = [
         "# prorl-trl offline demo",
         "",
-        "A tiny Qwen2 model (" + f"{summary['model_parameters'] / 1e6:.2f}M parameters) learns one-step arithmetic: a short "
+        "A tiny Qwen2 model ("
+        + f"{summary['model_parameters'] / 1e6:.2f}M parameters) learns one-step arithmetic: a short "
         f"SFT warm start ({summary['sft_steps']} steps), then ProRL phases {phases} with "
-        f"{summary['resets']} hard reset(s), graded by `boxed_answer`." + (" **Smoke run: numbers mean nothing.**" if summary["smoke"] else ""),
+        f"{summary['resets']} hard reset(s), graded by `boxed_answer`."
+        + (" **Smoke run: numbers mean nothing.**" if summary["smoke"] else ""),
         "",
         "| | validation pass@1 |",
         "|---|---|",
@@ -303,8 +312,10 @@ def render_report(summary: dict[str, Any]) -> str:
         "",
         f"Metric: {summary['metric']}.",
         "",
-        f"Time: {summary['seconds_total']:.0f} s in all (warm start {summary['seconds_warm_start']:.0f} s, RL "
-        f"{summary['seconds_rl']:.0f} s) on {summary['machine']}, {summary['torch_threads']} torch threads.",
+        (
+            f"Time: {summary['seconds_total']:.0f} s in all (warm start {summary['seconds_warm_start']:.0f} s, RL "
+            f"{summary['seconds_rl']:.0f} s) on {summary['machine']}, {summary['torch_threads']} torch threads."
+        ),
         "",
         f"Recipe: `{summary['recipe']}`; run folder (log history, final model): `{summary['run_dir']}`.",
         "",

@@ -41,7 +41,9 @@ def _matplotlib():
     try:
         import matplotlib
     except ImportError as error:  # pragma: no cover - depends on the environment
-        raise ImportError("Plots need matplotlib: `pip install prorl-trl[plots]` (or `pip install matplotlib`).") from error
+        raise ImportError(
+            "Plots need matplotlib: `pip install prorl-trl[plots]` (or `pip install matplotlib`)."
+        ) from error
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

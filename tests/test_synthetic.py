@@ -45,7 +45,10 @@ def test_arithmetic_expression_style_evaluates_to_the_answer():
     for index in range(100):
         row = arithmetic_example(random.Random(index), num_steps=(1, 3), style="expression")
         tree = ast.parse(row["question"].removesuffix(" = ?"), mode="eval")  # parse only numbers and + - *
-        assert all(isinstance(n, (ast.Expression, ast.BinOp, ast.Constant, ast.Add, ast.Sub, ast.Mult)) for n in ast.walk(tree))
+        assert all(
+            isinstance(n, (ast.Expression, ast.BinOp, ast.Constant, ast.Add, ast.Sub, ast.Mult))
+            for n in ast.walk(tree)
+        )
         assert _evaluate_tree(tree.body) == int(row["answer"])
 
 
@@ -131,8 +134,10 @@ def test_kk_rows_are_graded_by_the_kk_logic_reward():
     rows = make_kk_dataset(20, seed=4, num_people=(2, 8)).to_list()
     right = [f"<think>...</think><answer>{row['solution_text_format']}</answer>" for row in rows]
     flipped = [text.replace("knight", "KNAVE").replace("knave", "knight").replace("KNAVE", "knave") for text in right]
-    for columns in ({"names": [r["names"] for r in rows], "solution": [r["solution"] for r in rows]},
-                    {"solution_text_format": [r["solution_text_format"] for r in rows]}):
+    for columns in (
+        {"names": [r["names"] for r in rows], "solution": [r["solution"] for r in rows]},
+        {"solution_text_format": [r["solution_text_format"] for r in rows]},
+    ):
         assert reward(completions=right, **columns) == [3.0] * len(rows)
         assert reward(completions=flipped, **columns) == [-0.5] * len(rows)
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from datasets import Dataset
 
-BOXED_INSTRUCTION = "Put the final answer in \\boxed{}."
+BOXED_INSTRUCTION = "Answer in \\boxed{}."  # short: byte-level tiny models pay per character
 KK_INSTRUCTION = (
     "Reason inside <think> </think>, then state the identity of each person inside <answer> </answer>, "
     "e.g. <answer>(1) Zoey is a knight\n(2) Oliver is a knave</answer>."
@@ -41,7 +41,9 @@ _ITEMS = ("apples", "marbles", "coins", "books", "stickers", "pens", "shells", "
 def _as_range(value: int | tuple[int, int] | list[int], name: str, lowest: int) -> tuple[int, int]:
     low, high = (value, value) if isinstance(value, int) else tuple(value)
     if low < lowest or high < low:
-        raise ValueError(f"{name} must be an int >= {lowest} or a (min, max) pair with {lowest} <= min <= max, got {value!r}.")
+        raise ValueError(
+            f"{name} must be an int >= {lowest} or a (min, max) pair with {lowest} <= min <= max, got {value!r}."
+        )
     return int(low), int(high)
 
 
@@ -110,7 +112,9 @@ def make_arithmetic_dataset(num_examples: int, seed: int = 0, **difficulty: Any)
     """`num_examples` arithmetic rows; `difficulty` goes to `arithmetic_example` (num_steps, max_value, style, ...)."""
     if num_examples < 1:
         raise ValueError(f"num_examples must be >= 1, got {num_examples}.")
-    rows = [arithmetic_example(random.Random(f"arithmetic-{seed}-{index}"), **difficulty) for index in range(num_examples)]
+    rows = [
+        arithmetic_example(random.Random(f"arithmetic-{seed}-{index}"), **difficulty) for index in range(num_examples)
+    ]
     return Dataset.from_list(rows)
 
 
@@ -220,7 +224,8 @@ def kk_example(rng: random.Random, num_people: int, max_attempts: int = 1000) ->
     listing = ", ".join(names[:-1]) + f", and {names[-1]}" if num_people > 2 else " and ".join(names)
     quiz = (
         "A very special island is inhabited only by knights and knaves. Knights always tell the truth, and knaves "
-        f"always lie. You meet {num_people} inhabitants: {listing}. " + " ".join(lines)
+        f"always lie. You meet {num_people} inhabitants: {listing}. "
+        + " ".join(lines)
         + " So who is a knight and who is a knave?"
     )
     clauses = [f"{name} is a {role}" for name, role in zip(names, roles)]
@@ -228,7 +233,9 @@ def kk_example(rng: random.Random, num_people: int, max_attempts: int = 1000) ->
         "quiz": quiz,
         "names": names,
         "solution": list(knights),
-        "solution_text": ", ".join(clauses[:-1]) + f", and {clauses[-1]}." if num_people > 2 else " and ".join(clauses) + ".",
+        "solution_text": ", ".join(clauses[:-1]) + f", and {clauses[-1]}."
+        if num_people > 2
+        else " and ".join(clauses) + ".",
         "solution_text_format": "\n".join(f"({index}) {clause}" for index, clause in enumerate(clauses, start=1)),
         "statements": repr(tuple(statements)),
         "num_people": num_people,

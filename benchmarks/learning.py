@@ -1,0 +1,272 @@
+"""Does ProRL learn? Validation pass@1 of (a) a multi-phase ProRL run with hard resets vs (b) one phase without resets.
+
+    python benchmarks/learning.py --out runs/learning            # GPU (cuda + bf16): ~20M-parameter Qwen2, <= 8 min
+    python benchmarks/learning.py --out /tmp/learning --smoke    # CPU, tiny model, < 60 s: checks the script runs
+
+Everything happens in one process, offline:
+1. A Qwen2 of tens of millions of parameters (`prorl_trl.tiny.build_tiny_model`, random init, byte-level tokenizer) is
+   warm-started with TRL's `SFTTrainer` on generated multi-step arithmetic (`prorl_trl.data.synthetic`) whose targets
+   are the worked steps and `\\boxed{answer}`. SFT stops as soon as greedy accuracy on held-out problems reaches
+   `--warm-start-accuracy` (a mediocre start leaves RL something to learn, whatever the hardware's speed).
+2. From that same checkpoint: (a) `ProRLTrainer` with `--phases` phases and a hard reset at each boundary (fresh
+   optimizer, KL reference moved to the policy); (b) `ProRLTrainer` with one phase of the same total steps. Same
+   seed, data, rewards (`boxed_answer`) and settings otherwise.
+3. Both runs validate pass@1 (`ValidationCallback`: samples at temperature 1.0 on held-out problems) every
+   `--eval-steps`. Outputs in `--out`: `validation.png` (both curves, phase boundaries of (a)), `learning.md` (one
+   table: device, warm start, (a) final, (b) final, wall times), `learning.json` (curves and settings).
+Targets: (a) >= 20 points above the warm start. Whether (a) beats (b) is reported as measured, not assumed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+from trl import SFTConfig, SFTTrainer  # noqa: E402
+
+from prorl_trl.config import PhaseConfig, ProRLConfig  # noqa: E402
+from prorl_trl.data.synthetic import make_arithmetic_dataset  # noqa: E402
+from prorl_trl.evaluation.validation import ValidationCallback  # noqa: E402
+from prorl_trl.plots import phase_boundaries, plot_training_curves, series  # noqa: E402
+from prorl_trl.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+from prorl_trl.trainer import ProRLTrainer  # noqa: E402
+
+TASK = {"num_steps": (1, 2), "max_value": 20, "max_factor": 3, "style": "expression", "instruction": ""}
+GPU_MODEL = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4}
+SMOKE_MODEL = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="output folder (created)")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny model and sizes, < 60 s")
+    parser.add_argument("--steps", type=int, default=None, help="RL optimizer steps per run (default 180; smoke 3)")
+    parser.add_argument("--phases", type=int, default=3, help="phases of run (a), hard reset at each boundary")
+    parser.add_argument("--eval-steps", type=int, default=None, help="validate every N steps (default 20; smoke 1)")
+    parser.add_argument("--learning-rate", type=float, default=1e-4, help="RL learning rate (both runs)")
+    parser.add_argument(
+        "--beta", type=float, default=0.02, help="KL coefficient (both runs; resets move (a)'s reference)"
+    )
+    parser.add_argument("--warm-start-accuracy", type=float, default=0.3, help="stop SFT at this greedy accuracy")
+    parser.add_argument("--max-sft-steps", type=int, default=None, help="SFT step cap (default 1500; smoke 4)")
+    parser.add_argument(
+        "--compiled-generation", action="store_true", help="static KV cache + compiled decode step (GPU; ProRLConfig)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    args.steps = args.steps or (3 if args.smoke else 180)
+    args.eval_steps = args.eval_steps or (1 if args.smoke else 20)
+    args.max_sft_steps = args.max_sft_steps or (4 if args.smoke else 1500)
+    if args.phases < 2 or args.steps < args.phases:
+        parser.error(f"--phases must be >= 2 and <= --steps (got {args.phases} phases, {args.steps} steps)")
+    return args
+
+
+class StopAtAccuracy(TrainerCallback):
+    """Greedy accuracy on held-out problems every `every` SFT steps; stops training once it reaches `target`."""
+
+    def __init__(self, tokenizer, rows, target: float, every: int):
+        self.tokenizer, self.rows, self.target, self.every = tokenizer, rows, target, every
+        self.accuracy = 0.0
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step % self.every == 0:
+            self.accuracy = greedy_accuracy(model, self.tokenizer, self.rows)
+            print(f"[warm start] step {state.global_step}: greedy accuracy {self.accuracy:.1%}", flush=True)
+            control.should_training_stop = self.accuracy >= self.target
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, rows, max_new_tokens: int = 40) -> float:
+    from rewards import get_reward
+
+    reward = get_reward("boxed_answer")
+    was_training = model.training
+    model.eval()
+    tokenizer.padding_side = "left"
+    batch = tokenizer(list(rows["prompt"]), return_tensors="pt", padding=True).to(model.device)
+    output = model.generate(
+        **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+    )
+    texts = tokenizer.batch_decode(output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    model.train(was_training)
+    scores = reward(prompts=list(rows["prompt"]), completions=texts, answer=list(rows["answer"]))
+    return sum(score > 0 for score in scores) / len(scores)
+
+
+def warm_start(args, tokenizer, device_kwargs, out: Path) -> tuple[Path, float, int, float]:
+    started = time.time()
+    model = build_tiny_model(tokenizer, seed=args.seed, **(SMOKE_MODEL if args.smoke else GPU_MODEL))
+    train = make_arithmetic_dataset(512 if args.smoke else 20000, seed=args.seed, **TASK)
+    train = train.map(lambda row: {"completion": row["solution"]}).select_columns(["prompt", "completion"])
+    probe = make_arithmetic_dataset(8 if args.smoke else 128, seed=args.seed + 7, **TASK)
+    stopper = StopAtAccuracy(tokenizer, probe, args.warm_start_accuracy, every=2 if args.smoke else 25)
+    config = SFTConfig(
+        output_dir=str(out / "sft"),
+        max_steps=args.max_sft_steps,
+        per_device_train_batch_size=8 if args.smoke else 64,
+        learning_rate=1e-3 if args.smoke else 3e-4,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        logging_steps=25,
+        save_strategy="no",
+        report_to=[],
+        seed=args.seed,
+        disable_tqdm=True,
+        **device_kwargs,
+    )
+    SFTTrainer(model=model, args=config, train_dataset=train, processing_class=tokenizer, callbacks=[stopper]).train()
+    path = out / "warm_start"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    parameters = sum(p.numel() for p in model.parameters())
+    return path, time.time() - started, parameters, stopper.accuracy
+
+
+def rl_run(args, name: str, phases: list[PhaseConfig], warm: Path, tokenizer, device_kwargs, out: Path):
+    """One ProRLTrainer run from the warm start; returns (log history, wall seconds)."""
+    started = time.time()
+    train = make_arithmetic_dataset(256 if args.smoke else 20000, seed=args.seed + 1, **TASK)
+    validation = make_arithmetic_dataset(8 if args.smoke else 200, seed=args.seed + 2, **TASK)
+    max_completion_length = 12 if args.smoke else 40
+    config = ProRLConfig(
+        output_dir=str(out / name),
+        phases=phases,
+        learning_rate=args.learning_rate,
+        lr_scheduler_type="constant",
+        per_device_train_batch_size=8 if args.smoke else 128,
+        num_generations=4 if args.smoke else 8,
+        max_completion_length=max_completion_length,
+        temperature=1.0,
+        beta=args.beta,
+        epsilon_high=0.28,
+        save_strategy="no",
+        save_merged_on_reset=False,
+        compiled_generation=args.compiled_generation,
+        report_to=[],
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=args.seed,
+        model_init_kwargs={"dtype": "bfloat16" if device_kwargs["bf16"] else "float32"},
+        **device_kwargs,
+    )
+    callback = ValidationCallback(
+        validation,
+        "boxed_answer",
+        eval_steps=args.eval_steps,
+        num_generations=4 if not args.smoke else 2,
+        temperature=1.0,
+        max_completion_length=max_completion_length,
+        batch_size=50,
+        at_start=True,
+        seed=args.seed,
+    )
+    trainer = ProRLTrainer(
+        model=str(warm),
+        reward_funcs=[_boxed()],
+        args=config,
+        train_dataset=train,
+        processing_class=tokenizer,
+        callbacks=[callback],
+    )
+    trainer.train()
+    return trainer.prorl_log_history, time.time() - started
+
+
+def _boxed():
+    from rewards import get_reward
+
+    return get_reward("boxed_answer")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cuda = torch.cuda.is_available() and not args.smoke
+    device_kwargs = {"bf16": True} if cuda else {"use_cpu": True, "bf16": False}
+    device = (
+        torch.cuda.get_device_name(0) if cuda else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    )
+    hf_logging.set_verbosity_error()
+    tokenizer = build_tiny_tokenizer()
+
+    warm, sft_seconds, parameters, sft_accuracy = warm_start(args, tokenizer, device_kwargs, out)
+    base, extra = divmod(args.steps, args.phases)
+    prorl_phases = [
+        PhaseConfig(name=f"phase-{i}", max_steps=base + (1 if i < extra else 0), hard_reset=i > 0)
+        for i in range(args.phases)
+    ]
+    history_a, seconds_a = rl_run(args, "a_prorl_resets", prorl_phases, warm, tokenizer, device_kwargs, out)
+    history_b, seconds_b = rl_run(
+        args, "b_no_reset", [PhaseConfig(name="single", max_steps=args.steps)], warm, tokenizer, device_kwargs, out
+    )
+
+    curve_a, curve_b = series(history_a, ("eval_pass@1",)), series(history_b, ("eval_pass@1",))
+    start = curve_a[1][0]
+    training_a = [entry for entry in history_a if "reward" in entry]
+    plots = plot_training_curves(
+        training_a,
+        out,
+        validation={f"(a) ProRL, {args.phases} phases + resets": curve_a, "(b) one phase, no reset": curve_b},
+        boundaries=phase_boundaries(history_a),
+        prefix="",
+    )
+    result = {
+        "device": device,
+        "parameters": parameters,
+        "steps": args.steps,
+        "phases": args.phases,
+        "learning_rate": args.learning_rate,
+        "beta": args.beta,
+        "smoke": args.smoke,
+        "warm_start_greedy_accuracy": sft_accuracy,
+        "warm_start_pass@1": start,
+        "a_final_pass@1": curve_a[1][-1],
+        "b_final_pass@1": curve_b[1][-1],
+        "a_best_pass@1": max(curve_a[1]),
+        "b_best_pass@1": max(curve_b[1]),
+        "seconds": {"warm_start": round(sft_seconds, 1), "a": round(seconds_a, 1), "b": round(seconds_b, 1)},
+        "curves": {"a": curve_a, "b": curve_b},
+        "plots": [p.name for p in plots],
+    }
+    table = render_table(result)
+    (out / "learning.md").write_text(table + "\n")
+    (out / "learning.json").write_text(json.dumps(result, indent=1))
+    print(table)
+    return result
+
+
+def render_table(r: dict) -> str:
+    gain_a, gain_b = (
+        100 * (r["a_final_pass@1"] - r["warm_start_pass@1"]),
+        100 * (r["b_final_pass@1"] - r["warm_start_pass@1"]),
+    )
+    verdict = "yes" if r["a_final_pass@1"] > r["b_final_pass@1"] else "no"
+    header = (
+        f"| {r['device']}{' (smoke)' if r['smoke'] else ''}, {r['parameters'] / 1e6:.1f}M params, {r['steps']} RL steps "
+        "| warm start pass@1 | (a) ProRL final | (b) no-reset final | (a) beats (b)? | wall time warm start / (a) / (b) (s) |"
+    )
+    row = (
+        f"| validation pass@1 (T=1.0), (a) = {r['phases']} phases + hard resets "
+        f"| {r['warm_start_pass@1']:.1%} | {r['a_final_pass@1']:.1%} ({gain_a:+.1f} pts) "
+        f"| {r['b_final_pass@1']:.1%} ({gain_b:+.1f} pts) | {verdict} "
+        f"| {r['seconds']['warm_start']:.0f} / {r['seconds']['a']:.0f} / {r['seconds']['b']:.0f} |"
+    )
+    return "\n".join([header, "| --- | --- | --- | --- | --- | --- |", row])
+
+
+if __name__ == "__main__":
+    main()
