@@ -312,6 +312,12 @@ def render_report(summary: dict[str, Any]) -> str:
         "",
         f"Metric: {summary['metric']}.",
         "",
+        "| optimizer step | " + " | ".join(f"{step:.0f}" for step in summary["val_accuracy_curve"]["steps"]) + " |",
+        "|---|" + "---|" * len(summary["val_accuracy_curve"]["steps"]),
+        "| validation pass@1 | "
+        + " | ".join(f"{value:.1%}" for value in summary["val_accuracy_curve"]["pass@1"])
+        + " |",
+        "",
         (
             f"Time: {summary['seconds_total']:.0f} s in all (warm start {summary['seconds_warm_start']:.0f} s, RL "
             f"{summary['seconds_rl']:.0f} s) on {summary['machine']}, {summary['torch_threads']} torch threads."
