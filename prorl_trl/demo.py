@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
 import os
 import platform
@@ -117,6 +118,10 @@ def _check_arguments(args: argparse.Namespace) -> list[str]:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         problems.append(f"--out {out} exists and is not a folder")
+    if importlib.util.find_spec("matplotlib") is None:
+        problems.append(
+            "the demo's plots need matplotlib: `pip install prorl-trl[plots]` (or `pip install matplotlib`)"
+        )
     return problems
 
 
