@@ -160,7 +160,8 @@ def demo_recipe(out: Path, smoke: bool) -> dict[str, Any]:
     raw = copy.deepcopy(DEMO_RECIPE)
     overrides = [("model.name_or_path", str(out / "warm_start")), ("training.output_dir", str(out / "run"))]
     problems = apply_overrides(raw, overrides + (SMOKE_OVERRIDES if smoke else []))
-    assert not problems, problems  # the paths above exist in DEMO_RECIPE
+    if problems:  # only if DEMO_RECIPE and SMOKE_OVERRIDES drift apart
+        raise RuntimeError(f"demo recipe overrides do not apply: {problems}")
     return raw
 
 
@@ -282,18 +283,12 @@ def validation_curve(history: list[dict[str, Any]], key: str = "eval_pass@1") ->
 
 
 def _plots(history: list[dict[str, Any]], validation: tuple[list[float], list[float]], folder: Path) -> list[Path]:
-    from .plots import plot_training_curves
+    from .plots import phase_boundaries, plot_training_curves
 
     training = [entry for entry in history if "reward" in entry or "entropy" in entry]
     return plot_training_curves(
-        training, folder, validation={"validation pass@1": validation}, boundaries=_boundaries(history)
+        training, folder, validation={"validation pass@1": validation}, boundaries=phase_boundaries(history)
     )
-
-
-def _boundaries(history: list[dict[str, Any]]) -> list[float]:
-    from .plots import phase_boundaries
-
-    return phase_boundaries(history)
 
 
 def render_report(summary: dict[str, Any]) -> str:
