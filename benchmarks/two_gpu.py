@@ -154,7 +154,10 @@ def launch(processes: int, smoke: bool, steps: int, out: Path) -> dict:
         command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
                    str(processes), "--mixed_precision", "bf16"] + tail
     print("$", " ".join(command), flush=True)
-    subprocess.run(command, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if processes == 1 and not smoke:
+        env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]  # one GPU, no DataParallel
+    subprocess.run(command, check=True, env=env)
     return json.loads(out.read_text())
 
 
