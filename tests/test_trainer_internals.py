@@ -92,3 +92,17 @@ def test_hf_loop_reads_optimizer_and_scheduler_from_self_each_step():
 
 def test_accelerator_optimizer_registry(trainer):
     assert isinstance(trainer.accelerator._optimizers, list)
+
+
+def test_tokenizer_and_batch_keys_dynamic_sampling_and_early_stop_rely_on(trainer):
+    # dynamic sampling re-pads merged rounds with `_tokenizer.pad_token_id` and recounts `num_items_in_batch` the way
+    # TRL does; early stop reads `old_per_token_logps` (absent = on-policy) and the `tool_mask`-weighted completion mask.
+    assert trainer._tokenizer is trainer.processing_class and trainer._tokenizer.pad_token_id is not None
+    assert "self._tokenizer = processing_class" in inspect.getsource(GRPOTrainer.__init__)
+    produce = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    assert 'output["old_per_token_logps"] = old_per_token_logps' in produce and 'output["tool_mask"]' in produce
+    assert "num_items_in_batch = self.accelerator.gather(loss_mask.sum()).sum()" in produce
+    assert "loss_mask = completion_mask if tool_mask is None else completion_mask * tool_mask" in produce
+    consume = inspect.getsource(GRPOTrainer._compute_loss)
+    assert 'inputs.get("old_per_token_logps")' in consume and 'inputs["num_items_in_batch"]' in consume
+    assert 'inputs["completion_mask"]' in consume and 'inputs["tool_mask"]' in consume
