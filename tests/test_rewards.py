@@ -87,7 +87,9 @@ BOXED_CASES = [
     (r"\boxed{5\%}", "5", 1.0),
     (r"\boxed{3\text{ apples}}", "3", 1.0),
     (r"\fbox{42}", "42", 1.0),
-    (r"\boxed{\frac{1}{2}}", "12", 1.0),  # the seed rule's known false positive
+    (r"\boxed{\frac{1}{2}}", "12", 1.0),  # the seed rule's known false positives
+    (r"\boxed{10^{3}}", "103", 1.0),
+    (r"\boxed{2\times10^3}", "2103", 1.0),
     (r"\boxed{1.2.3}", "1.2", -1.0),
     (r"\boxed{--5}", "5", -1.0),
     (r"\boxed{5-3}", "2", -1.0),
@@ -311,7 +313,14 @@ def test_kimi_length_vectors_groups_and_equal_lengths():
 def test_repetition_penalty_vectors_match_trl():
     reward = get_reward("repetition_penalty", ngram_size=2, max_penalty=-1.0)
     ids = [[1, 2, 3, 4], [5, 5, 5, 5, 5], [7], [1, 2, 1, 2, 1, 2]]
-    assert reward(completions=["x"] * 4, completion_ids=ids) == [0.0, -0.75, 0.0, -0.6]
+    for completions in both_formats(["x"] * 4):
+        assert reward(completions=completions, completion_ids=ids) == [0.0, -0.75, 0.0, -0.6]
+    # "this is a this is a test": n=2, p=-1 -> -1/3; n=3, p=-2 -> -0.4
+    sentence = [[1, 2, 3, 1, 2, 3, 4]]
+    assert reward(completions=["x"], completion_ids=sentence) == [pytest.approx(-1 / 3)]
+    assert get_reward("repetition_penalty", ngram_size=3, max_penalty=-2.0)(completion_ids=sentence) == [
+        pytest.approx(-0.4)
+    ]
     # word vectors of the notes, on token ids standing for words: "A B C A B C" (n=3) -> -0.25
     assert rewards.repetition_penalty(completion_ids=[[1, 2, 3, 1, 2, 3], [1, 1, 1, 1], [1, 2, 1, 2]]) == [
         -0.25,
@@ -325,8 +334,9 @@ def test_repetition_penalty_vectors_match_trl():
 def test_soft_overlong_vectors():
     reward = get_reward("soft_overlong", max_completion_len=20480, soft_punish_cache=4096)
     lengths = [16384, 16385, 18432, 20480, 30000]
-    got = reward(completions=["x"] * 5, completion_ids=[[0] * n for n in lengths])
-    assert [round(v, 6) for v in got] == [0.0, -0.000244, -0.5, -1.0, -1.0]
+    for completions in both_formats(["x"] * 5):
+        got = reward(completions=completions, completion_ids=[[0] * n for n in lengths])
+        assert [round(v, 6) for v in got] == [0.0, -0.000244, -0.5, -1.0, -1.0]
     reward.max_completion_len, reward.soft_punish_cache = 100, 20  # a phase callback changes the cap
     assert reward(completion_ids=[[0] * 50, [0] * 90, [0] * 110]) == [0.0, -0.5, -1.0]
     assert reward.__name__ == "soft_overlong"  # metric name stays stable
@@ -494,6 +504,42 @@ def test_import_is_light_and_independent_of_prorl_trl():
     code = f"import sys, rewards; print(sorted(m for m in {heavy} if m in sys.modules))"
     output = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert output.stdout.strip() == "[]"
+
+
+KK_ANN = "<think>x</think><answer>Ann is a knight</answer>"
+
+
+def test_every_reward_scores_with_prorl_trl_unimportable():
+    """Not only the import: each default reward scores a batch, with the same values as here, while any import of
+    prorl_trl fails (a failed lazy import inside a reward would otherwise only show up as fallback values)."""
+    import json
+
+    batch = dict(
+        prompts=["p"] * 3,
+        completions=["<think>\nStep 1: a Step 2: b Step 3: c\n</think>\n<answer>\n\\boxed{3}\n</answer>", "x", KK_ANN],
+        completion_ids=[[1, 2], [1, 1, 1, 1], [0] * 18432],
+        answer=["3"] * 3,
+        names=[["Ann"]] * 3,
+        solution=[[True]] * 3,
+    )
+    code = """import json, sys
+sys.modules["prorl_trl"] = None  # `import prorl_trl` now raises ImportError
+import rewards
+batch = json.loads(sys.argv[1])
+print(json.dumps({name: getattr(rewards, name)(**batch) for name in rewards.BUILTIN_REWARDS}))
+"""
+    output = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(batch)], cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    assert output.returncode == 0, output.stderr
+    expected = {name: getattr(rewards, name)(**batch) for name in rewards.BUILTIN_REWARDS}
+    assert json.loads(output.stdout) == expected
+    # every reward gives at least one value that is not its fallback (0.0, or -3.0 for kk_logic)
+    for name in ("boxed_answer", "math_equivalence", "think_answer_format", "tag_count", "reasoning_steps"):
+        assert expected[name][0] == 1.0, name
+    assert expected["kk_logic"] == [-1.0, -3.0, 3.0] and expected["soft_overlong"] == [0.0, 0.0, -0.5]
+    assert expected["repetition_penalty"][1] == -0.5 and expected["kimi_length"][0] == 0.5
+    assert expected["cosine_scaled"][2] == -0.5
 
 
 def test_guard_trl_grpo_script_resolves_dotted_reward_paths():

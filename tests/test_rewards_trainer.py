@@ -75,10 +75,10 @@ def test_grpo_trainer_logs_each_registry_reward_with_weights(tiny, tmp_path):
 
 
 def test_trl_grpo_script_resolves_dotted_reward_paths(tiny_dir, tmp_path, monkeypatch):
-    """`trl grpo --reward_funcs rewards.boxed_answer rewards.tag_count rewards.soft_overlong`, run through TRL's own
-    `main` (importlib on the dotted path from the working directory), trains and logs each reward by name."""
-    from trl import DatasetMixtureConfig, ModelConfig
-    from trl.scripts.grpo import GRPOScriptArguments, main
+    """`trl grpo --reward_funcs rewards.boxed_answer rewards.tag_count rewards.soft_overlong`: the command line is
+    parsed by TRL's own `make_parser()` and run through its `main` (importlib on the dotted path from the working
+    directory), exactly what `trl/scripts/grpo.py` does under `accelerate launch`; it trains and logs each reward."""
+    from trl.scripts.grpo import main, make_parser
 
     data_dir = tmp_path / "data"
     data_dir.mkdir()
@@ -87,17 +87,14 @@ def test_trl_grpo_script_resolves_dotted_reward_paths(tiny_dir, tmp_path, monkey
     )
     monkeypatch.chdir(REPO_ROOT)  # TRL puts the working directory on sys.path, as `trl grpo` run from the repo
     output_dir = tmp_path / "run"
-    script_args = GRPOScriptArguments(
-        dataset_name=str(data_dir),
-        reward_funcs=["rewards.boxed_answer", "rewards.tag_count", "rewards.soft_overlong"],
-    )
-    training_args = tiny_grpo_args(output_dir, max_steps=1, save_strategy="steps", save_steps=1)
-    main(
-        script_args,
-        training_args,
-        ModelConfig(model_name_or_path=str(tiny_dir), dtype="float32"),
-        DatasetMixtureConfig(),
-    )
+    argv = f"""--model_name_or_path {tiny_dir} --dtype float32 --dataset_name {data_dir}
+        --reward_funcs rewards.boxed_answer rewards.tag_count rewards.soft_overlong
+        --output_dir {output_dir} --use_cpu --bf16 False --gradient_checkpointing False
+        --per_device_train_batch_size 4 --num_generations 4 --max_completion_length 8 --max_steps 1
+        --logging_steps 1 --report_to none --save_strategy steps --save_steps 1 --seed 0""".split()
+    script_args, training_args, model_args, dataset_args = make_parser().parse_args_and_config(argv)
+    assert script_args.reward_funcs == ["rewards.boxed_answer", "rewards.tag_count", "rewards.soft_overlong"]
+    main(script_args, training_args, model_args, dataset_args)
     state = json.loads((output_dir / "checkpoint-1" / "trainer_state.json").read_text())
     logged = {key for entry in state["log_history"] for key in entry}
     for name in ("boxed_answer", "tag_count", "soft_overlong"):
