@@ -3,7 +3,7 @@
 `trl.rewards.get_soft_overlong_punishment` bakes the cap in when it is built. In a ProRL run the cap changes between
 phases (and a `SamplingScheduleCallback` may change it inside one), so a fixed cap would silently penalise the wrong
 lengths. `OverlongPenalty` is a callable class whose cap and buffer the trainer overwrites every time it applies new
-sampling settings (`ProRLTrainer._apply_sampling`), so it can never go stale.
+sampling settings (`ProRLTrainer.apply_sampling`), so it can never go stale.
 """
 
 from __future__ import annotations

@@ -33,16 +33,23 @@ from trl import GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
 from prorl_trl import reset as reset_ops
+from prorl_trl.callbacks import HardResetCallback
 from prorl_trl.config import ProRLConfig, ResolvedPhase, resolve_phases
 from prorl_trl.generation import configure_trainer_generation
 from prorl_trl.overlong import OverlongPenalty
 from prorl_trl.trainer_parts import ProRLLoopMixin, ProRLStateCallback
 from prorl_trl.trainer_reset import ProRLResetMixin
-from prorl_trl.vllm_sync import apply_vllm_sampling, shadowed_by_generation_kwargs
+from prorl_trl.vllm_sync import (
+    VLLM_SAMPLING_ATTRIBUTES,
+    apply_vllm_sampling,
+    force_weight_sync,
+    shadowed_by_generation_kwargs,
+)
 
 logger = logging.getLogger("prorl_trl")
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_completion_length")
+# The settings a phase or a schedule may change mid-run: the attributes TRL reads at every generation (both backends).
+SAMPLING_KEYS = VLLM_SAMPLING_ATTRIBUTES
 # GenerationConfig / generation_kwargs spell one of them differently.
 _GENERATION_CONFIG_NAMES = {"max_completion_length": "max_new_tokens"}
 
@@ -159,8 +166,6 @@ class ProRLTrainer(ProRLResetMixin, ProRLLoopMixin, GRPOTrainer):
 
     def _resets_possible(self, callbacks: Any = None) -> bool:
         """Whether this run can hard-reset: a resetting phase boundary, a LoRA shape change, or a HardResetCallback."""
-        from prorl_trl.callbacks import HardResetCallback
-
         shapes = [p.lora_shape for p in self.phases]
         reshapes = any(p.lora_r is not None and p.lora_shape != q for p, q in zip(self.phases[1:], shapes))
         callbacks = callbacks if callbacks is not None else self.callback_handler.callbacks
@@ -263,8 +268,7 @@ class ProRLTrainer(ProRLResetMixin, ProRLLoopMixin, GRPOTrainer):
         # TRL privates: the generation buffer and its micro-step counter belong to the previous dataloader.
         self._buffered_inputs = None
         self._step = 0
-        if self.use_vllm:
-            self._last_loaded_step = -1  # HF's global_step restarts at 0: force a weight sync at the first step
+        force_weight_sync(self)  # HF's global_step restarts at 0: vLLM must get the weights at the first step
         self._state_callback.start_phase(phase)
         if self.optimizer is not None:
             self._keep_optimizer_for_next_call(phase.learning_rate)

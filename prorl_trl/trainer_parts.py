@@ -107,9 +107,9 @@ class ProRLLoopMixin:
         mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
         ratio = torch.exp(logps.detach() - old) * mask
         mean_ratio = ratio.sum() / mask.sum().clamp(min=1)
-        mean_ratio = self.accelerator.gather(mean_ratio.reshape(1).float()).mean()
-        self._metrics["train"]["prorl/importance_ratio"].append(mean_ratio.item())
-        if mean_ratio.item() > threshold:
+        mean_ratio = self.accelerator.gather(mean_ratio.reshape(1).float()).mean().item()  # one device sync
+        self._metrics["train"]["prorl/importance_ratio"].append(mean_ratio)
+        if mean_ratio > threshold:
             self._early_stopped += 1
             loss = loss * 0.0
         return loss

@@ -15,6 +15,7 @@ from pathlib import Path
 from prorl_trl import reset as reset_ops
 from prorl_trl.config import ResolvedPhase
 from prorl_trl.resume import LOG_HISTORY_NAME, latest_checkpoint, load_merged_base, read_prorl_state, write_json
+from prorl_trl.vllm_sync import force_weight_sync
 
 logger = logging.getLogger("prorl_trl")
 
@@ -57,12 +58,17 @@ class ProRLResetMixin:
         self._announce_phase(phase)
         return checkpoint
 
-    def _reinit_adapter(self, phase: ResolvedPhase) -> None:
+    def _fresh_adapter(self, phase: ResolvedPhase) -> bool:
+        """A fresh adapter of `phase`'s shape, identical on every rank; True when its Parameters are new objects."""
         new_params = reset_ops.reinit_adapter(
             self.model, r=phase.lora_r, lora_alpha=phase.lora_alpha, target_modules=phase.lora_target_modules, seed=self._reset_seed()
         )
         reset_ops.broadcast_adapter(self.model)
-        if new_params:
+        return new_params
+
+    def _reinit_adapter(self, phase: ResolvedPhase) -> None:
+        """Outside the loop, before any merge (first phase, resume): new Parameters drop the optimizer for `train()`."""
+        if self._fresh_adapter(phase):
             self.optimizer, self.lr_scheduler, self.model_wrapped = None, None, self.model
 
     def _reset_seed(self) -> int:
@@ -117,10 +123,7 @@ class ProRLResetMixin:
         new_params = False
         if hasattr(model, "peft_config"):
             reset_ops.merge_lora_in_place(model)
-            new_params = reset_ops.reinit_adapter(
-                model, r=target.lora_r, lora_alpha=target.lora_alpha, target_modules=target.lora_target_modules, seed=self._reset_seed()
-            )
-            reset_ops.broadcast_adapter(model)
+            new_params = self._fresh_adapter(target)
             if self.args.reset_reference:  # a TRL "ref" adapter (PeftModel given with beta > 0) -> the merged base
                 reset_ops.reset_reference_adapter(model)
         elif self.args.reset_reference and self.ref_model is not None:
@@ -128,8 +131,7 @@ class ProRLResetMixin:
         self._reset_optimizer(new_params)
         self.prorl_resets += 1
         self._pending_reset = None
-        if self.use_vllm:
-            self._last_loaded_step = -1
+        force_weight_sync(self)
         if self.args.save_merged_on_reset:
             path = Path(self.args.output_dir) / "merged" / f"reset-{self.prorl_resets}"
             if self.accelerator.is_main_process:
