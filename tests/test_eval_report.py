@@ -122,6 +122,29 @@ def test_report_and_plots_name_every_model_and_group(constructed, math_rows):
     assert all((out / "plots" / p).stat().st_size > 5000 for p in plots)
 
 
+def test_passk_plot_panels_show_both_models_for_every_group(constructed, math_rows):
+    """The saved charts are drawn by `passk_figure`: one panel per group, each with a curve and legend entry per model."""
+    import matplotlib.pyplot as plt
+
+    from prorl_trl.evaluation.plots import passk_figure
+
+    out, _ = constructed
+    table = pd.DataFrame(json.loads((out / "summary.json").read_text())["pass_at_k"])
+    for field in ("overall", "level", "subject"):
+        fig = passk_figure(table, field)
+        panels = [ax for ax in fig.axes if ax.axison]
+        groups = {"all"} if field == "overall" else {str(row[field]) for row in math_rows}
+        titles = [ax.get_title() for ax in panels]
+        assert len(panels) == len(groups)
+        if field != "overall":
+            assert sorted(title.split(" = ", 1)[1].rsplit(" (", 1)[0] for title in titles) == sorted(groups)
+        for ax in panels:
+            assert [text.get_text() for text in ax.get_legend().get_texts()] == ["a", "b"]
+            assert [line.get_label() for line in ax.get_lines()] == ["a", "b"]
+            assert all(list(line.get_xdata()) == [1, 2, 4] for line in ax.get_lines())
+        plt.close(fig)
+
+
 def test_always_wrong_subset_counts_what_others_solve(tmp_path, tiny_dir, shared_data, math_rows):
     truth = {"a": _write_samples(tmp_path, "a", math_rows, counts_a), "b": _write_samples(tmp_path, "b", math_rows, counts_b)}
     status = _eval([

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -45,6 +46,12 @@ def _curves(ax, part: pd.DataFrame, title: str) -> None:
 def plot_passk(passk: pd.DataFrame, out_dir: str | Path, group_by: str = OVERALL) -> Path:
     """pass@k against k (log2 axis) with bootstrap bands; one panel per group of `group_by`, every model in each."""
     plt = _pyplot()
+    return _save(plt, passk_figure(passk, group_by), out_dir, f"pass_at_k_{group_by}.png")
+
+
+def passk_figure(passk: pd.DataFrame, group_by: str = OVERALL) -> Any:
+    """The figure `plot_passk` saves (apart so its panels and legends can be inspected)."""
+    plt = _pyplot()
     part = passk[passk["group_by"] == group_by]
     groups = list(dict.fromkeys(part["group"]))
     columns = min(4, len(groups))
@@ -56,7 +63,7 @@ def plot_passk(passk: pd.DataFrame, out_dir: str | Path, group_by: str = OVERALL
         _curves(ax, rows_of_group, "all problems" if group_by == OVERALL else f"{group_by} = {group} ({problems})")
     for ax in list(axes.flat)[len(groups):]:
         ax.axis("off")
-    return _save(plt, fig, out_dir, f"pass_at_k_{group_by}.png")
+    return fig
 
 
 def plot_pass1_histogram(per_problem: pd.DataFrame, model: str, out_dir: str | Path) -> Path:
