@@ -197,6 +197,14 @@ def test_bad_input_exits_2_with_file_key_and_value(capsys, tmp_path, case):
     assert not (tmp_path / "out").exists()
 
 
+def test_unknown_reward_lists_every_registered_reward(capsys, tmp_path):
+    import rewards
+
+    code, _, err = run_validate(capsys, write(tmp_path, changed("rewards.0.name", "no_such_reward")))
+    available = err.split("available: ", 1)[1]
+    assert code == 2 and len(rewards.available()) >= 5 and all(name in available for name in rewards.available()), err
+
+
 @pytest.mark.parametrize("key, value", [("data.source", "./no/such/folder"), ("model.name_or_path", "/no/such/model")])
 def test_missing_local_paths_stop_train_and_are_noted_by_validate(capsys, tmp_path, key, value):
     path = write(tmp_path, changed(key, value))
