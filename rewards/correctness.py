@@ -134,7 +134,8 @@ class MathEquivalence(CorrectnessReward):
             return False
         gold_normalized, gold_compact, gold_rational = _normalized_gold(gold_answer)
         normalized = normalize_answer(answer)
-        if "".join(normalized.split()) == gold_compact:
+        compact = "".join(normalized.split())
+        if compact == gold_compact:
             return True
         if gold_rational is not None:
             rational = as_rational(normalized)
@@ -146,7 +147,7 @@ class MathEquivalence(CorrectnessReward):
             return False
         gold_base = _BASE_NUMBER.fullmatch(gold_compact)
         if gold_base:
-            answer_base = _BASE_NUMBER.fullmatch("".join(normalized.split()))
+            answer_base = _BASE_NUMBER.fullmatch(compact)
             return bool(answer_base) and answer_base.groups() == gold_base.groups()
         if _UNIT_POWER.findall(gold_normalized) != _UNIT_POWER.findall(normalized) and _UNIT_POWER.search(normalized):
             return False

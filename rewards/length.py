@@ -15,12 +15,16 @@ from typing import Any
 from ._base import MissingColumnError, Reward, require_completions
 
 
-def _token_lengths(reward_name: str, completion_ids: Any, count: int) -> list[int | None]:
+def _require_ids(reward_name: str, completion_ids: Any) -> None:
     if completion_ids is None:
         raise TypeError(
             f"reward '{reward_name}' measures length in tokens and needs completion_ids (GRPOTrainer passes them; "
             "when calling it directly pass completion_ids=[[token ids], ...])"
         )
+
+
+def _token_lengths(reward_name: str, completion_ids: Any, count: int) -> list[int | None]:
+    _require_ids(reward_name, completion_ids)
     lengths: list[int | None] = []
     for ids in list(completion_ids)[:count]:
         try:
@@ -182,8 +186,8 @@ class _TrlTokenReward(Reward):
         raise NotImplementedError
 
     def __call__(self, prompts=None, completions=None, completion_ids=None, **kwargs) -> list[float | None]:
-        completions = require_completions(self.__name__, completions, completion_ids)
-        _token_lengths(self.__name__, completion_ids, 0)
+        require_completions(self.__name__, completions, completion_ids)  # same length checks as every reward
+        _require_ids(self.__name__, completion_ids)
         trl_reward = self._trl_reward()
         try:  # the whole batch in one call (TRL's speed); item by item only if an entry is malformed
             rewards = [float(value) for value in trl_reward(completion_ids=completion_ids)]
