@@ -32,6 +32,22 @@ class BuilderSpec:
         return getattr(importlib.import_module(module), name)
 
 
+def _table_builder(kind: str) -> BuilderSpec:
+    """`jsonl` and `parquet`: one loader; the recipe's `columns` say where prompt and gold are."""
+    return BuilderSpec(
+        loader="prorl_trl.data.builders:load_table",
+        default_source=None,
+        default_template="raw",
+        gold_columns=("answer",),
+        needs_columns=True,
+        help=f"Any {kind} file; `columns` maps `prompt` (problem text) and gold names to source columns.",
+    )
+
+
+# Options every generated task has: split sizes and the seed (train and validation rows never overlap).
+_GENERATED_SPLITS: dict[str, tuple[Any, Any]] = {"num_train": (int, 256), "num_validation": (int, 64), "seed": (int, 0)}
+
+
 BUILDERS: dict[str, BuilderSpec] = {
     "gsm8k": BuilderSpec(
         loader="prorl_trl.data.builders:load_gsm8k",
@@ -66,22 +82,8 @@ BUILDERS: dict[str, BuilderSpec] = {
         gold_columns=("answer", "solutions"),
         help="AReaL-style rows `{prompt, solutions}`; `answer` = the boxed content of the first solution.",
     ),
-    "jsonl": BuilderSpec(
-        loader="prorl_trl.data.builders:load_table",
-        default_source=None,
-        default_template="raw",
-        gold_columns=("answer",),
-        needs_columns=True,
-        help="Any JSON-lines file; `columns` maps `prompt` (problem text) and gold names to source columns.",
-    ),
-    "parquet": BuilderSpec(
-        loader="prorl_trl.data.builders:load_table",
-        default_source=None,
-        default_template="raw",
-        gold_columns=("answer",),
-        needs_columns=True,
-        help="Any parquet file; `columns` maps `prompt` (problem text) and gold names to source columns.",
-    ),
+    "jsonl": _table_builder("JSON-lines"),
+    "parquet": _table_builder("parquet"),
     "synthetic_arithmetic": BuilderSpec(
         loader="prorl_trl.data.builders:load_synthetic_arithmetic",
         default_source=None,
@@ -89,9 +91,7 @@ BUILDERS: dict[str, BuilderSpec] = {
         default_validation_split="validation",
         gold_columns=("answer",),
         options={
-            "num_train": (int, 256),
-            "num_validation": (int, 64),
-            "seed": (int, 0),
+            **_GENERATED_SPLITS,
             "num_steps": (int | list[int], (1, 3)),
             "max_value": (int, 20),
             "max_factor": (int, 3),
@@ -106,9 +106,7 @@ BUILDERS: dict[str, BuilderSpec] = {
         default_validation_split="validation",
         gold_columns=("names", "solution", "solution_text_format"),
         options={
-            "num_train": (int, 256),
-            "num_validation": (int, 64),
-            "seed": (int, 0),
+            **_GENERATED_SPLITS,
             "num_people": (int | list[int], (2, 4)),
         },
         help="Generated knights-and-knaves puzzles with a unique solution (prorl_trl.data.synthetic).",
