@@ -321,7 +321,8 @@ def resolve_phases(args: ProRLConfig, peft_config: Any = None, world_size: int =
         values = dict(previous)
         explicit = {f.name: getattr(phase, f.name) for f in dataclasses.fields(phase) if getattr(phase, f.name) is not None}
         values.update({k: v for k, v in explicit.items() if k in previous})
-        where = f"phase {index} ({phase.name or f'phase-{index}'})"
+        name = phase.name or f"phase-{index}"
+        where = f"phase {index} ({name})"
         if "generation_batch_size" not in explicit:
             # Keep the prompts per generation batch; round up to whole micro-batches (TRL splits it into them).
             values["generation_batch_size"] = math.lcm(prompts_per_generation * values["num_generations"], micro_batch)
@@ -331,7 +332,7 @@ def resolve_phases(args: ProRLConfig, peft_config: Any = None, world_size: int =
         resolved.append(
             ResolvedPhase(
                 index=index,
-                name=phase.name or f"phase-{index}",
+                name=name,
                 max_steps=phase.max_steps,
                 hard_reset=bool(hard_reset) and index > 0,
                 **{k: values[k] for k in GRPO_PHASE_FIELDS + PRORL_PHASE_FIELDS + tuple(LORA_PHASE_FIELDS)},
@@ -370,7 +371,7 @@ def _check_phase(where: str, max_steps: int, v: dict[str, Any], micro_batch: int
         problems.append(f"top_p must be in (0, 1], got {v['top_p']}")
     if v["learning_rate"] < 0:
         problems.append(f"learning_rate must be >= 0, got {v['learning_rate']}")
-    if v["lora_r"] is not None and peft_config is None and v["lora_r"] != _lora_value(peft_config, "r"):
+    if v["lora_r"] is not None and peft_config is None:
         problems.append("sets lora_r but the trainer has no peft_config (LoRA fields need a LoRA run)")
     if v["lora_r"] is not None and v["lora_r"] < 1:
         problems.append(f"lora_r must be >= 1, got {v['lora_r']}")

@@ -24,6 +24,7 @@ _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
 def phase_dir_name(index: int) -> str:
+    """Checkpoint folder of phase `index` (`ProRLTrainer._get_output_dir` writes it, `latest_checkpoint` globs it)."""
     return f"phase-{index}"
 
 
@@ -49,7 +50,7 @@ def read_prorl_state(checkpoint: str | os.PathLike) -> dict[str, Any]:
 def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
     """The most advanced ProRL checkpoint under `<output_dir>/phase-*/checkpoint-*` (by phase, then step)."""
     best, best_key = None, None
-    for phase_dir in Path(output_dir).glob("phase-*"):
+    for phase_dir in Path(output_dir).glob(phase_dir_name("*")):
         for checkpoint in phase_dir.iterdir() if phase_dir.is_dir() else []:
             match = _CHECKPOINT_RE.match(checkpoint.name)
             if not match or not (checkpoint / PRORL_STATE_NAME).is_file():

@@ -37,6 +37,7 @@ from prorl_trl.callbacks import HardResetCallback
 from prorl_trl.config import ProRLConfig, ResolvedPhase, resolve_phases
 from prorl_trl.generation import configure_trainer_generation
 from prorl_trl.overlong import OverlongPenalty
+from prorl_trl.resume import phase_dir_name
 from prorl_trl.trainer_parts import ProRLLoopMixin, ProRLStateCallback
 from prorl_trl.trainer_reset import ProRLResetMixin
 from prorl_trl.vllm_sync import (
@@ -381,4 +382,4 @@ class ProRLTrainer(ProRLResetMixin, ProRLLoopMixin, GRPOTrainer):
 
     def _get_output_dir(self, trial: Any) -> str:
         """Checkpoints per phase (`<output_dir>/phase-<i>/checkpoint-<step>`): HF's step restarts every phase."""
-        return os.path.join(super()._get_output_dir(trial), f"phase-{self.current_phase.index}")
+        return os.path.join(super()._get_output_dir(trial), phase_dir_name(self.current_phase.index))
