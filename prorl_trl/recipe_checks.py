@@ -203,14 +203,7 @@ def check_rewards(specs: list[Any], problems: list[RecipeProblem]) -> list[str]:
     names = []
     for index, spec in enumerate(specs):
         if spec.name not in available:
-            listing = ", ".join(sorted(available))
-            problems.append(
-                RecipeProblem(
-                    f"rewards.{index}.name",
-                    f"unknown reward{suggest(spec.name, available)} (available: {listing})",
-                    spec.name,
-                )
-            )
+            problems.append(unknown_name(f"rewards.{index}.name", "reward", spec.name, available))
             continue
         try:
             function = rewards.get_reward(spec.name, **spec.params)
@@ -221,6 +214,12 @@ def check_rewards(specs: list[Any], problems: list[RecipeProblem]) -> list[str]:
             continue
         names.append(getattr(function, "__name__", spec.name))
     return names
+
+
+def unknown_name(key_path: str, kind: str, name: str, available: typing.Iterable[str]) -> RecipeProblem:
+    """A name that is not in a registry: the closest match and the full list, so the fix is one look away."""
+    listing = ", ".join(sorted(available))
+    return RecipeProblem(key_path, f"unknown {kind}{suggest(name, available)} (available: {listing})", name)
 
 
 def _looks_local(source: str) -> bool:
@@ -237,24 +236,10 @@ def check_data(data: Any, validation: Any, problems: list[RecipeProblem]) -> Non
         return
     spec = BUILDERS.get(data.builder)
     if spec is None:
-        listing = ", ".join(sorted(BUILDERS))
-        problems.append(
-            RecipeProblem(
-                "data.builder",
-                f"unknown builder{suggest(data.builder, BUILDERS)} (available: {listing})",
-                data.builder,
-            )
-        )
+        problems.append(unknown_name("data.builder", "builder", data.builder, BUILDERS))
         return
     if data.template is not None and data.template not in TEMPLATES:
-        listing = ", ".join(sorted(TEMPLATES))
-        problems.append(
-            RecipeProblem(
-                "data.template",
-                f"unknown template{suggest(data.template, TEMPLATES)} (available: {listing})",
-                data.template,
-            )
-        )
+        problems.append(unknown_name("data.template", "template", data.template, TEMPLATES))
     if data.columns and not spec.needs_columns:
         problems.append(
             RecipeProblem(

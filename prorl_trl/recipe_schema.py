@@ -56,7 +56,7 @@ def _short_repr(value: Any, limit: int = 80) -> str:
 
 
 def suggest(name: str, candidates: typing.Iterable[str]) -> str:
-    """' (did you mean `x`?)' for the closest candidate, or ''."""
+    """'; did you mean `x`?' for the closest candidate, or ''."""
     match = difflib.get_close_matches(str(name), list(candidates), n=1, cutoff=0.6)
     return f"; did you mean `{match[0]}`?" if match else ""
 
