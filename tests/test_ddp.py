@@ -23,16 +23,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def ddp_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp") / "results.json"
+def run_two_processes(script: str | Path, *script_args: str, timeout: int) -> None:
+    """Run `script` under torchrun as 2 CPU processes (gloo); fail with the tail of its stderr if it fails."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(free_port()), str(WORKER), str(out),
+        "--master_port", str(free_port()), str(script), *script_args,
     ]  # fmt: skip
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     assert completed.returncode == 0, completed.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp") / "results.json"
+    run_two_processes(WORKER, str(out), timeout=240)
     return json.loads(out.read_text())
 
 

@@ -67,7 +67,11 @@ def test_metrics_buffer_and_live_loss_attributes(trainer):
     for name in ("epsilon_low", "epsilon_high", "beta", "num_generations", "temperature", "max_completion_length"):
         assert hasattr(trainer, name), name
     loss_source = inspect.getsource(GRPOTrainer._compute_loss)
-    assert "self.epsilon_low" in loss_source and "self.epsilon_high" in loss_source
+    assert "self.epsilon_low" in loss_source and "self.epsilon_high" in loss_source and "self.beta" in loss_source
+    # Phases change the group size and generation batch between train() calls: TRL must read them when it builds
+    # the sampler, not cache them at init.
+    sampler_source = inspect.getsource(GRPOTrainer._get_train_sampler)
+    assert "self.num_generations" in sampler_source and "self.args.generation_batch_size" in sampler_source
     assert "self.reward_weights" in inspect.getsource(GRPOTrainer._generate_and_score_completions)
 
 
