@@ -164,6 +164,12 @@ BAD_INPUTS = {
     "phase_without_max_steps": (changed("phases.0.max_steps", DELETE), "phases.0.max_steps", "", "required"),
     "top_p_above_1": (changed("validation.top_p", 1.5), "validation.top_p", "1.5", "<= 1"),
     "unknown_builder": (changed("data.builder", "gsm8"), "data.builder", "'gsm8'", "did you mean `gsm8k`"),
+    "unknown_template": (
+        changed("data.template", "boxed_mat"),
+        "data.template",
+        "'boxed_mat'",
+        "did you mean `boxed_math`? (available: ",
+    ),
     "bad_scheduler_choice": (
         changed("training.lr_scheduler_type", "constnat"),
         "training.lr_scheduler_type",
