@@ -31,3 +31,12 @@ def test_tiny_tokenizer_has_chat_template_and_word_tokens(tiny):
     for token in WORD_TOKENS:
         assert len(tokenizer(token).input_ids) == 1
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token_id != tokenizer.eos_token_id
+
+
+def test_tiny_build_leaves_the_global_rng_alone():
+    """Building the model must not shift the caller's random stream (tests seed once and build models in between)."""
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    build_tiny(seed=7)
+    assert torch.equal(torch.rand(3), expected)
