@@ -20,7 +20,7 @@ Heavy dependencies load lazily: math-verify/sympy run in a child process on the 
 
 from __future__ import annotations
 
-from ._base import CorrectnessReward, MissingColumnError, Reward
+from ._base import CorrectnessReward, MissingColumnError, Reward, check_columns
 from ._text import as_rational, completion_text, extract_boxed, gold_number, gold_text, normalize_answer
 from .correctness import BoxedAnswer, MathEquivalence
 from .formatting import ReasoningSteps, TagCount, ThinkAnswerFormat
@@ -72,6 +72,7 @@ __all__ = [
     "as_rational",
     "available",
     "boxed_answer",
+    "check_columns",
     "completion_text",
     "cosine_scaled",
     "extract_boxed",

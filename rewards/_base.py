@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 from ._text import completion_text
@@ -21,10 +21,11 @@ class MissingColumnError(ValueError):
     """A reward needs a dataset column that the batch does not have."""
 
 
-def missing_column_error(reward_name: str, column: str, kwargs: dict[str, Any], hint: str = "") -> MissingColumnError:
-    present = sorted(key for key in kwargs if key not in TRL_NON_COLUMN_KWARGS)
+def missing_column_error(reward_name: str, column: str, columns: Iterable[str], hint: str = "") -> MissingColumnError:
+    """The error for a missing gold column; `columns` are the batch's keyword arguments or the dataset's columns."""
+    present = sorted(key for key in columns if key not in TRL_NON_COLUMN_KWARGS)
     return MissingColumnError(
-        f"reward '{reward_name}' needs the dataset column '{column}', but the batch only has {present}. "
+        f"reward '{reward_name}' needs the dataset column '{column}', but the data only has {present}. "
         f"Add the column to the dataset (GRPOConfig keeps it with remove_unused_columns=False){hint}."
     )
 
@@ -65,6 +66,10 @@ class Reward:
 
     def __repr__(self) -> str:
         return f"<reward {self.__name__}>"
+
+    def missing_columns(self, columns: Iterable[str]) -> MissingColumnError | None:
+        """The error this reward would raise at its first call on data with these `columns`, or None if they suffice."""
+        return None
 
     def _score(self, text: str, ids: Sequence[int] | None) -> float | None:
         raise NotImplementedError
@@ -114,11 +119,18 @@ class CorrectnessReward(Reward):
     incorrect: float = 0.0
     answer_key: str = "answer"
 
+    def missing_columns(self, columns: Iterable[str]) -> MissingColumnError | None:
+        columns = list(columns)
+        if self.answer_key in columns:
+            return None
+        hint = f" or pass answer_key=<your column> (get_reward('{self.registry_name}', answer_key=...))"
+        return missing_column_error(self.__name__, self.answer_key, columns, hint)
+
     def _golds(self, kwargs: dict[str, Any]) -> list:
         """The gold of each completion, from the dataset columns; one clear error when a column is missing."""
-        if self.answer_key not in kwargs:
-            hint = f" or pass answer_key=<your column> (get_reward('{self.registry_name}', answer_key=...))"
-            raise missing_column_error(self.__name__, self.answer_key, kwargs, hint)
+        error = self.missing_columns(kwargs)
+        if error is not None:
+            raise error
         return list(kwargs[self.answer_key])
 
     def _check(self, text: str, gold: Any) -> bool | None:
@@ -149,3 +161,15 @@ class CorrectnessReward(Reward):
     def __call__(self, prompts=None, completions=None, completion_ids=None, **kwargs) -> list[float | None]:
         verdicts = self.is_correct(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
         return [None if verdict is None else (self.correct if verdict else self.incorrect) for verdict in verdicts]
+
+
+def check_columns(reward_funcs: Any, column_names: Iterable[str]) -> None:
+    """Raise, before any generation, the `MissingColumnError` the first reward lacking a column would raise at step
+    one. `reward_funcs` is one reward or a list (as given to GRPOTrainer); rewards without `missing_columns` (plain
+    functions, reward models) are skipped. Call it with `train_dataset.column_names`.
+    """
+    columns = list(column_names)
+    for reward in reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]:
+        error = reward.missing_columns(columns) if callable(getattr(reward, "missing_columns", None)) else None
+        if error is not None:
+            raise error

@@ -9,7 +9,7 @@ Kimi k1.5's length reward per prompt group (open-r1's `len_reward` pools the who
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ._base import MissingColumnError, Reward, require_completions
@@ -55,6 +55,13 @@ class _CheckedLengthReward(Reward):
                 "'math_equivalence' or 'boxed_answer'"
             )
 
+    def missing_columns(self, columns: Iterable[str]) -> MissingColumnError | None:
+        error = self._checker.missing_columns(columns) if hasattr(self._checker, "missing_columns") else None
+        return None if error is None else self._with_checker(error)
+
+    def _with_checker(self, error: MissingColumnError) -> MissingColumnError:
+        return MissingColumnError(f"reward '{self.__name__}' judges correctness with {error}")
+
     def _verdicts_and_lengths(self, prompts, completions, completion_ids, kwargs):
         completions = require_completions(self.__name__, completions, completion_ids)
         lengths = _token_lengths(self.__name__, completion_ids, len(completions))
@@ -63,7 +70,7 @@ class _CheckedLengthReward(Reward):
                 prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs
             )
         except MissingColumnError as error:
-            raise MissingColumnError(f"reward '{self.__name__}' judges correctness with {error}") from None
+            raise self._with_checker(error) from None
         return verdicts, lengths
 
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ._base import CorrectnessReward, missing_column_error, require_completions
+from ._base import CorrectnessReward, MissingColumnError, missing_column_error, require_completions
 from ._text import completion_text
 
 _TAGS = ("<think>", "</think>", "<answer>", "</answer>")
@@ -103,13 +103,19 @@ class KKLogic(CorrectnessReward):
         self.names_key, self.solution_key, self.solution_text_key = names_key, solution_key, solution_text_key
         self._set_name(name)
 
+    def missing_columns(self, columns: Iterable[str]) -> MissingColumnError | None:
+        columns = list(columns)
+        if {self.names_key, self.solution_key} <= set(columns) or self.solution_text_key in columns:
+            return None
+        column = f"{self.names_key}' + '{self.solution_key}' (or '{self.solution_text_key}"
+        return missing_column_error(self.__name__, column, columns)
+
     def _golds(self, kwargs: dict[str, Any]) -> list:
         if self.names_key in kwargs and self.solution_key in kwargs:
             return list(zip(kwargs[self.names_key], kwargs[self.solution_key], strict=True))
         if self.solution_text_key in kwargs:
             return [(None, text) for text in kwargs[self.solution_text_key]]
-        column = f"{self.names_key}' + '{self.solution_key}' (or '{self.solution_text_key}"
-        raise missing_column_error(self.__name__, column, kwargs)
+        raise self.missing_columns(kwargs)
 
     def score(self, text: str, gold: tuple[Any, Any]) -> float | None:
         """Format score + answer score of one completion against one `(names, solution)` gold."""

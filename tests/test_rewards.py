@@ -481,6 +481,25 @@ def test_missing_gold_column_is_one_clear_error():
     assert get_reward("boxed_answer", answer_key="solution")(completions=[r"\boxed{1}"], solution=["1"]) == [1.0]
 
 
+def test_check_columns_raises_the_first_call_error_before_training():
+    """The same error as the first reward call, from the dataset's column names alone (no generation needed)."""
+    for name in ("boxed_answer", "math_equivalence", "cosine_scaled", "kimi_length", "kk_logic"):
+        reward = get_reward(name)
+        with pytest.raises(rewards.MissingColumnError) as at_call:
+            reward(prompts=["q"], completions=[r"\boxed{1}"], completion_ids=[[1]], solution=["1"], quiz=["q"])
+        with pytest.raises(rewards.MissingColumnError) as early:
+            rewards.check_columns([rewards.tag_count, reward], ["prompt", "solution", "quiz"])
+        # same reward, same missing column; the early one lists the dataset's columns (TRL passes `prompt` as prompts)
+        assert str(early.value).split(", but ")[0] == str(at_call.value).split(", but ")[0]
+        assert "['prompt', 'quiz', 'solution']" in str(early.value) and "['quiz', 'solution']" in str(at_call.value)
+    columns = ["prompt", "answer", "names", "solution"]
+    rewards.check_columns([get_reward(name) for name in rewards.BUILTIN_REWARDS], columns)  # all satisfied
+    rewards.check_columns(get_reward("kk_logic"), ["prompt", "solution_text_format"])  # the other gold form
+    rewards.check_columns([lambda completions, **kwargs: [0.0]], ["prompt"])  # plain functions are not checked
+    with pytest.raises(rewards.MissingColumnError, match="'kk_logic'.*'names' \\+ 'solution'"):
+        rewards.check_columns([get_reward("kk_logic")], ["prompt", "solution"])
+
+
 def test_rewards_are_picklable_and_keep_their_name():
     for name in rewards.available():
         restored = pickle.loads(pickle.dumps(rewards.__dict__[name]))
