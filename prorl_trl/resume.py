@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 PRORL_STATE_NAME = "prorl_state.json"
 LOG_HISTORY_NAME = "prorl_log_history.json"
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+_CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
 def phase_dir_name(index: int) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from prorl_trl.callbacks import HardResetCallback, PlateauTracker
 from prorl_trl.dynamic_sampling import RefillSampler, dynamic_sampling_step
@@ -149,7 +150,7 @@ class ProRLStateCallback(TrainerCallback):
         trainer = self.trainer
         if not trainer.accelerator.is_main_process:
             return control
-        checkpoint = os.path.join(trainer._get_output_dir(None), f"checkpoint-{state.global_step}")
+        checkpoint = os.path.join(trainer._get_output_dir(None), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")  # as HF
         write_json(
             os.path.join(checkpoint, PRORL_STATE_NAME),
             {
