@@ -11,7 +11,8 @@ instances below, built with default parameters).
 Every reward takes TRL's keyword arguments (`prompts`, `completions`, `completion_ids`, dataset columns,
 `**kwargs`), accepts plain-text and conversational completions, reads the gold answer from the column `answer`
 (`answer_key=` to change), counts lengths in tokens, never raises on a bad completion and has a unique `__name__`
-(TRL logs `rewards/<__name__>/mean`). Correctness rewards (`boxed_answer`, `math_equivalence`, `kk_logic`) also
+(TRL logs `rewards/<__name__>/mean`); `check_columns(reward_funcs, dataset.column_names)` raises a missing gold
+column's error before training starts. Correctness rewards (`boxed_answer`, `math_equivalence`, `kk_logic`) also
 have `is_correct(...)` -> `list[bool | None]` and the values `correct` / `incorrect`.
 
 Heavy dependencies load lazily: math-verify/sympy run in a child process on the first symbolic comparison, and
