@@ -22,6 +22,7 @@ Every variant is validated before any runs (exit 2 on a bad one). Each runs as i
 
 from __future__ import annotations
 
+import copy
 import csv
 import itertools
 import json
@@ -38,11 +39,12 @@ from typing import Any
 
 import yaml
 
-from .recipe import RecipeLoader, read_recipe_file
+from .recipe import read_recipe_file
 from .recipe_schema import RecipeError, RecipeProblem, suggest
 
 GRID_KEYS = ("base", "output_dir", "metric", "overrides", "variants", "grid", "description")
 METRIC_PREFERENCE = ("eval_pass@1", "eval_reward")
+OVERRIDES_SHAPE = "recipe key paths to values (e.g. {peft.r: 8})"
 
 
 @dataclass
@@ -58,24 +60,16 @@ class Variant:
 def load_grid(path: str | Path) -> tuple[dict[str, Any], list[Variant]]:
     """Read a grid file and expand it into variants (explicit `variants` first, then the `grid` product)."""
     path = Path(path)
-    if not path.is_file():
-        raise RecipeError(str(path), [RecipeProblem("", "grid file not found")])
-    try:
-        grid = yaml.load(path.read_text(), Loader=RecipeLoader)
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise RecipeError(
-            str(path), [RecipeProblem("", f"YAML syntax error{where}: {getattr(error, 'problem', error)}")]
-        ) from None
+    grid = read_recipe_file(path, kind="grid")
     problems = []
-    if not isinstance(grid, dict):
-        raise RecipeError(str(path), [RecipeProblem("", "a grid file must be a mapping", grid)])
     for key in grid:
         if key not in GRID_KEYS:
             problems.append(RecipeProblem(str(key), f"unknown key{suggest(key, GRID_KEYS)}", grid[key]))
     if "base" not in grid:
         problems.append(RecipeProblem("base", "is required: the recipe every variant starts from"))
+    problems += _shape_problems(grid)
+    if problems:  # the expansion below needs mappings everywhere
+        raise RecipeError(str(path), problems)
     variants = []
     for name, overrides in (grid.get("variants") or {}).items():
         variants.append(Variant(str(name), dict(overrides or {})))
@@ -103,14 +97,40 @@ def load_grid(path: str | Path) -> tuple[dict[str, Any], list[Variant]]:
     return grid, variants
 
 
+def _shape_problems(grid: dict[str, Any]) -> list[RecipeProblem]:
+    """`overrides`, `variants` and `grid` must be mappings down to each set of overrides (`{}` or null: none)."""
+
+    def mapping_problem(key_path: str, value: Any, of: str = OVERRIDES_SHAPE) -> list[RecipeProblem]:
+        return [] if value is None or isinstance(value, dict) else [
+            RecipeProblem(key_path, f"expected a mapping of {of}", value)
+        ]
+
+    problems = mapping_problem("overrides", grid.get("overrides"))
+    variants = grid.get("variants")
+    problems += mapping_problem("variants", variants, "variant names to overrides")
+    if isinstance(variants, dict):
+        for name, overrides in variants.items():
+            problems += mapping_problem(f"variants.{name}", overrides)
+    axes = grid.get("grid")
+    problems += mapping_problem("grid", axes, "axis names to levels")
+    if isinstance(axes, dict):
+        for axis, levels in axes.items():
+            problems += mapping_problem(f"grid.{axis}", levels, "level names to overrides")
+            if isinstance(levels, dict):
+                for level, overrides in levels.items():
+                    problems += mapping_problem(f"grid.{axis}.{level}", overrides)
+    return problems
+
+
 def prepare_variants(grid: dict[str, Any], variants: list[Variant], out: Path) -> None:
     """Apply overrides to the base recipe and validate every variant (nothing is written); one `RecipeError` lists
     the problems of all variants."""
     from .recipe import recipe_from_dict
 
     problems: list[RecipeProblem] = []
+    base = read_recipe_file(grid["base"])
     for variant in variants:
-        raw = read_recipe_file(grid["base"])
+        raw = copy.deepcopy(base)
         overrides = list((grid.get("overrides") or {}).items()) + list(variant.overrides.items())
         overrides.append(("training.output_dir", str(out / variant.name)))
         try:

@@ -66,11 +66,12 @@ def parse_yaml_scalar(text: str) -> Any:
         return text
 
 
-def read_recipe_file(path: str | Path) -> dict[str, Any]:
-    """The raw YAML mapping of a recipe; a missing file or a syntax error becomes a `RecipeError` with the line."""
+def read_recipe_file(path: str | Path, kind: str = "recipe") -> dict[str, Any]:
+    """The raw YAML mapping of a recipe (or grid) file; a missing file or a syntax error becomes a `RecipeError`
+    with the line."""
     path = Path(path)
     if not path.is_file():
-        what = "is a directory, not a recipe file" if path.is_dir() else "file not found"
+        what = f"is a directory, not a {kind} file" if path.is_dir() else "file not found"
         raise RecipeError(str(path), [RecipeProblem("", what)])
     try:
         raw = yaml.load(path.read_text(), Loader=RecipeLoader)
@@ -81,7 +82,7 @@ def read_recipe_file(path: str | Path) -> dict[str, Any]:
     except yaml.YAMLError as error:
         raise RecipeError(str(path), [RecipeProblem("", f"YAML error: {error}")]) from None
     if not isinstance(raw, dict):
-        raise RecipeError(str(path), [RecipeProblem("", "a recipe must be a YAML mapping of sections", raw)])
+        raise RecipeError(str(path), [RecipeProblem("", f"a {kind} must be a YAML mapping of sections", raw)])
     return raw
 
 

@@ -107,6 +107,26 @@ def test_grid_axes_expand_to_the_cartesian_product(tmp_path):
         load_grid(path)
 
 
+@pytest.mark.parametrize(
+    "text, key_path",
+    [
+        ("variants: {a: 5}", "variants.a = 5: expected a mapping of recipe key paths"),
+        ("variants: [a, b]", "variants = ['a', 'b']: expected a mapping of variant names"),
+        ("overrides: 3\nvariants: {a: {}}", "overrides = 3: expected a mapping of recipe key paths"),
+        ("grid: {rank: [r8, r4]}", "grid.rank = ['r8', 'r4']: expected a mapping of level names"),
+        ("grid: {rank: {r8: peft.r}}", "grid.rank.r8 = 'peft.r': expected a mapping of recipe key paths"),
+        ("variants: {a: {}}}", "YAML syntax error at line 3"),
+    ],
+)
+def test_malformed_grid_exits_2_naming_the_key(tmp_path, capsys, text, key_path):
+    path = tmp_path / "grid.yaml"
+    path.write_text(f"base: {TINY_RECIPE}\noutput_dir: {tmp_path / 'ablation'}\n{text}\n")
+    assert main(["ablate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and key_path in err and "Traceback" not in err, err
+    assert not (tmp_path / "ablation").exists()
+
+
 def test_shipped_ablation_grid_validates(capsys):
     assert main(["ablate", str(REPO / "recipes" / "ablations" / "qwen3_0.6b_rewards.yaml"), "--validate-only"]) == 0
     assert "8 variants" in capsys.readouterr().out
