@@ -110,3 +110,16 @@ def test_tokenizer_and_batch_keys_dynamic_sampling_and_early_stop_rely_on(traine
     consume = inspect.getsource(GRPOTrainer._compute_loss)
     assert 'inputs.get("old_per_token_logps")' in consume and 'inputs["num_items_in_batch"]' in consume
     assert 'inputs["completion_mask"]' in consume and 'inputs["tool_mask"]' in consume
+
+
+def test_lora_reference_is_the_base_or_the_ref_adapter(tmp_path):
+    # hard_reset moves a LoRA run's KL reference by merging into the base (and resetting a "ref" adapter): TRL must
+    # keep no separate reference model for PEFT and compute the reference under `use_adapter(None | "ref")`.
+    model, tokenizer = tiny_model()
+    trainer = ProRLTrainer(
+        model=model, processing_class=tokenizer, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+        args=tiny_args(tmp_path, max_steps=1, beta=0.05), train_dataset=prompts_dataset(), peft_config=lora(),
+    )
+    assert trainer.beta == 0.05 and trainer.ref_model is None
+    source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    assert 'use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None)' in source
