@@ -72,6 +72,7 @@ def test_metrics_buffer_and_live_loss_attributes(trainer):
     # the sampler, not cache them at init.
     sampler_source = inspect.getsource(GRPOTrainer._get_train_sampler)
     assert "self.num_generations" in sampler_source and "self.args.generation_batch_size" in sampler_source
+    assert "self.args.steps_per_generation" in inspect.getsource(GRPOTrainer._prepare_inputs)  # _apply_phase sets it
     assert "self.reward_weights" in inspect.getsource(GRPOTrainer._generate_and_score_completions)
 
 
