@@ -107,7 +107,8 @@ def test_rerun_resumes_without_sampling_and_more_samples_only_draw_the_new_ones(
 @pytest.mark.parametrize(
     ("extra", "message"),
     [(["--k", "1,8"], "--n"), (["--subset", "always-wrong:nobody"], "nobody"), (["--reward", "nope"], "Unknown reward"),
-     (["--breakdown", "colour"], "colour"), (["--subset", "odd"], "non-integer")],
+     (["--breakdown", "colour"], "colour"), (["--subset", "odd"], "non-integer"),
+     (["--model", "third=/no/such/model"], "third=/no/such/model: local model folder not found")],
 )
 def test_bad_arguments_exit_2_before_any_work(two_models, shared_data, tmp_path, capsys, extra, message):
     out = tmp_path / "never"

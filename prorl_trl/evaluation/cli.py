@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..data.builders import is_local_source
 from .grading import DEFAULT_REWARDS, resolve_reward
 from .problems import DATASETS, check_breakdown, load_rows, select, with_problem_ids
 from .runner import ModelSpec, check_resumable
@@ -73,6 +74,9 @@ def _parse(args: argparse.Namespace) -> dict[str, Any]:
     names = [m.name for m in models]
     if len(set(names)) != len(names):
         raise ValueError(f"--model names must be unique, got {names}; write NAME=PATH with distinct names.")
+    for model in models:  # a typo in a local path would otherwise surface as a hub error after sampling started
+        if is_local_source(model.path) and not Path(model.path).expanduser().exists():
+            raise ValueError(f"--model {model.name}={model.path}: local model folder not found.")
     try:
         ks = sorted({int(k) for k in str(args.k).split(",") if k.strip()})
     except ValueError:
