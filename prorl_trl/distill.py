@@ -59,9 +59,8 @@ class DistillConfig:
 
         > Output
 
-        output_dir (`str`): Where the teacher samples (`samples/`, resumable), `distilled.jsonl`,
-            `distill_summary.json`, the SFT run (`sft/`) and the final student
-            in Hugging Face format (`model/`) go.
+        output_dir (`str`): Where `distilled.jsonl` and `distill_summary.json` (a re-run with the same sampling
+            settings reuses them), the SFT run (`sft/`) and the final student in Hugging Face format (`model/`) go.
     """
 
     teacher: str = field(metadata={"help": "Path (or hub id) of the teacher model, usually an RL-trained checkpoint."})
