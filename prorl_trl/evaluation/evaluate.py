@@ -9,7 +9,7 @@ from typing import Any
 
 from .grading import grade, reward_name
 from .regression import feature_regression
-from .report import always_wrong_table, passk_table, per_problem_table, write_outputs
+from .report import OVERALL, always_wrong_table, passk_table, per_problem_table, write_outputs
 from .passk import pass_at_k_per_problem
 from .runner import ModelSpec, sample_model
 from .sampling import SamplingSettings
@@ -81,7 +81,7 @@ def evaluate(
         from .plots import plot_pass1_histogram, plot_passk
 
         try:
-            plot_paths = [plot_passk(passk, out, group_by) for group_by in ["overall", *breakdown]]
+            plot_paths = [plot_passk(passk, out, group_by) for group_by in [OVERALL, *breakdown]]
             plot_paths += [plot_pass1_histogram(per_problem, spec.name, out) for spec in models]
         except ImportError:
             print("prorl-trl eval: plots skipped: they need matplotlib (pip install 'prorl-trl[plots]').")
@@ -116,7 +116,7 @@ def _regressions(per_problem, k: int, features: Sequence[str]) -> dict[str, Any]
 
 
 def _print_summary(passk, ks: Sequence[int], throughput: dict[str, dict[str, Any]]) -> None:
-    overall = passk[passk["group_by"] == "overall"]
+    overall = passk[passk["group_by"] == OVERALL]
     for model, part in overall.groupby("model", sort=False):
         values = "  ".join(f"pass@{int(r.k)}={r.pass_at_k:.3f}" for r in part.itertuples())
         print(f"{model}: {values}")
