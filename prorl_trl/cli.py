@@ -5,6 +5,7 @@
     prorl-trl ablate GRID [--parallel N]              run the variants of a grid file and tabulate them
     prorl-trl demo [--out DIR]                        offline tiny-model demo
     prorl-trl eval ...                                pass@k evaluation
+    prorl-trl distill --teacher T --student S ...     distil a teacher's verified solutions into a student (SFT)
 
 Subcommand modules are imported only when their subcommand runs, so `validate` stays fast and a missing optional
 module disables only its own subcommand. Exit status: 0 success, 1 failure while running, 2 bad input.

@@ -72,12 +72,11 @@ def _validation_callback(recipe: Recipe, eval_dataset: Any, args: Any) -> Any:
     from .evaluation.validation import ValidationCallback
 
     settings = recipe.validation
-    spec = (
-        next((s for s in recipe.rewards if s.name == settings.reward), None) if settings.reward else recipe.rewards[0]
-    )
+    # `validation.reward` was checked to name one of the recipe's rewards: grade with its params.
+    spec = next(s for s in recipe.rewards if s.name == (settings.reward or recipe.rewards[0].name))
     import rewards
 
-    reward = rewards.get_reward(spec.name, **spec.params) if spec else rewards.get_reward(settings.reward)
+    reward = rewards.get_reward(spec.name, **spec.params)
     return ValidationCallback(
         dataset=eval_dataset,
         reward_func=reward,
