@@ -162,6 +162,12 @@ BAD_INPUTS = {
     "unknown_reward": (changed("rewards.0.name", "boxed_answr"), "rewards.0.name", "'boxed_answr'", "available: "),
     "empty_phases": (changed("phases", []), "phases", "[]", "is empty"),
     "phase_without_max_steps": (changed("phases.0.max_steps", DELETE), "phases.0.max_steps", "", "required"),
+    "validation_reward_not_in_recipe": (
+        changed("validation.reward", "kk_logic"),
+        "validation.reward",
+        "'kk_logic'",
+        "names no reward of this recipe",
+    ),
     "top_p_above_1": (changed("validation.top_p", 1.5), "validation.top_p", "1.5", "<= 1"),
     "unknown_builder": (changed("data.builder", "gsm8"), "data.builder", "'gsm8'", "did you mean `gsm8k`"),
     "unknown_template": (
@@ -315,6 +321,30 @@ def test_validate_as_a_process_is_light_and_clean(tmp_path):
         assert "HEAVY []" in result.stdout and "Traceback" not in result.stderr
     assert "training.num_generations = 1" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_validation_grades_with_the_named_reward_and_its_params(tmp_path):
+    from datasets import Dataset
+
+    from prorl_trl.recipe_run import _validation_callback
+
+    recipe = load_recipe(
+        write(tmp_path, BASE),
+        [
+            "--rewards",
+            "[{name: boxed_answer}, {name: soft_overlong, params: {max_completion_len: 64, soft_punish_cache: 16}}]",
+            "--validation.reward",
+            "soft_overlong",
+        ],
+    )
+    rows = Dataset.from_dict({"prompt": ["1+1="], "answer": ["2"]})
+    callback = _validation_callback(recipe, rows, recipe.training_args(dry=True))
+    graded = callback.reward_func
+    assert "overlong" in getattr(graded, "__name__", type(graded).__name__).lower()
+    # its params reached it: 60 tokens lie in the last 16 before 64 (penalised); the default limit (20480) would give 0
+    assert graded(completions=["x"], completion_ids=[[0] * 60], answer=["2"])[0] < 0
+    default = _validation_callback(load_recipe(write(tmp_path, BASE)), rows, recipe.training_args(dry=True))
+    assert "boxed" in getattr(default.reward_func, "__name__", "").lower()
 
 
 def test_model_section_reaches_the_loader_settings(tmp_path):
