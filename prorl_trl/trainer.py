@@ -32,6 +32,7 @@ from transformers.trainer_utils import TrainOutput
 from trl import GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
+import rewards
 from prorl_trl import reset as reset_ops
 from prorl_trl.callbacks import HardResetCallback
 from prorl_trl.config import ProRLConfig, ResolvedPhase, resolve_phases
@@ -79,6 +80,9 @@ class ProRLTrainer(ProRLResetMixin, ProRLLoopMixin, GRPOTrainer):
         reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs] if reward_funcs else []
         self._num_user_rewards = len(reward_funcs)
         self._check_before_init(args, model, peft_config, reward_funcs, list(kwargs.get("callbacks") or []))
+        dataset_columns = getattr(kwargs.get("train_dataset"), "column_names", None)
+        if dataset_columns is not None:  # a registry reward missing its gold column fails now, not after generation
+            rewards.check_columns(reward_funcs, dataset_columns)
 
         self.overlong_penalty: OverlongPenalty | None = None
         if any(phase.overlong_buffer > 0 for phase in self.phases):
