@@ -1,20 +1,14 @@
 """`benchmarks/generation.py --smoke`: every method runs on the tiny model on CPU and the report is well formed."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "generation.py"
+from _benchmarks import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("generation_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("generation")
 
 
 def test_smoke_run_measures_every_method_and_renders_the_table(bench, tmp_path, capsys):

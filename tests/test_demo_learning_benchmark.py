@@ -1,17 +1,13 @@
 """benchmarks/learning.py runs end to end in its CPU smoke mode: warm start, (a) 3 phases with resets, (b) one phase,
 validation curves for both, one markdown table."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "learning.py"
+from _benchmarks import load_benchmark
 
 
 def test_learning_benchmark_smoke(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("learning_benchmark", BENCHMARK)
-    benchmark = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(benchmark)
+    benchmark = load_benchmark("learning")
     result = benchmark.main(["--smoke", "--out", str(tmp_path)])
     table = (tmp_path / "learning.md").read_text().strip().splitlines()
     assert capsys.readouterr().out.strip().splitlines()[-3:] == table

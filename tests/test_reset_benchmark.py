@@ -1,19 +1,12 @@
 """The GPU trainer benchmark (benchmarks/trainer_gpu.py) runs end to end in its CPU smoke mode and prints its table."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "trainer_gpu.py"
+from _benchmarks import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def benchmark():
-    spec = importlib.util.spec_from_file_location("trainer_gpu", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("trainer_gpu")
 
 
 def test_smoke_mode_prints_one_complete_table(benchmark, tmp_path, capsys):

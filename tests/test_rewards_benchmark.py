@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import rewards
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from _benchmarks import load_benchmark
 
 
 def test_rewards_throughput_smoke(shared_data, tmp_path):
-    path = REPO_ROOT / "benchmarks" / "rewards_throughput.py"
-    spec = importlib.util.spec_from_file_location("rewards_throughput_smoke", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_benchmark("rewards_throughput")
     output = tmp_path / "table.md"
     table = module.main(["--smoke", "--data", str(shared_data), "--output", str(output)])
     assert output.read_text().strip() == table.strip()

@@ -1,0 +1,17 @@
+"""Load a script from benchmarks/ as a module, so smoke tests call its `main` in-process."""
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """`benchmarks/<name>.py` as module `<name>_benchmark`, registered in `sys.modules` (dataclasses need it)."""
+    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
