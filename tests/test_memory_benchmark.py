@@ -1,0 +1,59 @@
+"""The per-phase memory benchmark (benchmarks/memory.py) runs in its CPU smoke mode, and its committed table is what its
+committed worker results give."""
+
+import json
+
+import pytest
+from _benchmarks import BENCHMARKS, load_benchmark
+
+RESULTS = BENCHMARKS / "results"
+
+
+@pytest.fixture(scope="module")
+def benchmark():
+    return load_benchmark("memory")
+
+
+def rows(table: str) -> list[list[str]]:
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in table.strip().splitlines()[2:]]
+
+
+def test_smoke_measures_every_recipe_phase_at_fixed_lengths(benchmark, tmp_path, capsys):
+    out = tmp_path / "memory.md"
+    table = benchmark.main(["--smoke", "--out", str(out)])
+    assert table in capsys.readouterr().out and table in out.read_text()
+    body = rows(table)
+    assert [row[0].split(" (")[0] for row in body] == ["0 initial", "1 reset-1", "2 reset-2", "3 reset-3", "4 reset-4"]
+    for row in body:
+        caps = row[1].split(" x ")[1]
+        assert row[6] == f"{caps} / {caps}"  # both trainers generated every completion to the phase's cap
+        assert float(row[5]) > 0 and row[7] in ("yes", "**no**") and row[8] in ("yes", "**no**")
+    assert body[4][1] == "16 x 16" and body[4][2].startswith("r8 ") and body[0][2] == "r4 k,q"
+
+
+def test_worker_processes_write_json_and_a_later_start_maps_to_its_phases(benchmark, tmp_path):
+    folder = tmp_path / "runs"
+    argv = ["--smoke", "--jobs", "2", "--workers", "prorl,grpo:4", "--prorl-from", "3", "--json-dir", str(folder)]
+    table = benchmark.main(argv)
+    prorl = json.loads((folder / "prorl.json").read_text())
+    assert prorl["first_phase"] == 3 and len(prorl["records"]) == 2  # reset-3 and reset-4
+    assert [phase["name"] for phase in prorl["resolved"]] == ["reset-3", "reset-4"]
+    assert prorl["resolved"][0]["top_p"] == 1.0 and prorl["resolved"][0]["temperature"] == 1.2  # as in the full run
+    body = rows(table)
+    assert body[0][3] == "not run" and body[0][4] == "not run"
+    assert body[4][4].endswith("(run from phase 3)") and body[4][5] != "n/a"
+    assert benchmark.main(["--from-json", str(folder / "prorl.json"), str(folder / "grpo_4.json")]) == table
+
+
+def test_unknown_worker_is_refused(benchmark):
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark.main(["--smoke", "--workers", "prorl,grpo:9"])
+    assert exit_info.value.code == 2
+
+
+def test_committed_table_is_what_the_committed_runs_give(benchmark):
+    runs = RESULTS / "memory_runs"
+    names = ["grpo_0", "grpo_1", "grpo_2", "grpo_3", "grpo_4", "prorl_phases_0-3", "prorl_from_phase_3"]
+    table = benchmark.main(["--from-json", *[str(runs / f"{name}.json") for name in names]])
+    assert table in (RESULTS / "memory.md").read_text()
+    assert all(row[7] == "yes" and row[8] == "yes" for row in rows(table))
