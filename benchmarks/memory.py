@@ -45,20 +45,21 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from peft import LoraConfig  # noqa: E402
-from transformers import Qwen2ForCausalLM, TrainerCallback  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.rewards import get_soft_overlong_punishment  # noqa: E402
 
 from prorl_trl.config import ProRLConfig, resolve_phases  # noqa: E402
 from prorl_trl.generation import configure_trainer_generation  # noqa: E402
 from prorl_trl.recipe import load_recipe  # noqa: E402
-from prorl_trl.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+from prorl_trl.tiny import build_tiny_tokenizer  # noqa: E402
 from prorl_trl.trainer import ProRLTrainer  # noqa: E402
+from trainer_gpu import build_model  # noqa: E402  (benchmarks/: tiny model on CPU, random Qwen2-0.5B in bf16 on GPU)
 
 DEFAULT_RECIPE = ROOT / "recipes" / "prorl_gsm8k_qwen2_0.5b.yaml"
 CARD_BYTES = 24e9  # "24 GB" card: decimal gigabytes
@@ -76,21 +77,6 @@ PHASE_TO_GRPO = (
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "num_generations", "max_completion_length",
     "generation_batch_size", "learning_rate", "beta", "epsilon", "epsilon_high",
 )  # fmt: skip
-
-
-def qwen2_05b_model(tokenizer, device: torch.device):
-    """Random Qwen2-0.5B in bf16 (the architecture of benchmarks/generation.py) with the tiny tokenizer's ids."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from generation import qwen2_05b_config
-
-    config = qwen2_05b_config()
-    config.pad_token_id, config.eos_token_id, config.bos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id, None
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    return model
 
 
 def load_settings(recipe_path: Path, overrides: list[str], smoke: bool, steps: int, workdir: str, first_phase: int = 0):
@@ -175,10 +161,6 @@ def device_label(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
     return f"CPU (smoke; peak = process RSS high-water mark), torch {torch.__version__}"
-
-
-def build_model(smoke: bool, tokenizer, device: torch.device):
-    return build_tiny_model(tokenizer, seed=0) if smoke else qwen2_05b_model(tokenizer, device)
 
 
 def lora_for(phase) -> LoraConfig:
