@@ -6,6 +6,8 @@ GPU machine needs no TRL):
                        under `torch.no_grad()`, model in train mode: dynamic KV cache, eager decode steps.
   static_compile       the same config after `prorl_trl.generation.enable_compiled_generation` (static cache sized
                        prompt + completion, `torch.compile(mode="reduce-overhead", dynamic=False)` of the decode step).
+  static_compile_gqa   static_compile with `prorl_trl.generation.use_gqa_decode_attention` (decode steps attend on the
+                       KV heads instead of copying them per query head).
   static_compile_top_p1  diagnostic: static_compile without top-p (no vocabulary sort per step).
   continuous_batching  `model.generate_batch(prompt_ids, generation_config=..., continuous_batching_config=
                        ContinuousBatchingConfig(max_memory_percent=0.5))` as TRL's `use_transformers_continuous_batching`.
@@ -40,11 +42,16 @@ import transformers
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from prorl_trl.generation import enable_compiled_generation, kv_cache_bytes_per_token  # noqa: E402
+from prorl_trl.generation import (  # noqa: E402
+    enable_compiled_generation,
+    kv_cache_bytes_per_token,
+    use_gqa_decode_attention,
+)
 
 METHODS = (
     "trl_default",
     "static_compile",
+    "static_compile_gqa",
     "static_compile_top_p1",
     "continuous_batching",
 )
@@ -142,7 +149,14 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
     top_p = 1.0 if method == "static_compile_top_p1" else args.top_p
     config = trl_generation_config(args, max_new_tokens, eos, pad, top_p)
     if method.startswith("static_compile"):
-        enable_compiled_generation(config, max_cache_len=args.prompt_length + max_new_tokens)
+        cache_len = max(args.cache_len or 0, args.prompt_length + max_new_tokens)
+        enable_compiled_generation(config, max_cache_len=cache_len)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if method == "static_compile_gqa":
+        if not use_gqa_decode_attention(model):
+            raise RuntimeError(f"use_gqa_decode_attention did not apply ({base.config._attn_implementation})")
+    elif base.config._attn_implementation != "sdpa":
+        base.set_attn_implementation("sdpa")  # undo an earlier static_compile_gqa on the same model
     if method.startswith("continuous_batching"):
         from transformers.generation import ContinuousBatchingConfig
 
@@ -243,7 +257,8 @@ def render(meta: dict, rows: list[dict]) -> str:
         f"{meta['transformers']} | peft {meta.get('peft')} | dtype {meta['dtype']} | prompts "
         f"{meta['num_prompts']} x prompt length {meta['prompt_length']} | temperature {meta['temperature']}, "
         f"top_p {meta['top_p']} | copy bandwidth {meta['bandwidth_gb_s']:.0f} GB/s (read + write) | "
-        f"amortised over {meta['phase_steps']} generations per phase",
+        f"amortised over {meta['phase_steps']} generations per phase"
+        + (f" | static cache length {meta['cache_len']}" if meta.get("cache_len") else ""),
         "",
         "| shape (seqs x new tokens) | model | method | tokens/s (steady) | x TRL default | first-call overhead "
         "(s) | tokens/s amortised | x TRL default (amortised) | ms/step | decode floor ms/step | % of decode "
@@ -293,6 +308,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt-length", type=int, default=128, help="padded prompt tokens")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=0.7)
+    parser.add_argument("--cache-len", type=int, default=None,
+                        help="static cache length (the trainer's: generation_max_prompt_length + max_completion_length)")
     parser.add_argument("--repeats", type=int, default=2, help="timed calls after the warm-up call")
     parser.add_argument("--phase-steps", type=int, default=50, help="generations a compile is amortised over")
     parser.add_argument("--budget-s", type=float, default=520, help="skip what is left after this many seconds")
@@ -336,7 +353,7 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__, "transformers": transformers.__version__, "peft": peft_version,
         "dtype": str(dtype).removeprefix("torch."), "num_prompts": args.num_prompts,
         "prompt_length": args.prompt_length, "temperature": args.temperature, "top_p": args.top_p,
-        "bandwidth_gb_s": bandwidth / 1e9, "phase_steps": args.phase_steps,
+        "bandwidth_gb_s": bandwidth / 1e9, "phase_steps": args.phase_steps, "cache_len": args.cache_len,
     }
     print(f"# {meta}", flush=True)
     start, rows = time.perf_counter(), []

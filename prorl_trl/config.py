@@ -202,8 +202,8 @@ class ProRLConfig(GRPOConfig):
 
         > Generation speed
 
-        compiled_generation (`bool`, defaults to `False`): Static KV cache + compiled decode step on GPU (see
-            `prorl_trl.generation`); the shipped recipes enable it.
+        compiled_generation (`bool`, defaults to `False`): Static KV cache + compiled decode step + grouped-query
+            decode attention on GPU (see `prorl_trl.generation`); the shipped recipes enable it.
         generation_max_prompt_length (`int`, *optional*): Prompt budget of the static cache, so each phase
             compiles once.
 
@@ -259,9 +259,9 @@ class ProRLConfig(GRPOConfig):
     compiled_generation: bool = field(
         default=False,
         metadata={
-            "help": "Generate with a static KV cache and a torch.compile'd (CUDA-graph) decode step on TRL's "
-            "transformers path: 3.5-6x faster on GPU (benchmarks/results/generation.md); the recipes turn it on. "
-            "No effect on CPU, with vLLM or with continuous batching."
+            "help": "Generate with a static KV cache, a torch.compile'd (CUDA-graph) decode step and grouped-query "
+            "decode attention on TRL's transformers path: 3.5-6x faster on GPU (benchmarks/results/generation.md); "
+            "the recipes turn it on. No effect on CPU, with vLLM or with continuous batching."
         },
     )
     generation_max_prompt_length: int | None = field(
