@@ -168,29 +168,27 @@ def lora_for(phase) -> LoraConfig:
                       lora_dropout=0.0, task_type="CAUSAL_LM")  # fmt: skip
 
 
-def run_prorl(recipe, kwargs: dict, smoke: bool, device, tokenizer, dataset, probe: PhaseMemory) -> None:
+def run_prorl(recipe, args: ProRLConfig, smoke: bool, device, tokenizer, dataset, probe: PhaseMemory) -> None:
     """All phases in one ProRLTrainer run; `probe` records each phase."""
     trainer = ProRLTrainer(
-        model=build_model(smoke, tokenizer, device), reward_funcs=recipe.reward_functions(), args=ProRLConfig(**kwargs),
+        model=build_model(smoke, tokenizer, device), reward_funcs=recipe.reward_functions(), args=args,
         train_dataset=dataset, processing_class=tokenizer, peft_config=recipe.peft_config(), callbacks=[probe],
     )  # fmt: skip
     probe.watch_generation(trainer.model)
     trainer.train()
 
 
-def run_grpo(recipe, kwargs: dict, phase_index: int, smoke: bool, device, tokenizer, dataset, probe: PhaseMemory) -> None:
-    """Vanilla GRPOTrainer at phase `phase_index`'s settings, fresh model; `probe` records the phase."""
-    prorl_args = ProRLConfig(**kwargs)
-    phase = resolve_phases(prorl_args, recipe.peft_config(), world_size=1)[phase_index]
+def run_grpo(recipe, kwargs: dict, prorl_args: ProRLConfig, phase, smoke: bool, device, tokenizer, dataset,
+             probe: PhaseMemory) -> None:
+    """Vanilla GRPOTrainer at `phase`'s (resolved) settings, fresh model; `probe` records the phase."""
     grpo_kwargs = {k: v for k, v in kwargs.items() if k in GRPO_FIELDS and k != "steps_per_generation"}
     grpo_kwargs.update({name: getattr(phase, name) for name in PHASE_TO_GRPO}, max_steps=phase.max_steps)
     reward_funcs = recipe.reward_functions()
     if phase.overlong_buffer:
         reward_funcs.append(get_soft_overlong_punishment(phase.max_completion_length, phase.overlong_buffer))
         grpo_kwargs["reward_weights"] = list(grpo_kwargs["reward_weights"]) + [phase.overlong_penalty_factor]
-    args = GRPOConfig(**grpo_kwargs)
     trainer = GRPOTrainer(
-        model=build_model(smoke, tokenizer, device), reward_funcs=reward_funcs, args=args, train_dataset=dataset,
+        model=build_model(smoke, tokenizer, device), reward_funcs=reward_funcs, args=GRPOConfig(**grpo_kwargs), train_dataset=dataset,
         processing_class=tokenizer, peft_config=lora_for(phase), callbacks=[probe],
     )  # fmt: skip
     if prorl_args.compiled_generation:
@@ -216,18 +214,20 @@ def worker(name: str, options: argparse.Namespace, save=None) -> dict:
         recipe, kwargs = load_settings(options.recipe, options.set, options.smoke, options.steps, workdir, first)
         dataset = prompt_dataset(tokenizer, options.prompt_tokens or kwargs.get("generation_max_prompt_length") or 512)
         args = ProRLConfig(**kwargs)
+        phases = resolve_phases(args, recipe.peft_config())
         keys = ("per_device_train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "compiled_generation")
         result = {
             "worker": name, "first_phase": first, "records": [], "device": device_label(device), "prompt_tokens": len(dataset[0]["prompt"]),
             "training": {key: getattr(args, key) for key in keys},
-            "resolved": [dataclasses.asdict(phase) for phase in resolve_phases(args, recipe.peft_config())],
+            "resolved": [dataclasses.asdict(phase) for phase in phases],
         }  # fmt: skip
         probe = PhaseMemory(device, on_record=lambda records: save and save(dict(result, records=records)))
         try:
             if name == "prorl":
-                run_prorl(recipe, kwargs, options.smoke, device, tokenizer, dataset, probe)
+                run_prorl(recipe, args, options.smoke, device, tokenizer, dataset, probe)
             else:
-                run_grpo(recipe, kwargs, int(name.split(":")[1]), options.smoke, device, tokenizer, dataset, probe)
+                phase = phases[int(name.split(":")[1])]
+                run_grpo(recipe, kwargs, args, phase, options.smoke, device, tokenizer, dataset, probe)
         except torch.OutOfMemoryError as error:
             result["error"] = f"OOM: {str(error).splitlines()[0][:160]}"
         finally:

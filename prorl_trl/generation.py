@@ -169,6 +169,11 @@ def sdpa_gqa_decode_forward(
     return output.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
 
 
+def _text_config(config: Any) -> Any:
+    """The decoder's config (multimodal configs nest it)."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
 def use_gqa_decode_attention(model: Any) -> bool:
     """Switch `model` (a transformers model, or a PEFT model around one) from "sdpa" to `sdpa_gqa_decode_forward`.
 
@@ -180,14 +185,14 @@ def use_gqa_decode_attention(model: Any) -> bool:
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
-    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    heads = getattr(text_config, "num_attention_heads", None)
-    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
-    if getattr(config, "_attn_implementation", None) == GQA_DECODE_ATTENTION:
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation == GQA_DECODE_ATTENTION:
         return True
-    if config is None or getattr(config, "_attn_implementation", None) != "sdpa" or not heads or kv_heads >= heads:
+    if implementation != "sdpa" or not hasattr(base, "set_attn_implementation"):
         return False
-    if not hasattr(base, "set_attn_implementation"):
+    text_config = _text_config(config)
+    heads = getattr(text_config, "num_attention_heads", None)
+    if not heads or (getattr(text_config, "num_key_value_heads", None) or heads) >= heads:
         return False
     AttentionInterface.register(GQA_DECODE_ATTENTION, sdpa_gqa_decode_forward)
     AttentionMaskInterface.register(GQA_DECODE_ATTENTION, sdpa_mask)
@@ -197,7 +202,7 @@ def use_gqa_decode_attention(model: Any) -> bool:
 
 def kv_cache_bytes_per_token(config: Any, dtype: torch.dtype = torch.bfloat16) -> int:
     """Bytes of keys and values one token occupies across all layers (what each decode step re-reads per token)."""
-    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text_config = _text_config(config)
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
     num_kv_heads = text_config.num_key_value_heads or text_config.num_attention_heads
     element_size = torch.tensor([], dtype=dtype).element_size()
