@@ -21,6 +21,7 @@ Heavy dependencies load lazily: math-verify/sympy run in a child process on the 
 
 from __future__ import annotations
 
+from . import builtin  # noqa: F401  (fills BUILTIN_REWARDS)
 from ._base import CorrectnessReward, MissingColumnError, Reward, check_columns
 from ._text import as_rational, completion_text, extract_boxed, gold_number, gold_text, normalize_answer
 from .correctness import BoxedAnswer, MathEquivalence

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ._base import MissingColumnError, Reward, require_completions
+from .registry import get_reward
 
 
 def _require_ids(reward_name: str, completion_ids: Any) -> None:
@@ -40,8 +41,6 @@ class _CheckedLengthReward(Reward):
     def _init_checker(self, checker: Any, answer_key: str) -> None:
         self.checker, self.answer_key = checker, answer_key
         if isinstance(checker, str):
-            from .registry import get_reward
-
             self._checker = get_reward(checker, answer_key=answer_key)
         else:
             if answer_key != "answer":

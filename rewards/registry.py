@@ -1,4 +1,7 @@
-"""The reward registry: one table of built-ins, `register` for user rewards, `get_reward` to build one."""
+"""The reward registry: `register` for user rewards, `get_reward` to build one, `available` to list them.
+
+The built-ins are listed in `rewards/builtin.py`, which fills `BUILTIN_REWARDS` on import.
+"""
 
 from __future__ import annotations
 
@@ -8,24 +11,10 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from .correctness import BoxedAnswer, MathEquivalence
-from .formatting import ReasoningSteps, TagCount, ThinkAnswerFormat
-from .length import CosineScaled, KimiLength, RepetitionPenalty, SoftOverlong
-from .logic import KKLogic
-
-# The built-in rewards, name -> factory. Formulas and sources: ../shared/notes/reward-formulas.md.
-BUILTIN_REWARDS: dict[str, Callable[..., Callable]] = {
-    "boxed_answer": BoxedAnswer,  # seed rule: last \boxed{} as a float == gold number; +1 / -1
-    "math_equivalence": MathEquivalence,  # math-verify equivalence, numeric fast path, bounded per item; 1 / 0
-    "think_answer_format": ThinkAnswerFormat,  # open-r1 format_reward; 1 / 0
-    "tag_count": TagCount,  # open-r1: 0.25 per tag present exactly once
-    "reasoning_steps": ReasoningSteps,  # open-r1: min(1, steps / 3)
-    "cosine_scaled": CosineScaled,  # cosine of token length, direction by correctness
-    "kimi_length": KimiLength,  # Kimi k1.5 length reward per prompt group
-    "repetition_penalty": RepetitionPenalty,  # token n-gram repetition (trl.rewards)
-    "soft_overlong": SoftOverlong,  # DAPO Eq. 13 (trl.rewards)
-    "kk_logic": KKLogic,  # Logic-RL knights & knaves: 3 / -0.5 / -1 / -3
-}
+# The built-in rewards, name -> factory. The table itself is `rewards/builtin.py` (one screen, every built-in in one
+# place); it fills this dict when `rewards` is imported. Kept apart so reward modules can look rewards up by name
+# (`cosine_scaled`'s checker) without importing the table that imports them.
+BUILTIN_REWARDS: dict[str, Callable[..., Callable]] = {}
 
 _USER_REWARDS: dict[str, Callable[..., Callable]] = {}
 _REWARD_ARGUMENTS = {"prompts", "completions", "completion_ids"}
