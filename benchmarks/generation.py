@@ -4,9 +4,9 @@ Methods (each reproduces what `trl==1.16.0` `GRPOTrainer._generate_single_turn` 
 GPU machine needs no TRL):
   trl_default          `model.generate(generation_config=GenerationConfig(**generation_kwargs, disable_compile=True))`
                        under `torch.no_grad()`, model in train mode: dynamic KV cache, eager decode steps.
-  static_compile       the same config after `prorl_trl.generation.enable_compiled_generation` (static cache sized
+  static_compile       the same config after `prorl_trl.rollout.compiled.enable_compiled_generation` (static cache sized
                        prompt + completion, `torch.compile(mode="reduce-overhead", dynamic=False)` of the decode step).
-  static_compile_gqa   static_compile with `prorl_trl.generation.use_gqa_decode_attention` (decode steps attend on the
+  static_compile_gqa   static_compile with `prorl_trl.rollout.gqa_attention.use_gqa_decode_attention` (decode steps attend on the
                        KV heads instead of copying them per query head).
   static_compile_top_p1  diagnostic: static_compile without top-p (no vocabulary sort per step).
   continuous_batching  `model.generate_batch(prompt_ids, generation_config=..., continuous_batching_config=
@@ -42,11 +42,8 @@ import transformers
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from prorl_trl.generation import (  # noqa: E402
-    enable_compiled_generation,
-    kv_cache_bytes_per_token,
-    use_gqa_decode_attention,
-)
+from prorl_trl.rollout.compiled import enable_compiled_generation  # noqa: E402
+from prorl_trl.rollout.gqa_attention import kv_cache_bytes_per_token, use_gqa_decode_attention  # noqa: E402
 
 METHODS = (
     "trl_default",

@@ -18,7 +18,7 @@ and checkpoints, logging backends and validation off.
   where the previous one closed, so it includes the reset that starts it.
 - GRPOTrainer runs each phase in a fresh process with that phase's settings (sampling, group size, generation batch,
   completion cap, LoRA rank and targets; the overlong buffer as TRL's `get_soft_overlong_punishment`) and the same
-  compiled static-cache generation (`prorl_trl.generation.configure_trainer_generation`, which only edits TRL's
+  compiled static-cache generation (`prorl_trl.rollout.compiled.configure_trainer_generation`, which only edits TRL's
   `GenerationConfig`), so the comparison isolates the trainer.
 Peak = `torch.cuda.max_memory_allocated` / `max_memory_reserved` over the window; every `generate` call is timed too
 (in the JSON, informational). A random model does not stop, and
@@ -55,7 +55,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.rewards import get_soft_overlong_punishment  # noqa: E402
 
 from prorl_trl.config import ProRLConfig, resolve_phases  # noqa: E402
-from prorl_trl.generation import configure_trainer_generation  # noqa: E402
+from prorl_trl.rollout.compiled import configure_trainer_generation  # noqa: E402
 from prorl_trl.recipe import load_recipe  # noqa: E402
 from prorl_trl.tiny import build_tiny_tokenizer  # noqa: E402
 from prorl_trl.trainer import ProRLTrainer  # noqa: E402

@@ -38,7 +38,7 @@ from peft import LoraConfig  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from prorl_trl.callbacks import HardResetCallback  # noqa: E402
+from prorl_trl.trainer.callbacks import HardResetCallback  # noqa: E402
 from prorl_trl.config import ProRLConfig  # noqa: E402
 from prorl_trl.reset import save_merged_model  # noqa: E402
 from prorl_trl.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402

@@ -15,15 +15,15 @@ _LAZY = {
     "PhaseConfig": "prorl_trl.config",
     "resolve_phases": "prorl_trl.config",
     "ProRLTrainer": "prorl_trl.trainer",
-    "HardResetCallback": "prorl_trl.callbacks",
-    "SamplingScheduleCallback": "prorl_trl.callbacks",
+    "HardResetCallback": "prorl_trl.trainer.callbacks",
+    "SamplingScheduleCallback": "prorl_trl.trainer.callbacks",
     "ValidationCallback": "prorl_trl.evaluation.validation",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .callbacks import HardResetCallback, SamplingScheduleCallback
+    from .trainer.callbacks import HardResetCallback, SamplingScheduleCallback
     from .config import PhaseConfig, ProRLConfig, resolve_phases
     from .evaluation.validation import ValidationCallback
     from .trainer import ProRLTrainer

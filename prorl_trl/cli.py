@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
-from .recipe_schema import RecipeError
+from .recipe.schema import RecipeError
 
 # Subcommands owned by other modules: name -> (module, add-arguments function, run function, help).
 PLUGGED_COMMANDS = {
     "demo": ("prorl_trl.demo", "add_demo_arguments", "run_demo", "offline demo: tiny model, synthetic task, report"),
     "eval": ("prorl_trl.evaluation.cli", "add_eval_arguments", "run_eval", "sample, grade and report pass@k"),
-    "distill": ("prorl_trl.distill", "add_distill_arguments", "run_distill", "distil a teacher into a tiny model"),
+    "distill": ("prorl_trl.distill.cli", "add_distill_arguments", "run_distill", "distil a teacher into a tiny model"),
 }
 
 OVERRIDES_HELP = (
@@ -116,8 +116,8 @@ def _add_ablate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_validate(args: argparse.Namespace) -> int:
-    from .recipe import load_recipe
-    from .recipe_run import describe_recipe
+    from .recipe.load import load_recipe
+    from .recipe.run import describe_recipe
 
     recipe = load_recipe(args.recipe, args.overrides, world_size=args.num_processes, dry=True)
     for warning in recipe.warnings:
@@ -128,13 +128,13 @@ def _run_validate(args: argparse.Namespace) -> int:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from .recipe_run import run_train
+    from .recipe.run import run_train
 
     return run_train(args.recipe, args.overrides)
 
 
 def _run_ablate(args: argparse.Namespace) -> int:
-    from .ablate import run_ablate
+    from .recipe.ablate import run_ablate
 
     return run_ablate(args)
 

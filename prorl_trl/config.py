@@ -203,7 +203,7 @@ class ProRLConfig(GRPOConfig):
         > Generation speed
 
         compiled_generation (`bool`, defaults to `False`): Static KV cache + compiled decode step + grouped-query
-            decode attention on GPU (see `prorl_trl.generation`); the shipped recipes enable it.
+            decode attention on GPU (see `prorl_trl.rollout.compiled`); the shipped recipes enable it.
         generation_max_prompt_length (`int`, *optional*): Prompt budget of the static cache, so each phase
             compiles once.
 

@@ -155,7 +155,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def demo_recipe(out: Path, smoke: bool) -> dict[str, Any]:
     """The recipe mapping the demo runs: the embedded default, its folders under `out`, shrunk for `--smoke`."""
-    from .recipe import apply_overrides
+    from .recipe.reading import apply_overrides
 
     raw = copy.deepcopy(DEMO_RECIPE)
     overrides = [("model.name_or_path", str(out / "warm_start")), ("training.output_dir", str(out / "run"))]
@@ -169,8 +169,8 @@ def run_demo_pipeline(
     out: Path, smoke: bool, sft_steps: int, sft_learning_rate: float, seed: int = 0
 ) -> dict[str, Any]:
     """Warm start, RL (the recipe, via `prorl-trl train`'s code), plots and report. Returns the summary."""
-    from .recipe import recipe_from_dict
-    from .recipe_run import run_train
+    from .recipe.load import recipe_from_dict
+    from .recipe.run import run_train
     from .tiny import build_tiny
 
     started = time.time()

@@ -22,7 +22,7 @@ from datasets import Dataset  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from prorl_trl.callbacks import HardResetCallback  # noqa: E402
+from prorl_trl.trainer.callbacks import HardResetCallback  # noqa: E402
 from prorl_trl.config import ProRLConfig  # noqa: E402
 from prorl_trl.reset import lora_parameters, merge_lora_in_place, reinit_adapter  # noqa: E402
 from prorl_trl.tiny import build_tiny  # noqa: E402

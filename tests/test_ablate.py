@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from prorl_trl.ablate import load_grid
+from prorl_trl.recipe.ablate import load_grid
 from prorl_trl.cli import main
-from prorl_trl.recipe_schema import RecipeError
+from prorl_trl.recipe import RecipeError
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_RECIPE = REPO / "tests" / "recipes" / "tiny_gsm8k.yaml"

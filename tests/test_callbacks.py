@@ -5,7 +5,7 @@ from _prorl_helpers import Recorder, lora, prompts_dataset, tiny_args, tiny_mode
 from transformers import TrainerCallback
 
 from prorl_trl import HardResetCallback, PhaseConfig, ProRLTrainer, SamplingScheduleCallback
-from prorl_trl.callbacks import PlateauTracker
+from prorl_trl.trainer.callbacks import PlateauTracker
 
 
 def constant(completions, **kwargs):

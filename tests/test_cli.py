@@ -72,7 +72,7 @@ def test_help_lists_every_subcommand(capsys):
     text = capsys.readouterr().out
     for command in ("train", "validate", "ablate"):
         assert command in text
-    for command, module in (("demo", "demo.py"), ("eval", "evaluation/cli.py"), ("distill", "distill.py")):
+    for command, module in (("demo", "demo.py"), ("eval", "evaluation/cli.py"), ("distill", "distill/cli.py")):
         assert (command in text) == (REPO / "prorl_trl" / module).is_file()
 
 

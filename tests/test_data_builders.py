@@ -12,7 +12,7 @@ import rewards
 from prorl_trl.data import BUILDERS, build_dataset
 from prorl_trl.data.builders import gsm8k_gold, last_boxed_content
 from prorl_trl.data.templates import KK_SYSTEM, render_prompt
-from prorl_trl.recipe_schema import DataSection
+from prorl_trl.data.spec import DataSection
 from prorl_trl.tiny import build_tiny_tokenizer
 
 

@@ -16,12 +16,12 @@ from prorl_trl.distill import (
     DistillConfig,
     add_distill_arguments,
     check_distill_section,
-    config_from_args,
     distill,
     distill_config_from_section,
     run_distill_section,
 )
-from prorl_trl.rejection_sampling import grade_samples, read_jsonl, rejection_sample, select_correct, write_jsonl
+from prorl_trl.distill.cli import config_from_args
+from prorl_trl.distill.rejection_sampling import grade_samples, read_jsonl, rejection_sample, select_correct, write_jsonl
 from rewards import get_reward
 
 CPU = {"use_cpu": True, "bf16": False, "report_to": "none"}
@@ -278,7 +278,7 @@ def _section_keys():
 
 
 def test_section_defaults_to_the_recipe_data():
-    from prorl_trl.recipe_schema import DataSection
+    from prorl_trl.data.spec import DataSection
 
     data = DataSection(builder="kk", options={"num_people": 3}, validation_split="test")
     config = distill_config_from_section({"teacher": "t", "reward": "kk_logic"}, "m", "o", data=data)
@@ -324,7 +324,7 @@ def test_shipped_recipe_is_the_seed_setup():
     import yaml
 
     from prorl_trl.recipe import recipe_from_dict
-    from prorl_trl.recipe_schema import TOP_LEVEL_KEYS
+    from prorl_trl.recipe.schema import TOP_LEVEL_KEYS
 
     raw = yaml.safe_load(
         (Path(__file__).resolve().parent.parent / "recipes" / "distill_kk_qwen2.5_1.5b.yaml").read_text()
@@ -339,7 +339,7 @@ def test_shipped_recipe_is_the_seed_setup():
 
 def test_train_student_on_conversational_rows(tiny_dir, tmp_path, one_thread):
     """Chat-format distilled rows (prompt messages + assistant completion) train through the chat template."""
-    from prorl_trl.distill_sft import train_student
+    from prorl_trl.distill.sft import train_student
 
     rows = [
         {

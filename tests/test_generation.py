@@ -1,4 +1,4 @@
-"""The compiled static-cache generation path (prorl_trl.generation) and the trl 1.16 internals it relies on."""
+"""The compiled static-cache generation path (prorl_trl.rollout.compiled) and the trl 1.16 internals it relies on."""
 
 import inspect
 
@@ -10,13 +10,13 @@ from peft import LoraConfig
 from transformers import CompileConfig, GenerationConfig
 from trl import GRPOConfig, GRPOTrainer
 
-from prorl_trl.generation import (
+from prorl_trl.rollout.compiled import (
     MIN_RECOMPILE_LIMIT,
     configure_trainer_generation,
     default_compile_config,
     enable_compiled_generation,
-    kv_cache_bytes_per_token,
 )
+from prorl_trl.rollout.gqa_attention import kv_cache_bytes_per_token
 from prorl_trl.tiny import build_tiny
 
 MAX_COMPLETION_LENGTH = 6

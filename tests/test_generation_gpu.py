@@ -16,7 +16,7 @@ import torch
 from transformers import GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from prorl_trl.generation import enable_compiled_generation  # noqa: E402
+from prorl_trl.rollout.compiled import enable_compiled_generation  # noqa: E402
 from prorl_trl.tiny import build_tiny  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA graphs)")

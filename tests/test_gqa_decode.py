@@ -1,4 +1,4 @@
-"""Grouped-query decode attention (prorl_trl.generation.use_gqa_decode_attention): same results as transformers' SDPA,
+"""Grouped-query decode attention (prorl_trl.rollout.gqa_attention.use_gqa_decode_attention): same results as transformers' SDPA,
 no per-head copies of the cache in one-token steps, and only switched on where it applies."""
 
 import json
@@ -11,13 +11,8 @@ from transformers import AttentionInterface, AutoModelForCausalLM, GenerationCon
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
-from prorl_trl.generation import (
-    GQA_DECODE_ATTENTION,
-    configure_trainer_generation,
-    enable_compiled_generation,
-    sdpa_gqa_decode_forward,
-    use_gqa_decode_attention,
-)
+from prorl_trl.rollout.compiled import configure_trainer_generation, enable_compiled_generation
+from prorl_trl.rollout.gqa_attention import GQA_DECODE_ATTENTION, sdpa_gqa_decode_forward, use_gqa_decode_attention
 from prorl_trl.tiny import build_tiny
 
 

@@ -326,7 +326,7 @@ def test_validate_as_a_process_is_light_and_clean(tmp_path):
 def test_validation_grades_with_the_named_reward_and_its_params(tmp_path):
     from datasets import Dataset
 
-    from prorl_trl.recipe_run import _validation_callback
+    from prorl_trl.recipe.run import _validation_callback
 
     recipe = load_recipe(
         write(tmp_path, BASE),

@@ -22,7 +22,7 @@ from prorl_trl.reset import (
     reinit_adapter,
 )
 from prorl_trl.tiny import build_tiny
-from prorl_trl.vllm_sync import (
+from prorl_trl.rollout.vllm_sync import (
     VLLM_SAMPLING_ATTRIBUTES,
     apply_vllm_sampling,
     force_weight_sync,

@@ -16,7 +16,7 @@ from peft import LoraConfig
 from transformers import TrainerCallback
 
 from prorl_trl.config import ProRLConfig
-from prorl_trl.resume import PRORL_STATE_NAME, latest_checkpoint
+from prorl_trl.reset.checkpoint import PRORL_STATE_NAME, latest_checkpoint
 from prorl_trl.tiny import build_tiny
 from prorl_trl.trainer import ProRLTrainer
 

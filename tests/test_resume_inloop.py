@@ -9,7 +9,7 @@ point and the weights drifted by ~8e-3.
 import pytest
 from test_resume import CrashDuringSave, Interrupted, make_trainer, weights
 
-from prorl_trl.callbacks import HardResetCallback
+from prorl_trl.trainer.callbacks import HardResetCallback
 
 
 def test_resume_after_in_phase_reset_matches_uninterrupted_run(tmp_path):

@@ -8,8 +8,8 @@ from _prorl_helpers import Recorder, lora, prompts_dataset, tiny_args, tiny_mode
 from transformers import TrainerCallback
 
 from prorl_trl import PhaseConfig, ProRLTrainer
-from prorl_trl.dynamic_sampling import dynamic_sampling_step, select_rows, uniform_groups
-from prorl_trl.overlong import OverlongPenalty, overlong_penalty
+from prorl_trl.trainer.dynamic_sampling import dynamic_sampling_step, select_rows, uniform_groups
+from prorl_trl.trainer.overlong import OverlongPenalty, overlong_penalty
 
 
 def test_overlong_formula_matches_dapo_worked_values():

@@ -12,13 +12,13 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import BUILDERS
+from .catalog import BUILDERS
 from .templates import render_prompt
 
 if TYPE_CHECKING:  # pragma: no cover
     from datasets import Dataset
 
-    from ..recipe_schema import DataSection
+    from .spec import DataSection
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .evaluation.sampling import completion_for_reward
+from ..evaluation.sampling import completion_for_reward
 
 SampleFn = Callable[[list[Any], int], list[list[str]]]
 """`sample_fn(prompts, n)` -> `n` completion texts for every prompt (the teacher's sampler, or a stand-in)."""
@@ -201,8 +201,8 @@ def teacher_sample_fn(
     missing (the sampler refuses to resume with other sampling settings or other prompts). Conversational prompts
     are rendered with the teacher's chat template. The model is loaded for the call and released after it.
     """
-    from .evaluation.runner import ModelSpec, check_resumable, sample_model
-    from .evaluation.sampling import SamplingSettings, vllm_available
+    from ..evaluation.runner import ModelSpec, check_resumable, sample_model
+    from ..evaluation.sampling import SamplingSettings, vllm_available
 
     if use_vllm and not vllm_available():
         raise RuntimeError("use_vllm=True but vLLM is not importable: `pip install -e .[vllm]`, or sample without it.")

@@ -1,7 +1,7 @@
 """Running a distillation: data, teacher sampling (sharded across processes), rejection, student fine-tuning.
 
-`distill(config)` is the whole run; `prorl_trl.distill` holds its settings (`DistillConfig`), the command line and
-the recipe section. Everything here works from the settings alone, and resumes from what `output_dir` holds.
+`distill(config)` is the whole run; `config` holds its settings (`DistillConfig`), `cli` the command line and
+`section` the recipe section. Everything here works from the settings alone, and resumes from what `output_dir` holds.
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import json
 import logging
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .distill_sft import train_student
+from ..data.spec import DataSection
+from .config import DistillConfig
 from .rejection_sampling import (
     RejectionStats,
     RewardFn,
@@ -24,9 +25,7 @@ from .rejection_sampling import (
     teacher_sample_fn,
     write_jsonl,
 )
-
-if TYPE_CHECKING:
-    from .distill import DistillConfig
+from .sft import train_student
 
 logger = logging.getLogger("prorl_trl.distill")
 
@@ -35,14 +34,12 @@ SUMMARY_FILE = "distill_summary.json"
 
 
 def _data_section(config: DistillConfig) -> Any:
-    from .recipe_schema import DataSection
-
     return DataSection(builder=config.dataset, **config.dataset_kwargs)
 
 
 def load_problems(config: DistillConfig) -> Any:
     """The training problems: the data builder's train split (`prompt` + gold columns), as in a recipe's `data:`."""
-    from .data import build_dataset
+    from ..data import build_dataset
 
     data = _data_section(config)
     dataset = build_dataset(data, "train", load_tokenizer(config.teacher) if data.max_prompt_tokens else None)
@@ -53,11 +50,9 @@ def load_problems(config: DistillConfig) -> Any:
 
 def check_names(config: DistillConfig, check_dataset: bool = True, check_reward: bool = True) -> None:
     """Raise `ValueError` for an unknown data builder, builder option or reward, before anything is loaded."""
-    from .recipe_schema import DataSection
-
     problems = []
     if check_dataset:
-        from .data import BUILDERS
+        from ..data import BUILDERS
 
         if config.dataset not in BUILDERS:
             problems.append(

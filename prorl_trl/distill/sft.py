@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .distill import DistillConfig
+from .config import DistillConfig
 
 SFT_DIR = "sft"
 MODEL_DIR = "model"

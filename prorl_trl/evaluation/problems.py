@@ -27,7 +27,7 @@ def load_rows(
     `source` is a hub id or a local file/folder (`--data-files`); None: the builder's hub id.
     """
     from prorl_trl.data import BUILDERS, build_dataset
-    from prorl_trl.recipe_schema import DataSection
+    from prorl_trl.data.spec import DataSection
 
     if name not in DATASETS:
         raise ValueError(f"Unknown dataset {name!r}; choose one of {', '.join(DATASETS)}.")

@@ -154,7 +154,7 @@ def sample_transformers(
     # Compiled decoding recompiles for every new shape, so every batch gets the same width and row count.
     fixed_width = max((len(encoded[p]) for p, _ in order), default=0) if settings.compile else None
     if settings.compile:
-        from prorl_trl.generation import enable_compiled_generation
+        from prorl_trl.rollout.compiled import enable_compiled_generation
 
         enable_compiled_generation(config, max_cache_len=fixed_width + settings.max_completion_length)
     eos, pad = set(config.eos_token_id), config.pad_token_id

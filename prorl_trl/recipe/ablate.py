@@ -39,8 +39,8 @@ from typing import Any
 
 import yaml
 
-from .recipe import read_recipe_file
-from .recipe_schema import RecipeError, RecipeProblem, suggest
+from .reading import read_recipe_file
+from .schema import RecipeError, RecipeProblem, suggest
 
 GRID_KEYS = ("base", "output_dir", "metric", "overrides", "variants", "grid", "description")
 METRIC_PREFERENCE = ("eval_pass@1", "eval_reward")
@@ -125,7 +125,7 @@ def _shape_problems(grid: dict[str, Any]) -> list[RecipeProblem]:
 def prepare_variants(grid: dict[str, Any], variants: list[Variant], out: Path) -> None:
     """Apply overrides to the base recipe and validate every variant (nothing is written); one `RecipeError` lists
     the problems of all variants."""
-    from .recipe import recipe_from_dict
+    from .load import recipe_from_dict
 
     problems: list[RecipeProblem] = []
     base = read_recipe_file(grid["base"])

@@ -14,7 +14,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .recipe_schema import (
+from .recipe import Recipe
+from .schema import (
     SECTIONS,
     TOP_LEVEL_KEYS,
     LoggingSection,
@@ -28,10 +29,6 @@ from .recipe_schema import (
 )
 
 LOGGING_KEYS = tuple(f.name for f in dataclasses.fields(LoggingSection))
-
-# Switches whose validity depends on the machine (TrainingArguments refuses bf16 on a CPU-only box); a dry run
-# checks their type only.
-DRY_RUN_SKIPPED = ("bf16", "fp16", "tf32", "bf16_full_eval", "fp16_full_eval", "use_liger_kernel")
 
 # Keys that are `ProRLConfig` fields but are set elsewhere in the recipe.
 TRAINING_RESERVED = {
@@ -75,8 +72,6 @@ PHASE_MESSAGE = re.compile(r"phase (\d+)")
 
 
 def check_recipe(file: str, raw: dict[str, Any], problems: list[RecipeProblem], world_size: int, dry: bool):
-    from .recipe import Recipe
-
     sections = build_sections(raw, problems)
     training = check_training(raw.get("training"), sections.get("logging"), raw.get("logging"), problems)
     phases = check_phases(raw, problems)
@@ -94,7 +89,7 @@ def check_recipe(file: str, raw: dict[str, Any], problems: list[RecipeProblem], 
     validation = sections.get("validation")
     data = sections["data"]
     if validation is not None and validation.enabled and data.validation_split is None:
-        from .data import BUILDERS
+        from ..data import BUILDERS
 
         data = dataclasses.replace(data, validation_split=BUILDERS[data.builder].default_validation_split)
     recipe = Recipe(
@@ -148,7 +143,7 @@ def build_sections(raw: dict[str, Any], problems: list[RecipeProblem]) -> dict[s
 
 
 def check_training(raw: Any, logging_section: Any, raw_logging: Any, problems: list[RecipeProblem]):
-    from .config import ProRLConfig
+    from ..config import ProRLConfig
 
     if raw is None:
         raw = {}
@@ -170,7 +165,7 @@ def _init_fields(cls: type) -> set[str]:
 
 
 def check_phases(raw: dict[str, Any], problems: list[RecipeProblem]) -> list[dict[str, Any]] | None:
-    from .config import PhaseConfig
+    from ..config import PhaseConfig
 
     if "phases" not in raw or raw["phases"] is None:
         return None
@@ -223,14 +218,14 @@ def unknown_name(key_path: str, kind: str, name: str, available: typing.Iterable
 
 
 def _looks_local(source: str) -> bool:
-    from .data.builders import is_local_source
+    from ..data.builders import is_local_source
 
     return is_local_source(source)
 
 
 def check_data(data: Any, validation: Any, problems: list[RecipeProblem]) -> None:
-    from .data import BUILDERS
-    from .data.templates import TEMPLATES
+    from ..data import BUILDERS
+    from ..data.templates import TEMPLATES
 
     if data is None:
         return
@@ -268,7 +263,7 @@ def check_distill(section: Any, data: Any, problems: list[RecipeProblem]) -> Non
     if section is None:
         return
     try:
-        from .distill import check_distill_section
+        from ..distill import check_distill_section
     except ImportError as error:
         problems.append(RecipeProblem("distill", f"needs prorl_trl.distill, which cannot be imported: {error}"))
         return
@@ -311,7 +306,7 @@ def check_local_paths(model: Any, data: Any) -> list[RecipeProblem]:
 
 def check_assembled(recipe: Any, reward_names: list[str], problems: list[RecipeProblem], world_size: int, dry: bool):
     """Build `ProRLConfig` and resolve the phases exactly as training will, mapping errors back to key paths."""
-    from .config import resolve_phases
+    from ..config import resolve_phases
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

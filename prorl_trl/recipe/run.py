@@ -18,7 +18,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from .recipe import Recipe, load_recipe
+from .load import load_recipe
+from .recipe import Recipe
 
 
 def _is_main_process() -> bool:
@@ -27,7 +28,7 @@ def _is_main_process() -> bool:
 
 def describe_recipe(recipe: Recipe, world_size: int = 1) -> str:
     """A short human summary: model, data, rewards and the resolved phase table (read it against the paper's)."""
-    from .config import resolve_phases
+    from ..config import resolve_phases
 
     data = recipe.data
     lora = "full fine-tuning" if recipe.peft is None or not recipe.peft.enabled else f"LoRA r={recipe.peft.r}"
@@ -69,7 +70,7 @@ def _load_tokenizer(recipe: Recipe):
 def _validation_callback(recipe: Recipe, eval_dataset: Any, args: Any) -> Any:
     if recipe.validation is None or not recipe.validation.enabled or eval_dataset is None:
         return None
-    from .evaluation.validation import ValidationCallback
+    from ..evaluation.validation import ValidationCallback
 
     settings = recipe.validation
     # `validation.reward` was checked to name one of the recipe's rewards: grade with its params.
@@ -132,7 +133,7 @@ def run_train(recipe_path: str, overrides: list[str]) -> int:
     args = recipe.training_args()
     peft_config = recipe.peft_config()
     if recipe.distill is not None:  # distil a teacher into the model first; the phases start from the student
-        from .distill import run_distill_section
+        from ..distill import run_distill_section
 
         student = run_distill_section(
             recipe.distill, recipe.model.name_or_path, Path(args.output_dir) / "distill", recipe.data
@@ -141,7 +142,7 @@ def run_train(recipe_path: str, overrides: list[str]) -> int:
     tokenizer = _load_tokenizer(recipe)
     from accelerate import PartialState
 
-    from .data import build_dataset
+    from ..data import build_dataset
 
     with PartialState().main_process_first():  # rank 0 fills the datasets cache, the others read it
         train_dataset = build_dataset(recipe.data, "train", tokenizer)
@@ -149,7 +150,7 @@ def run_train(recipe_path: str, overrides: list[str]) -> int:
     reward_funcs = recipe.reward_functions()
     callback = _validation_callback(recipe, eval_dataset, args)
     recorder = LogRecorder()
-    from .trainer import ProRLTrainer
+    from ..trainer import ProRLTrainer
 
     extra = {"quantization_config": recipe.quantization_config()} if recipe.model.quantization else {}
     trainer = ProRLTrainer(

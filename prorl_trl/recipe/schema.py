@@ -18,6 +18,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..data.spec import DataSection
+
 NO_VALUE = object()  # "the problem is not about one value" (a missing key, a whole file)
 
 
@@ -272,54 +274,6 @@ class PeftSection:
     )
     bias: str = field(default="none", metadata={"help": "Bias training.", "choices": ["none", "all", "lora_only"]})
     use_rslora: bool = field(default=False, metadata={"help": "Rank-stabilised scale alpha / sqrt(r)."})
-
-
-@dataclass
-class DataSection:
-    """`data:` which builder turns which source into `prompt` + gold columns."""
-
-    builder: str = field(metadata={"help": "Data builder (`gsm8k`, `math500`, `kk`, `areal`, `jsonl`, ...)."})
-    source: str | None = field(
-        default=None, metadata={"help": "Hub dataset id or local file/folder; None: the builder's hub id."}
-    )
-    config: str | None = field(default=None, metadata={"help": "Hub dataset config name; None: the builder's."})
-    split: str | None = field(
-        default=None, metadata={"help": "Training split; None: the builder's (train; math500: test)."}
-    )
-    data_files: str | list[str] | None = field(
-        default=None,
-        metadata={"help": "Files inside a hub dataset repo that holds several (`load_dataset(data_files=)`)."},
-    )
-    template: str | None = field(
-        default=None, metadata={"help": "Prompt template name (prorl_trl.data.templates); None: the builder's."}
-    )
-    prompt_format: str = field(
-        default="chat",
-        metadata={
-            "help": "`chat`: message list rendered by the tokenizer's chat template (instruct models); "
-            "`plain`: one string (base models).",
-            "choices": ["chat", "plain"],
-        },
-    )
-    system_prompt: str | None = field(default=None, metadata={"help": "Replaces the template's system prompt."})
-    columns: dict[str, str] = field(
-        default_factory=dict,
-        metadata={"help": "Column mapping `{prompt: <col>, answer: <col>, ...}` (jsonl/parquet)."},
-    )
-    options: dict[str, Any] = field(
-        default_factory=dict, metadata={"help": "Builder-specific options (e.g. kk `num_people`)."}
-    )
-    max_train_samples: int | None = field(default=None, metadata={"help": "Keep the first N training rows.", "min": 1})
-    max_prompt_tokens: int | None = field(
-        default=None, metadata={"help": "Drop prompts longer than this many tokens (after templating).", "min": 1}
-    )
-    validation_source: str | None = field(
-        default=None, metadata={"help": "Source of the validation split; None: `source`."}
-    )
-    validation_split: str | None = field(default=None, metadata={"help": "Validation split; None: no validation."})
-    validation_size: int | None = field(
-        default=None, metadata={"help": "Use the first N validation problems; None: all.", "min": 1}
-    )
 
 
 @dataclass

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from .support import unwrap_model
+
 PRORL_STATE_NAME = "prorl_state.json"
 LOG_HISTORY_NAME = "prorl_log_history.json"
 _CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
@@ -85,8 +87,6 @@ def load_merged_base(model: nn.Module, path: str | os.PathLike) -> None:
     Works on a PeftModel (LoRA tensors are left alone; `.base_layer.` names are mapped to plain ones) and on a plain
     model. Every base tensor must be present: a partial load would silently mix two bases.
     """
-    from prorl_trl.reset_support import unwrap_model
-
     model = unwrap_model(model)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     saved = _read_weights(Path(path))

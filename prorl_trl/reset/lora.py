@@ -1,7 +1,4 @@
-"""Hard-reset mechanics: merge the LoRA delta into the base in place, start a fresh adapter, clear optimizer state.
-
-These are plain functions over the objects they change, so they can be tested without a training loop; the trainer
-and callbacks only decide *when* to call them (at a step boundary, never between micro-batches).
+"""LoRA mechanics of a hard reset: merge the delta into the base in place, then start a fresh adapter.
 
 Why "in place": the HF training loop, the DDP wrapper, `accelerator._models`, `callback_handler.model` and TRL's
 `vllm_generation.model` all hold the live `PeftModel` and its Parameter objects (see
@@ -9,42 +6,21 @@ Why "in place": the HF training loop, the DDP wrapper, `accelerator._models`, `c
 weights' storage, a same-shape re-init overwrites the existing LoRA tensors, and only a change of rank/targets creates
 new Parameter objects (the caller must then build a new optimizer, and under DDP do it between `train()` calls).
 
-Functions: `merge_lora_in_place` + `reinit_adapter` (the reset; `adapter_needs_rebuild` says beforehand whether it
-creates new Parameters), `broadcast_adapter` (DDP), `reset_optimizer_state`, `sync_reference` (full fine-tuning) /
-`reset_reference_adapter` (TRL's "ref" adapter), `save_merged_model` (+ `recover_interrupted_save`), and
-`check_reset_support` (from `prorl_trl.reset_support`).
-
 Supported: PEFT LoRA on `nn.Linear` layers (`peft.tuners.lora.layer.Linear`), init `True`/`"gaussian"`, full-precision
-(fp32/bf16/fp16) base weights, single process or DDP. Refused with a clear error: DoRA and other LoRA variants,
-PiSSA/OLoRA/LoftQ/EVA/CorDA inits (their A/B are tied to a decomposition of the base), `modules_to_save`,
-`target_parameters`, quantised (QLoRA) bases, DeepSpeed ZeRO, FSDP — see `check_reset_support`.
+(fp32/bf16/fp16) base weights (`prorl_trl.reset.support` says what is refused and why).
 """
 
 from __future__ import annotations
 
 import copy
 import math
-import os
-import shutil
-import tempfile
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from prorl_trl.reset_support import (  # noqa: F401  (re-exported: callers import everything from here)
-    ADAPTER_NAME,
-    ResetNotSupportedError,
-    check_lora_supported,
-    check_reset_support,
-    lora_layers,
-    peft_model_of,
-    quantization_method,
-    unwrap_model,
-)
+from .support import ADAPTER_NAME, ResetNotSupportedError, check_lora_supported, lora_layers, peft_model_of, unwrap_model
 
 
 @torch.no_grad()
@@ -208,164 +184,3 @@ def lora_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(name, param) for name, param in unwrap_model(model).named_parameters() if "lora_" in name]
 
 
-@torch.no_grad()
-def broadcast_adapter(model: nn.Module, src: int = 0) -> None:
-    """Copy every LoRA tensor from rank `src` to all ranks (one collective per dtype); no-op without a process group.
-
-    TRL seeds each rank differently (`set_seed(seed, device_specific=True)`), so an unseeded re-init gives each DDP
-    replica different A matrices and they would silently drift apart. The Parameter objects are kept.
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for _, param in lora_parameters(model):
-        by_dtype.setdefault(param.dtype, []).append(param.data)
-    for tensors in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        dist.broadcast(flat, src=src)
-        offset = 0
-        for tensor in tensors:
-            tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-            offset += tensor.numel()
-
-
-def reset_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Forget Adam moments and step counts; param groups (and their Parameter objects and lr) are kept.
-
-    Works on a plain optimizer and on accelerate's `AcceleratedOptimizer` (whose `.state` is the wrapped one's).
-    The state is re-created lazily by the next `step()`, exactly as for a new optimizer.
-    """
-    inner = optimizer
-    while hasattr(inner, "optimizer") and isinstance(inner.optimizer, torch.optim.Optimizer):
-        inner = inner.optimizer
-    inner.state.clear()
-
-
-@torch.no_grad()
-def sync_reference(ref_model: nn.Module, policy: nn.Module) -> None:
-    """Full fine-tuning: copy the policy's parameters and buffers into the reference model's existing tensors.
-
-    (With LoRA + `beta > 0`, TRL's reference is the adapter-disabled base, which `merge_lora_in_place` already moves.)
-    """
-    ref_model, policy = unwrap_model(ref_model), unwrap_model(policy)
-    from peft import PeftModel
-
-    if isinstance(policy, PeftModel):
-        raise TypeError(
-            "sync_reference copies full weights; the policy is a PeftModel. With LoRA the reference (adapters "
-            "disabled) is the base, which merge_lora_in_place already updates."
-        )
-    source = dict(policy.named_parameters()) | dict(policy.named_buffers())
-    target = dict(ref_model.named_parameters()) | dict(ref_model.named_buffers())
-    missing = sorted(set(target) ^ set(source))
-    if missing:
-        raise ValueError(f"Reference and policy models differ in tensor names, e.g. {missing[:5]}.")
-    for name, tensor in target.items():
-        if tensor.shape != source[name].shape:
-            raise ValueError(f"Shape mismatch for {name}: reference {tuple(tensor.shape)}, policy {tuple(source[name].shape)}.")
-        tensor.copy_(source[name])
-
-
-@torch.no_grad()
-def merged_state_dict(model: nn.Module, device: str | torch.device | None = "cpu") -> dict[str, torch.Tensor]:
-    """The base model's state dict with the active, unmerged "default" LoRA delta added, and no LoRA tensors.
-
-    Computed out of place, one layer at a time (the live model is not touched); the sum is done in float32 and cast
-    to the base dtype. Merged tensors are moved to `device` (default CPU) as they are made, so GPU memory grows by one
-    layer at most; untouched tensors (and layers whose B is zero, e.g. right after a reset) are not copied.
-    """
-    check_lora_supported(model)
-    base = peft_model_of(model).get_base_model()
-    pending = {}  # state-dict key -> (layer, "weight" | "bias")
-    for name, layer in lora_layers(base):
-        if layer.disable_adapters or ADAPTER_NAME in layer.merged_adapters or ADAPTER_NAME not in layer.active_adapters:
-            continue
-        lora_b = layer.lora_B[ADAPTER_NAME]
-        if lora_b.weight.count_nonzero() or (lora_b.bias is not None and lora_b.bias.count_nonzero()):
-            pending[f"{name}.weight"] = (layer, "weight")
-            if layer.lora_bias[ADAPTER_NAME]:
-                pending[f"{name}.bias"] = (layer, "bias")
-    state = {}
-    for key, tensor in base.state_dict().items():
-        if "lora_" in key:
-            continue
-        key = key.replace(".base_layer.", ".")
-        if key in pending:
-            layer, kind = pending[key]
-            if kind == "weight":
-                delta = layer.lora_B[ADAPTER_NAME].weight.float() @ layer.lora_A[ADAPTER_NAME].weight.float()
-                delta = delta.T if layer.fan_in_fan_out else delta
-            else:
-                delta = layer.lora_B[ADAPTER_NAME].bias.float()
-            tensor = (tensor.float() + delta * layer.scaling[ADAPTER_NAME]).to(tensor.dtype)
-            tensor = tensor.to(device) if device is not None else tensor
-        state[key] = tensor
-    return state
-
-
-def save_merged_model(model: nn.Module, tokenizer: Any, path: str | os.PathLike) -> Path:
-    """Save base + all LoRA deltas as a plain model (no LoRA tensors) and the tokenizer; return the final path.
-
-    Loadable with `AutoModelForCausalLM.from_pretrained(path)` and equal in function to the live PeftModel, which is
-    left untouched (no merge/unload of the live object). Atomic: written into a temporary sibling directory and
-    renamed into place, so an interrupted save leaves any previous save at `path` intact.
-    Call it on the main process only (it does not synchronise ranks).
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    recover_interrupted_save(path)
-    base = peft_model_of(model).get_base_model()
-    state = merged_state_dict(model)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        base.save_pretrained(tmp, state_dict=state)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        _replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
-
-
-def recover_interrupted_save(path: str | os.PathLike) -> None:
-    """Clean up after a save killed mid-way: restore a previous save left aside (`.<name>.old-*`) if `path` is
-    missing, and delete leftover temporary directories. Call before reading `path` after a crash."""
-    path = Path(path)
-    aside = sorted(path.parent.glob(f".{path.name}.old-*"), key=lambda p: p.stat().st_mtime)
-    if aside and not path.exists():
-        os.replace(aside.pop(), path)
-    for leftover in aside + list(path.parent.glob(f".{path.name}.tmp-*")):
-        shutil.rmtree(leftover, ignore_errors=True)
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Rename `src` to `dst`; an existing `dst` is moved aside first and deleted only after the rename succeeded."""
-    if not dst.exists():
-        os.replace(src, dst)
-        return
-    old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-    os.replace(dst, old)
-    try:
-        os.replace(src, dst)
-    except BaseException:
-        os.replace(old, dst)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
-@torch.no_grad()
-def reset_reference_adapter(model: nn.Module, adapter_name: str = "ref") -> bool:
-    """Zero the B matrices of TRL's frozen reference adapter, so the reference becomes the (merged) base.
-
-    TRL adds a "ref" adapter (a copy of "default") when it is given a ready PeftModel and `beta > 0`. After
-    `merge_lora_in_place` that reference is "new base + old ref delta", i.e. neither the old nor the current policy;
-    zeroing its B makes it exactly the current policy (the hard reset of the KL anchor). Returns False if the model
-    has no such adapter (then the reference is the adapter-disabled base, which the merge already moved).
-    """
-    layers = lora_layers(model, adapter_name)
-    for _, layer in layers:
-        layer.lora_B[adapter_name].weight.zero_()
-        if layer.lora_B[adapter_name].bias is not None:
-            layer.lora_B[adapter_name].bias.zero_()
-    return bool(layers)

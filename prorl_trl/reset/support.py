@@ -1,7 +1,5 @@
-"""Which models and launches a hard reset supports, checked before training (see `check_reset_support`).
-
-Kept apart from the mechanics in `prorl_trl.reset` so the rules read in one place; `prorl_trl.reset` re-exports
-`check_reset_support` and `ResetNotSupportedError`.
+"""Which models and launches a hard reset supports, checked before training (see `check_reset_support`), and the
+small lookups every reset function shares (`unwrap_model`, `peft_model_of`, `lora_layers`).
 """
 
 from __future__ import annotations

@@ -12,12 +12,24 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from transformers import TrainerCallback
 
-if TYPE_CHECKING:  # pragma: no cover
-    from prorl_trl.trainer import ProRLTrainer
+
+class ProRLTrainerHandle(Protocol):
+    """What the callbacks use of the `ProRLTrainer` that binds them (they never import the trainer module)."""
+
+    args: Any
+
+    @property
+    def prorl_global_step(self) -> int: ...
+
+    def hard_reset(self, reason: str = "manual", lora_phase: Any = None) -> None: ...
+
+    def request_hard_reset(self, reason: str = "requested") -> None: ...
+
+    def apply_sampling(self, **settings: Any) -> None: ...
 
 
 @dataclass
@@ -58,12 +70,12 @@ class PlateauTracker:
 
 
 class _BoundCallback(TrainerCallback):
-    trainer: ProRLTrainer | None = None
+    trainer: ProRLTrainerHandle | None = None
 
-    def bind(self, trainer: ProRLTrainer) -> None:
+    def bind(self, trainer: ProRLTrainerHandle) -> None:
         self.trainer = trainer
 
-    def _require_trainer(self) -> ProRLTrainer:
+    def _require_trainer(self) -> ProRLTrainerHandle:
         if self.trainer is None:
             raise RuntimeError(
                 f"{type(self).__name__} needs a ProRLTrainer: pass it in `ProRLTrainer(callbacks=[...])` (the trainer "
@@ -100,7 +112,7 @@ class HardResetCallback(_BoundCallback):
         if not self.every_steps and not self.on_plateau:
             raise ValueError("HardResetCallback needs `every_steps=N` and/or `on_plateau=True` (or a patience).")
 
-    def bind(self, trainer: ProRLTrainer) -> None:
+    def bind(self, trainer: ProRLTrainerHandle) -> None:
         super().bind(trainer)
         if self.on_plateau:
             args = trainer.args

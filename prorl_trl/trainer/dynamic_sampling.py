@@ -2,7 +2,7 @@
 
 A group whose completions are all right or all wrong has zero advantage everywhere: it spends compute and, with the
 default `dapo` token normaliser, dilutes the gradient of the useful groups. TRL 1.16 has no filter (maintainers point
-to the async trainer, issues #3708/#3973), so `ProRLTrainer._generate_and_score_completions` wraps TRL's method: it
+to the async trainer, issues #3708/#3973), so `DynamicSamplingMixin._generate_and_score_completions` (below) wraps TRL's method: it
 scores the generation batch as usual, then this module decides which groups to keep and asks for more generation
 rounds (fresh prompts from a private sampler) until every rank has enough informative groups or
 `dynamic_sampling_max_rounds` is spent. Groups still missing are filled with dropped ones (advantage 0), so the batch
@@ -168,3 +168,68 @@ def dynamic_sampling_step(
     }
     return combined, stats
 
+
+class DynamicSamplingMixin:
+    """Dynamic sampling inside TRL's loop (`dynamic_sampling=True`): TRL 1.16 has no hook, so two of its methods are
+    wrapped. Expects the trainer's `current_phase` and `_correctness_index` (set at init).
+    """
+
+    _last_rewards_per_func: torch.Tensor | None = None
+    _refill_samplers: dict | None = None
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """Keep TRL's gathered (all-rank) rewards: dynamic sampling keys on one function's column, which TRL folds
+        into advantages without returning it."""
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._last_rewards_per_func = rewards
+        return rewards
+
+    def _generate_and_score_completions(self, inputs):
+        """TRL's generation + scoring, then (training, `dynamic_sampling=True`) drop uniform-correctness groups and
+        refill them with fresh prompts. Wrapping this method keeps TRL's buffering (`_buffered_inputs`), shuffling and
+        splitting in `_prepare_inputs` untouched: the combined output has the same rows per rank as TRL's."""
+        output = super()._generate_and_score_completions(inputs)
+        if not self.args.dynamic_sampling or not self.model.training:
+            return output
+        column = self._correctness_index
+        sampler = self._refill_sampler()
+        local_rows = len(inputs)
+        rank = self.accelerator.process_index
+
+        def generate_round():
+            indices = sampler.next_batch()[rank * local_rows : (rank + 1) * local_rows]
+            fresh = [self.train_dataset[int(i)] for i in indices]
+            round_output = super(DynamicSamplingMixin, self)._generate_and_score_completions(fresh)
+            return round_output, self._last_rewards_per_func[:, column]
+
+        combined, stats = dynamic_sampling_step(
+            output,
+            self._last_rewards_per_func[:, column],
+            generate_round,
+            num_generations=self.num_generations,
+            process_index=rank,
+            num_processes=self.accelerator.num_processes,
+            max_extra_rounds=self.args.dynamic_sampling_max_rounds,
+            pad_token_id=self._tokenizer.pad_token_id,
+        )
+        loss_mask = combined["completion_mask"]
+        if "tool_mask" in combined:
+            loss_mask = loss_mask * combined["tool_mask"]
+        combined["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
+        for key, value in stats.items():
+            self._metrics["train"][key].append(value)
+        return combined
+
+    def _refill_sampler(self) -> RefillSampler:
+        """One refill stream per phase (the group size may change), seeded apart from TRL's own sampler."""
+        self._refill_samplers = self._refill_samplers or {}
+        phase = self.current_phase
+        if phase.index not in self._refill_samplers:
+            self._refill_samplers[phase.index] = RefillSampler(
+                len(self.train_dataset),
+                self.num_generations,
+                self.args.generation_batch_size // self.num_generations,
+                seed=self.args.seed + 100_003,
+                shuffle=self.args.shuffle_dataset,
+            )
+        return self._refill_samplers[phase.index]

@@ -1,6 +1,5 @@
-"""Pieces of `ProRLTrainer` kept apart to keep each module short: the loop overrides for dynamic sampling and
-minibatch early stop (`ProRLLoopMixin`), and the internal callback that runs pending resets, the phase plateau rule
-and writes `prorl_state.json` into every checkpoint (`ProRLStateCallback`).
+"""The trainer's own callback: pending resets at step start, the phase plateau rule, and `prorl_state.json` in every
+checkpoint (what a resume needs beyond TRL's checkpoint).
 """
 
 from __future__ import annotations
@@ -8,112 +7,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from prorl_trl.callbacks import HardResetCallback, PlateauTracker
-from prorl_trl.dynamic_sampling import RefillSampler, dynamic_sampling_step
-from prorl_trl.resume import PRORL_STATE_NAME, write_json
-
-
-class ProRLLoopMixin:
-    """Overrides of TRL 1.16 internals; each says why TRL's own behaviour is not enough."""
-
-    _last_rewards_per_func: torch.Tensor | None = None
-    _capture_logps = False
-    _captured_logps: torch.Tensor | None = None
-    _refill_samplers: dict | None = None
-
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        """Keep TRL's gathered (all-rank) rewards: dynamic sampling keys on one function's column, which TRL folds
-        into advantages without returning it."""
-        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        self._last_rewards_per_func = rewards
-        return rewards
-
-    def _generate_and_score_completions(self, inputs):
-        """TRL's generation + scoring, then (training, `dynamic_sampling=True`) drop uniform-correctness groups and
-        refill them with fresh prompts. Wrapping this method keeps TRL's buffering (`_buffered_inputs`), shuffling and
-        splitting in `_prepare_inputs` untouched: the combined output has the same rows per rank as TRL's."""
-        output = super()._generate_and_score_completions(inputs)
-        if not self.args.dynamic_sampling or not self.model.training:
-            return output
-        column = self._correctness_index
-        sampler = self._refill_sampler()
-        local_rows = len(inputs)
-        rank = self.accelerator.process_index
-
-        def generate_round():
-            indices = sampler.next_batch()[rank * local_rows : (rank + 1) * local_rows]
-            fresh = [self.train_dataset[int(i)] for i in indices]
-            round_output = super(ProRLLoopMixin, self)._generate_and_score_completions(fresh)
-            return round_output, self._last_rewards_per_func[:, column]
-
-        combined, stats = dynamic_sampling_step(
-            output,
-            self._last_rewards_per_func[:, column],
-            generate_round,
-            num_generations=self.num_generations,
-            process_index=rank,
-            num_processes=self.accelerator.num_processes,
-            max_extra_rounds=self.args.dynamic_sampling_max_rounds,
-            pad_token_id=self._tokenizer.pad_token_id,
-        )
-        loss_mask = combined["completion_mask"]
-        if "tool_mask" in combined:
-            loss_mask = loss_mask * combined["tool_mask"]
-        combined["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
-        for key, value in stats.items():
-            self._metrics["train"][key].append(value)
-        return combined
-
-    def _refill_sampler(self) -> RefillSampler:
-        """One refill stream per phase (the group size may change), seeded apart from TRL's own sampler."""
-        self._refill_samplers = self._refill_samplers or {}
-        phase = self.current_phase
-        if phase.index not in self._refill_samplers:
-            self._refill_samplers[phase.index] = RefillSampler(
-                len(self.train_dataset),
-                self.num_generations,
-                self.args.generation_batch_size // self.num_generations,
-                seed=self.args.seed + 100_003,
-                shuffle=self.args.shuffle_dataset,
-            )
-        return self._refill_samplers[phase.index]
-
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        """Unchanged, but remembers the log-probs while `_compute_loss` runs (early stop needs them)."""
-        result = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-        if self._capture_logps:
-            self._captured_logps = result[0]
-        return result
-
-    def _compute_loss(self, model, inputs):
-        """RLinf minibatch early stop: zero the micro-batch loss (keeping the graph, so DDP still all-reduces) when the
-        token-masked mean importance ratio pi_new/pi_old, averaged over ranks, exceeds the threshold. TRL's
-        `off_policy_mask_threshold` masks sequences by KL instead and has no whole-micro-batch rule."""
-        threshold = self.args.early_stop_importance_ratio
-        if threshold is None or not self.model.training:
-            return super()._compute_loss(model, inputs)
-        self._capture_logps = True
-        try:
-            loss = super()._compute_loss(model, inputs)
-        finally:
-            self._capture_logps = False
-        logps, self._captured_logps = self._captured_logps, None
-        old = inputs.get("old_per_token_logps")
-        if old is None:  # on-policy micro-batch: TRL uses the detached current log-probs, so the ratio is exactly 1
-            return loss
-        mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
-        ratio = torch.exp(logps.detach() - old) * mask
-        mean_ratio = ratio.sum() / mask.sum().clamp(min=1)
-        mean_ratio = self.accelerator.gather(mean_ratio.reshape(1).float()).mean().item()  # one device sync
-        self._metrics["train"]["prorl/importance_ratio"].append(mean_ratio)
-        if mean_ratio > threshold:
-            self._early_stopped += 1
-            loss = loss * 0.0
-        return loss
+from ..reset.checkpoint import PRORL_STATE_NAME, write_json
+from .callbacks import HardResetCallback, PlateauTracker
 
 
 class ProRLStateCallback(TrainerCallback):

@@ -7,56 +7,60 @@ How it fits TRL 1.16 (see ../shared/notes/trl-internals.md):
   `generation_kwargs`, `vllm_generation`, and the fused LM head's temperature) by `apply_sampling`, which phases and
   `SamplingScheduleCallback` share.
 * A hard reset (`hard_reset`) merges the LoRA delta into the base in place, re-initialises the adapter, clears the
-  optimizer state and moves the KL reference, without ever replacing the PeftModel (`prorl_trl.reset`).
+  optimizer state and moves the KL reference, without ever replacing the PeftModel. This class decides *when* and
+  which switches apply; the mechanics are plain functions in `prorl_trl.reset`.
 
 TRL methods overridden, and why (each relies on the private attribute named; guard tests in
-tests/test_trainer_internals.py). Resets/resume live in `trainer_reset.py`, loop overrides in `trainer_parts.py`:
+tests/test_trainer_internals.py):
 * `train`: runs the phases; the HF loop itself is untouched.
 * `log`: adds `prorl/*` keys and keeps `prorl_log_history` across phases (HF recreates `state.log_history` per call).
 * `_get_output_dir`: checkpoints go to `<output_dir>/phase-<i>/` because HF names them by the per-call step.
-* `create_scheduler` (trainer_reset.py): keeps the LR-schedule horizon of an in-loop reset across a resume.
-* `_calculate_rewards` / `_generate_and_score_completions`: dynamic sampling (no hook exists in TRL).
-* `_compute_loss` / `_get_per_token_logps_and_entropies`: minibatch early stop needs the policy log-probs TRL
-  computes inside the loss and does not return.
+* `create_scheduler`: keeps the LR-schedule horizon of an in-loop reset across a resume.
+* `_calculate_rewards` / `_generate_and_score_completions`: dynamic sampling (`DynamicSamplingMixin`; no hook exists
+  in TRL).
+* `_compute_loss` / `_get_per_token_logps_and_entropies`: minibatch early stop (`MinibatchEarlyStopMixin`) needs the
+  policy log-probs TRL computes inside the loss and does not return.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers.trainer_utils import TrainOutput
 from trl import GRPOTrainer
-from trl.trainer.utils import add_fused_lm_head
 
 import rewards
-from prorl_trl import reset as reset_ops
-from prorl_trl.callbacks import HardResetCallback
-from prorl_trl.config import ProRLConfig, ResolvedPhase, resolve_phases
-from prorl_trl.generation import configure_trainer_generation
-from prorl_trl.overlong import OverlongPenalty
-from prorl_trl.resume import phase_dir_name
-from prorl_trl.trainer_parts import ProRLLoopMixin, ProRLStateCallback
-from prorl_trl.trainer_reset import ProRLResetMixin
-from prorl_trl.vllm_sync import (
-    VLLM_SAMPLING_ATTRIBUTES,
-    apply_vllm_sampling,
-    force_weight_sync,
-    shadowed_by_generation_kwargs,
+
+from .. import reset as reset_ops
+from ..config import ProRLConfig, ResolvedPhase, resolve_phases
+from ..reset.checkpoint import (
+    LOG_HISTORY_NAME,
+    latest_checkpoint,
+    load_merged_base,
+    phase_dir_name,
+    read_prorl_state,
+    write_json,
 )
+from ..rollout.compiled import configure_trainer_generation
+from ..rollout.vllm_sync import apply_vllm_sampling, force_weight_sync
+from .checks import check_before_init, resets_possible
+from .dynamic_sampling import DynamicSamplingMixin
+from .early_stop import MinibatchEarlyStopMixin
+from .overlong import OverlongPenalty
+from .sampling import GENERATION_CONFIG_NAMES, SAMPLING_KEYS, patch_fused_log_prob_heads
+from .state import ProRLStateCallback
 
 logger = logging.getLogger("prorl_trl")
 
-# The settings a phase or a schedule may change mid-run: the attributes TRL reads at every generation (both backends).
-SAMPLING_KEYS = VLLM_SAMPLING_ATTRIBUTES
-# GenerationConfig / generation_kwargs spell one of them differently.
-_GENERATION_CONFIG_NAMES = {"max_completion_length": "max_new_tokens"}
 
 
-class ProRLTrainer(ProRLResetMixin, ProRLLoopMixin, GRPOTrainer):
+class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
     """`GRPOTrainer` with ProRL phases, hard resets, a phase-aware overlong penalty, dynamic sampling and early stop.
 
     Takes exactly `GRPOTrainer`'s arguments; `args` must be a [`ProRLConfig`]. Extra state, all readable:
@@ -79,7 +83,7 @@ class ProRLTrainer(ProRLResetMixin, ProRLLoopMixin, GRPOTrainer):
         self.phases: list[ResolvedPhase] = resolve_phases(args, peft_config, world_size=args.world_size)
         reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs] if reward_funcs else []
         self._num_user_rewards = len(reward_funcs)
-        self._check_before_init(args, model, peft_config, reward_funcs, list(kwargs.get("callbacks") or []))
+        check_before_init(args, self.phases, model, peft_config, reward_funcs, list(kwargs.get("callbacks") or []))
         dataset_columns = getattr(kwargs.get("train_dataset"), "column_names", None)
         if dataset_columns is not None:  # a registry reward missing its gold column fails now, not after generation
             rewards.check_columns(reward_funcs, dataset_columns)
@@ -119,65 +123,8 @@ class ProRLTrainer(ProRLResetMixin, ProRLLoopMixin, GRPOTrainer):
         self._bind_callbacks()
 
     # ----------------------------------------------------------------------------------------------- validation
-    def _check_before_init(self, args: ProRLConfig, model: Any, peft_config: Any, reward_funcs: list, callbacks: list) -> None:
-        """Fail before any model is loaded for settings TRL would reject later or that a reset would break."""
-        is_peft = peft_config is not None or hasattr(model, "peft_config")
-        base_beta_zero = args.beta == 0.0
-        for phase in self.phases:
-            if (phase.beta == 0.0) != base_beta_zero:
-                raise ValueError(
-                    f"ProRLConfig phase {phase.index} ({phase.name}): beta={phase.beta} but the run starts with "
-                    f"beta={args.beta}. TRL creates the reference model only when beta != 0 at init, so beta can change "
-                    "between non-zero values but not to/from 0. Give the base config a non-zero beta."
-                )
-            if phase.reward_weights is not None and len(phase.reward_weights) != len(reward_funcs):
-                raise ValueError(
-                    f"ProRLConfig phase {phase.index} ({phase.name}): reward_weights has {len(phase.reward_weights)} "
-                    f"entries for {len(reward_funcs)} reward functions (the overlong penalty is added separately)."
-                )
-        scheduled = shadowed_by_generation_kwargs(args.generation_kwargs, SAMPLING_KEYS)
-        if scheduled:
-            raise ValueError(
-                f"generation_kwargs sets {scheduled}, which TRL applies after (and over) the phase settings. Set them "
-                "as ProRLConfig / PhaseConfig fields instead (e.g. `temperature: 1.2`)."
-            )
-        if is_peft and args.beta != 0.0 and not args.reset_reference and self._resets_possible(callbacks):
-            raise ValueError(
-                "reset_reference=False with LoRA and beta > 0 is not supported: TRL's reference is the adapter-disabled "
-                "base, and a hard reset merges the adapter into that base, so the reference moves with it. Either keep "
-                "reset_reference=True (ProRL v1/v2 both reset the reference), use full fine-tuning (a separate "
-                "reference model is kept), or disable hard resets."
-            )
-        longest = max(phase.max_completion_length for phase in self.phases)
-        if args.use_vllm and args.vllm_max_model_length is not None and longest >= args.vllm_max_model_length:
-            raise ValueError(
-                f"A phase generates up to {longest} tokens but vllm_max_model_length={args.vllm_max_model_length} is "
-                "fixed when vLLM starts; set vllm_max_model_length above the longest phase's prompt + completion."
-            )
-        if args.early_stop_importance_ratio is not None and args.early_stop_importance_ratio <= 0:
-            raise ValueError(f"early_stop_importance_ratio must be > 0 (RLinf uses 5.0), got {args.early_stop_importance_ratio}.")
-        if args.dynamic_sampling:
-            world = args.world_size
-            for phase in self.phases:
-                local_rows = phase.generation_batch_size // world
-                if local_rows % phase.num_generations:
-                    raise ValueError(
-                        f"dynamic_sampling needs whole groups on each process: phase {phase.index} ({phase.name}) has "
-                        f"{local_rows} completions per process per generation batch, not a multiple of num_generations "
-                        f"{phase.num_generations}. Make generation_batch_size / processes a multiple of num_generations."
-                    )
-            if not reward_funcs:
-                raise ValueError("dynamic_sampling needs a correctness reward function; none was given.")
-
-    def _resets_possible(self, callbacks: Any = None) -> bool:
-        """Whether this run can hard-reset: a resetting phase boundary, a LoRA shape change, or a HardResetCallback."""
-        shapes = [p.lora_shape for p in self.phases]
-        reshapes = any(p.lora_r is not None and p.lora_shape != q for p, q in zip(self.phases[1:], shapes))
-        callbacks = callbacks if callbacks is not None else self.callback_handler.callbacks
-        return any(p.hard_reset for p in self.phases) or reshapes or any(isinstance(c, HardResetCallback) for c in callbacks)
-
     def _check_after_init(self) -> None:
-        self._reset_support_checked = self._resets_possible()
+        self._reset_support_checked = resets_possible(self.phases, self.callback_handler.callbacks)
         if self._reset_support_checked:
             reset_ops.check_reset_support(self.args, self.model, self.accelerator)
         if self.args.dynamic_sampling:
@@ -214,11 +161,17 @@ class ProRLTrainer(ProRLResetMixin, ProRLLoopMixin, GRPOTrainer):
             if self.use_vllm:
                 apply_vllm_sampling(self.vllm_generation, **{key: value})
             else:
-                name = _GENERATION_CONFIG_NAMES.get(key, key)
+                name = GENERATION_CONFIG_NAMES.get(key, key)
                 setattr(self.generation_config, name, value)
                 self.generation_kwargs[name] = value
         if "temperature" in changed:
-            self._patch_fused_heads(changed["temperature"])
+            patch_fused_log_prob_heads(
+                reset_ops.unwrap_model(self.model),
+                reset_ops.unwrap_model(self.ref_model) if self.ref_model is not None else None,
+                changed["temperature"],
+                self.args.cast_lm_head_to_fp32,
+                self._fused_forward_at_init,
+            )
         if self.overlong_penalty is not None:
             self.overlong_penalty.max_completion_length = self.max_completion_length
         if self.args.compiled_generation and ("max_completion_length" in changed or not self._compiled_generation):
@@ -227,21 +180,6 @@ class ProRLTrainer(ProRLResetMixin, ProRLLoopMixin, GRPOTrainer):
                 self, max_prompt_length=self.args.generation_max_prompt_length
             )
         self.sampling = {key: getattr(self, key) for key in SAMPLING_KEYS}
-
-    def _patch_fused_heads(self, temperature: float) -> None:
-        """Re-apply TRL's fused log-prob head with `temperature` (it is a closure constant set in `__init__`).
-
-        The wrapper TRL installed at init is restored first, so repeated changes never stack more than one layer.
-        """
-        policy = reset_ops.unwrap_model(self.model)
-        targets = [(policy.get_base_model() if hasattr(policy, "get_base_model") else policy, ("log_probs", "entropy"))]
-        if self.ref_model is not None:
-            targets.append((reset_ops.unwrap_model(self.ref_model), ("log_probs",)))
-        for module, outputs in targets:
-            module.forward = self._fused_forward_at_init.setdefault(id(module), module.forward)
-            add_fused_lm_head(
-                module, temperature=temperature, cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32, outputs=outputs
-            )
 
     # ---------------------------------------------------------------------------------------------------- phases
     @property
@@ -331,6 +269,153 @@ class ProRLTrainer(ProRLResetMixin, ProRLLoopMixin, GRPOTrainer):
 
         console = Console(stderr=True)
         console.rule(f"[bold]{message}", align="left") if rule else console.print(f"[bold]{message}")
+
+    # ------------------------------------------------------------------------------------------- resume and saves
+
+    def _prepare_resume(self, resume_from_checkpoint: str | bool | None) -> Path | None:
+        """Restore the ProRL side of a checkpoint (phase, merged base, adapter shape, counters) before TRL's part."""
+        self._resumed_phase_step = 0
+        if not resume_from_checkpoint:
+            return None
+        if resume_from_checkpoint is True:
+            checkpoint = latest_checkpoint(self.args.output_dir)
+            if checkpoint is None:
+                raise ValueError(f"No ProRL checkpoint (phase-*/checkpoint-*/prorl_state.json) in {self.args.output_dir}.")
+        else:
+            checkpoint = Path(resume_from_checkpoint)
+        state = read_prorl_state(checkpoint)
+        phase = self.phases[state["phase_index"]]
+        if state.get("merged_base"):
+            load_merged_base(self.model, state["merged_base"])
+            if self.ref_model is not None and self.args.reset_reference:
+                load_merged_base(self.ref_model, state["merged_base"])
+        self.prorl_resets = state["resets"]
+        self.prorl_merged_path = state.get("merged_base")
+        self._global_step_offset = state["global_step_offset"]
+        self._resumed_phase_step = state["phase_global_step"]
+        self._pending_reset = state.get("pending_reset")
+        if self._adapter_differs(phase):
+            self._reinit_adapter(phase)
+        self._apply_phase(phase)
+        self._scheduler_horizon = state.get("scheduler_horizon")
+        self._state_callback.load_state_dict(state.get("callbacks", {}))
+        history = Path(self.args.output_dir) / LOG_HISTORY_NAME
+        if history.is_file():
+            entries = json.loads(history.read_text())
+            step = self._global_step_offset + self._resumed_phase_step
+            self.prorl_log_history = [e for e in entries if e.get("prorl/global_step", 0) <= step]
+        self._announce_phase(phase)
+        return checkpoint
+
+    def _fresh_adapter(self, phase: ResolvedPhase) -> bool:
+        """A fresh adapter of `phase`'s shape, identical on every rank; True when its Parameters are new objects."""
+        new_params = reset_ops.reinit_adapter(
+            self.model, r=phase.lora_r, lora_alpha=phase.lora_alpha, target_modules=phase.lora_target_modules, seed=self._reset_seed()
+        )
+        reset_ops.broadcast_adapter(self.model)
+        return new_params
+
+    def _reinit_adapter(self, phase: ResolvedPhase) -> None:
+        """Outside the loop, before any merge (first phase, resume): new Parameters drop the optimizer for `train()`."""
+        if self._fresh_adapter(phase):
+            self.optimizer, self.lr_scheduler, self.model_wrapped = None, None, self.model
+
+    def _reset_seed(self) -> int:
+        """Seed of the k-th fresh adapter: deterministic, identical on all ranks, different per reset."""
+        return self._base_seed * 1000 + 7919 * (self.prorl_resets + 1)
+
+    def _save_log_history(self) -> None:
+        if self.accelerator.is_main_process and self.args.should_save:
+            write_json(Path(self.args.output_dir) / LOG_HISTORY_NAME, self.prorl_log_history)
+
+    def _save_final(self) -> None:
+        """`<output_dir>/final/`: the merged model + tokenizer, loadable with `from_pretrained`."""
+        if self.accelerator.is_main_process and self.args.should_save:
+            reset_ops.save_merged(reset_ops.unwrap_model(self.model), self.processing_class, Path(self.args.output_dir) / "final")
+        self.accelerator.wait_for_everyone()
+
+    # --------------------------------------------------------------------------------------------------- reset
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """HF's, but over the horizon of the last in-loop reset when there was one in this phase.
+
+        After an in-loop reset the schedule restarts over the phase's *remaining* steps; a checkpoint stores only the
+        scheduler's `state_dict` (a LambdaLR keeps no horizon), and on resume HF rebuilds the schedule over the whole
+        phase. `_scheduler_horizon` (saved in `prorl_state.json`) makes the rebuilt schedule the same one.
+        """
+        if self._scheduler_horizon is not None:
+            num_training_steps = self._scheduler_horizon
+        return super().create_scheduler(num_training_steps=num_training_steps, optimizer=optimizer)
+
+    def request_hard_reset(self, reason: str = "requested") -> None:
+        """Ask for a hard reset at the start of the next step (safe point: no pending gradients, before generation)."""
+        self._pending_reset = reason
+
+    def hard_reset(self, reason: str = "manual", lora_phase: ResolvedPhase | None = None) -> None:
+        """Merge the LoRA delta into the base, start a fresh adapter, reset optimizer and reference (per switches).
+
+        The model's outputs are unchanged (fresh B = 0). `lora_phase` gives the fresh adapter's shape (default: the
+        current phase). Saves the merged model under `<output_dir>/merged/reset-<k>/` when `save_merged_on_reset`.
+        """
+        if not self._reset_support_checked:  # manual calls in a run that had no reset planned at init
+            reset_ops.check_reset_support(self.args, self.model, self.accelerator)
+            self._reset_support_checked = True
+        target = lora_phase or self.current_phase
+        model = reset_ops.unwrap_model(self.model)
+        new_params = False
+        if hasattr(model, "peft_config"):
+            reset_ops.merge_lora_in_place(model)
+            new_params = self._fresh_adapter(target)
+            if self.args.reset_reference:  # a TRL "ref" adapter (PeftModel given with beta > 0) -> the merged base
+                reset_ops.reset_reference_adapter(model)
+        elif self.args.reset_reference and self.ref_model is not None:
+            reset_ops.sync_reference(self.ref_model, model)
+        self._reset_optimizer(new_params)
+        self.prorl_resets += 1
+        self._pending_reset = None
+        force_weight_sync(self)
+        if self.args.save_merged_on_reset:
+            path = Path(self.args.output_dir) / "merged" / f"reset-{self.prorl_resets}"
+            if self.accelerator.is_main_process:
+                reset_ops.save_merged(reset_ops.unwrap_model(self.model), self.processing_class, path)
+            self.accelerator.wait_for_everyone()
+            self.prorl_merged_path = str(path)
+        self.announce(f"ProRL hard reset #{self.prorl_resets} at global step {self.prorl_global_step} ({reason}).")
+
+    def _reset_optimizer(self, new_params: bool) -> None:
+        """Fresh optimizer state / LR schedule after a reset; a new optimizer when the adapter has new Parameters.
+
+        Outside the HF loop (phase boundary, manual call) a new adapter only drops the optimizer: the next `train()`
+        builds and prepares one (and re-wraps DDP, `model_wrapped = model`). Inside the loop the optimizer and
+        scheduler are swapped in place (`trainer.optimizer`/`lr_scheduler` are looked up every step, notes §5).
+        """
+        if self.optimizer is None:
+            return
+        if new_params and not self._in_training_loop:
+            if not self.args.reset_optimizer:
+                logger.warning("The LoRA shape changed: optimizer state cannot carry over to the new adapter.")
+            self.optimizer, self.lr_scheduler, self.model_wrapped = None, None, self.model
+            return
+        if new_params:
+            if self.accelerator.num_processes > 1:
+                raise RuntimeError(
+                    "A LoRA shape change inside a phase would desynchronise DDP replicas; change the adapter shape only "
+                    "at a phase boundary (PhaseConfig.lora_r / lora_target_modules)."
+                )
+            stale = self.optimizer
+            self.accelerator._optimizers = [o for o in self.accelerator._optimizers if o is not stale]
+            self.optimizer = None
+            self.create_optimizer()
+            self.optimizer = self.accelerator.prepare(self.optimizer)
+        elif self.args.reset_optimizer:
+            reset_ops.reset_optimizer_state(self.optimizer)
+        else:
+            return
+        if self._in_training_loop:
+            self.lr_scheduler = None
+            self._scheduler_horizon = max(self.state.max_steps - self.state.global_step, 1)
+            self.create_scheduler(num_training_steps=self._scheduler_horizon, optimizer=self.optimizer)
+            self.callback_handler.optimizer = self.optimizer
+            self.callback_handler.lr_scheduler = self.lr_scheduler
 
     # ----------------------------------------------------------------------------------------------------- train
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, ignore_keys_for_eval: Any = None, **kwargs: Any) -> TrainOutput:

@@ -1,0 +1,117 @@
+"""Reading recipe files and command-line overrides: YAML (safe, strict) in, plain mappings out.
+
+Command-line overrides: `--<key.path> VALUE` or `--<key.path>=VALUE`, values parsed as YAML scalars
+(`--training.learning_rate 1e-6`, `--phases.2.temperature 1.2`, `--peft.target_modules '[q_proj, v_proj]'`,
+`--peft null`). A path whose first part is not a section means `training.` (`--learning_rate 1e-6`).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .schema import TOP_LEVEL_KEYS, RecipeError, RecipeProblem
+
+class RecipeLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that reads `1e-6` as a float (YAML 1.1 wants `1.0e-6`) and rejects duplicate keys."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (the later value would silently win)", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def parse_yaml_scalar(text: str) -> Any:
+    """A command-line value, read the way the same text would be read in the recipe."""
+    try:
+        return yaml.load(text, Loader=RecipeLoader)
+    except yaml.YAMLError:
+        return text
+
+
+def read_recipe_file(path: str | Path, kind: str = "recipe") -> dict[str, Any]:
+    """The raw YAML mapping of a recipe (or grid) file; a missing file or a syntax error becomes a `RecipeError`
+    with the line."""
+    path = Path(path)
+    if not path.is_file():
+        what = f"is a directory, not a {kind} file" if path.is_dir() else "file not found"
+        raise RecipeError(str(path), [RecipeProblem("", what)])
+    try:
+        raw = yaml.load(path.read_text(), Loader=RecipeLoader)
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
+        raise RecipeError(str(path), [RecipeProblem("", f"YAML syntax error at {where}: {error.problem}")]) from None
+    except yaml.YAMLError as error:
+        raise RecipeError(str(path), [RecipeProblem("", f"YAML error: {error}")]) from None
+    if not isinstance(raw, dict):
+        raise RecipeError(str(path), [RecipeProblem("", f"a {kind} must be a YAML mapping of sections", raw)])
+    return raw
+
+
+def parse_overrides(tokens: list[str]) -> list[tuple[str, Any]]:
+    """`["--a.b", "1", "--c=x"]` -> `[("a.b", 1), ("c", "x")]`. Raises `RecipeError` on a malformed list."""
+    overrides, problems, index = [], [], 0
+    while index < len(tokens):
+        token = tokens[index]
+        if not token.startswith("--") or len(token) == 2:
+            problems.append(RecipeProblem("", f"expected an override `--key.path VALUE`, got {token!r}"))
+            index += 1
+            continue
+        key, has_value, value = token[2:].partition("=")
+        if not has_value:
+            if index + 1 >= len(tokens) or (tokens[index + 1].startswith("--") and len(tokens[index + 1]) > 2):
+                problems.append(RecipeProblem(key, "override has no value (use `--key.path VALUE`)"))
+                index += 1
+                continue
+            value, index = tokens[index + 1], index + 1
+        overrides.append((key, parse_yaml_scalar(value)))
+        index += 1
+    if problems:
+        raise RecipeError("command line", problems)
+    return overrides
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[tuple[str, Any]]) -> list[RecipeProblem]:
+    """Set each dotted path in `raw` (in place). Integer parts index lists (`phases.2`)."""
+    problems = []
+    for key, value in overrides:
+        parts = key.split(".")
+        if parts[0] not in TOP_LEVEL_KEYS:
+            parts = ["training"] + parts
+        node: Any = raw
+        for depth, part in enumerate(parts):
+            last = depth == len(parts) - 1
+            here = ".".join(parts[: depth + 1])
+            if isinstance(node, list):
+                if not part.lstrip("-").isdigit() or not -len(node) <= int(part) < len(node):
+                    span = f"0-{len(node) - 1}" if node else "none"
+                    problems.append(RecipeProblem(here, f"override index out of range ({len(node)} entries: {span})"))
+                    break
+                part = int(part)
+            elif not isinstance(node, dict):
+                problems.append(RecipeProblem(here, "override goes through a value that is not a mapping or list"))
+                break
+            if last:
+                node[part] = value
+            else:
+                if isinstance(node, dict) and not isinstance(node.get(part), (dict, list)):
+                    node[part] = {}
+                node = node[part]
+    return problems

@@ -1,0 +1,117 @@
+"""Merged saves: the policy as a plain `from_pretrained` model (base + LoRA delta), written atomically.
+
+Saved at every hard reset (`merged/reset-<k>/`, the base a resumed run reloads) and at the end (`final/`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .support import ADAPTER_NAME, check_lora_supported, lora_layers, peft_model_of
+
+
+@torch.no_grad()
+def merged_state_dict(model: nn.Module, device: str | torch.device | None = "cpu") -> dict[str, torch.Tensor]:
+    """The base model's state dict with the active, unmerged "default" LoRA delta added, and no LoRA tensors.
+
+    Computed out of place, one layer at a time (the live model is not touched); the sum is done in float32 and cast
+    to the base dtype. Merged tensors are moved to `device` (default CPU) as they are made, so GPU memory grows by one
+    layer at most; untouched tensors (and layers whose B is zero, e.g. right after a reset) are not copied.
+    """
+    check_lora_supported(model)
+    base = peft_model_of(model).get_base_model()
+    pending = {}  # state-dict key -> (layer, "weight" | "bias")
+    for name, layer in lora_layers(base):
+        if layer.disable_adapters or ADAPTER_NAME in layer.merged_adapters or ADAPTER_NAME not in layer.active_adapters:
+            continue
+        lora_b = layer.lora_B[ADAPTER_NAME]
+        if lora_b.weight.count_nonzero() or (lora_b.bias is not None and lora_b.bias.count_nonzero()):
+            pending[f"{name}.weight"] = (layer, "weight")
+            if layer.lora_bias[ADAPTER_NAME]:
+                pending[f"{name}.bias"] = (layer, "bias")
+    state = {}
+    for key, tensor in base.state_dict().items():
+        if "lora_" in key:
+            continue
+        key = key.replace(".base_layer.", ".")
+        if key in pending:
+            layer, kind = pending[key]
+            if kind == "weight":
+                delta = layer.lora_B[ADAPTER_NAME].weight.float() @ layer.lora_A[ADAPTER_NAME].weight.float()
+                delta = delta.T if layer.fan_in_fan_out else delta
+            else:
+                delta = layer.lora_B[ADAPTER_NAME].bias.float()
+            tensor = (tensor.float() + delta * layer.scaling[ADAPTER_NAME]).to(tensor.dtype)
+            tensor = tensor.to(device) if device is not None else tensor
+        state[key] = tensor
+    return state
+
+
+def save_merged_model(model: nn.Module, tokenizer: Any, path: str | os.PathLike) -> Path:
+    """Save base + all LoRA deltas as a plain model (no LoRA tensors) and the tokenizer; return the final path.
+
+    Loadable with `AutoModelForCausalLM.from_pretrained(path)` and equal in function to the live PeftModel, which is
+    left untouched (no merge/unload of the live object). Atomic: written into a temporary sibling directory and
+    renamed into place, so an interrupted save leaves any previous save at `path` intact.
+    Call it on the main process only (it does not synchronise ranks).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    recover_interrupted_save(path)
+    base = peft_model_of(model).get_base_model()
+    state = merged_state_dict(model)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        base.save_pretrained(tmp, state_dict=state)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        _replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def recover_interrupted_save(path: str | os.PathLike) -> None:
+    """Clean up after a save killed mid-way: restore a previous save left aside (`.<name>.old-*`) if `path` is
+    missing, and delete leftover temporary directories. Call before reading `path` after a crash."""
+    path = Path(path)
+    aside = sorted(path.parent.glob(f".{path.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    if aside and not path.exists():
+        os.replace(aside.pop(), path)
+    for leftover in aside + list(path.parent.glob(f".{path.name}.tmp-*")):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Rename `src` to `dst`; an existing `dst` is moved aside first and deleted only after the rename succeeded."""
+    if not dst.exists():
+        os.replace(src, dst)
+        return
+    old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+    os.replace(dst, old)
+    try:
+        os.replace(src, dst)
+    except BaseException:
+        os.replace(old, dst)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+
+def save_merged(model: nn.Module, tokenizer: Any, path: str | os.PathLike) -> Path:
+    """The live policy as a plain model at `path`: base + LoRA delta for a PeftModel, the weights as they are for full
+    fine-tuning. Call it on the main process only."""
+    path = Path(path)
+    if hasattr(model, "peft_config"):
+        return save_merged_model(model, tokenizer, path)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -1,0 +1,70 @@
+"""Settings checked before `GRPOTrainer.__init__` loads anything: what TRL would reject later, or a reset would break."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import ProRLConfig, ResolvedPhase
+from ..rollout.vllm_sync import shadowed_by_generation_kwargs
+from .callbacks import HardResetCallback
+from .sampling import SAMPLING_KEYS
+
+
+def check_before_init(
+    args: ProRLConfig, phases: list[ResolvedPhase], model: Any, peft_config: Any, reward_funcs: list, callbacks: list
+) -> None:
+    """Fail before any model is loaded for settings TRL would reject later or that a reset would break."""
+    is_peft = peft_config is not None or hasattr(model, "peft_config")
+    base_beta_zero = args.beta == 0.0
+    for phase in phases:
+        if (phase.beta == 0.0) != base_beta_zero:
+            raise ValueError(
+                f"ProRLConfig phase {phase.index} ({phase.name}): beta={phase.beta} but the run starts with "
+                f"beta={args.beta}. TRL creates the reference model only when beta != 0 at init, so beta can change "
+                "between non-zero values but not to/from 0. Give the base config a non-zero beta."
+            )
+        if phase.reward_weights is not None and len(phase.reward_weights) != len(reward_funcs):
+            raise ValueError(
+                f"ProRLConfig phase {phase.index} ({phase.name}): reward_weights has {len(phase.reward_weights)} "
+                f"entries for {len(reward_funcs)} reward functions (the overlong penalty is added separately)."
+            )
+    scheduled = shadowed_by_generation_kwargs(args.generation_kwargs, SAMPLING_KEYS)
+    if scheduled:
+        raise ValueError(
+            f"generation_kwargs sets {scheduled}, which TRL applies after (and over) the phase settings. Set them "
+            "as ProRLConfig / PhaseConfig fields instead (e.g. `temperature: 1.2`)."
+        )
+    if is_peft and args.beta != 0.0 and not args.reset_reference and resets_possible(phases, callbacks):
+        raise ValueError(
+            "reset_reference=False with LoRA and beta > 0 is not supported: TRL's reference is the adapter-disabled "
+            "base, and a hard reset merges the adapter into that base, so the reference moves with it. Either keep "
+            "reset_reference=True (ProRL v1/v2 both reset the reference), use full fine-tuning (a separate "
+            "reference model is kept), or disable hard resets."
+        )
+    longest = max(phase.max_completion_length for phase in phases)
+    if args.use_vllm and args.vllm_max_model_length is not None and longest >= args.vllm_max_model_length:
+        raise ValueError(
+            f"A phase generates up to {longest} tokens but vllm_max_model_length={args.vllm_max_model_length} is "
+            "fixed when vLLM starts; set vllm_max_model_length above the longest phase's prompt + completion."
+        )
+    if args.early_stop_importance_ratio is not None and args.early_stop_importance_ratio <= 0:
+        raise ValueError(f"early_stop_importance_ratio must be > 0 (RLinf uses 5.0), got {args.early_stop_importance_ratio}.")
+    if args.dynamic_sampling:
+        world = args.world_size
+        for phase in phases:
+            local_rows = phase.generation_batch_size // world
+            if local_rows % phase.num_generations:
+                raise ValueError(
+                    f"dynamic_sampling needs whole groups on each process: phase {phase.index} ({phase.name}) has "
+                    f"{local_rows} completions per process per generation batch, not a multiple of num_generations "
+                    f"{phase.num_generations}. Make generation_batch_size / processes a multiple of num_generations."
+                )
+        if not reward_funcs:
+            raise ValueError("dynamic_sampling needs a correctness reward function; none was given.")
+
+
+def resets_possible(phases: list[ResolvedPhase], callbacks: list) -> bool:
+    """Whether this run can hard-reset: a resetting phase boundary, a LoRA shape change, or a HardResetCallback."""
+    shapes = [p.lora_shape for p in phases]
+    reshapes = any(p.lora_r is not None and p.lora_shape != q for p, q in zip(phases[1:], shapes))
+    return any(p.hard_reset for p in phases) or reshapes or any(isinstance(c, HardResetCallback) for c in callbacks)
