@@ -7,12 +7,15 @@ folder is read as `<folder>/<split>.jsonl` (kk: `<folder>/<N>ppl_<split>.jsonl`,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .catalog import BUILDERS
+from .checks import DataError, DataProblem, check_built_rows, scan_local_file
 from .templates import render_prompt
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -42,6 +45,52 @@ def read_local(path: str | Path) -> Dataset:
     return Dataset.from_json(str(path))
 
 
+def local_file(source: str, stem: str) -> Path:
+    """The file a local source names: the file itself, or `<folder>/<stem>.jsonl|.json|.parquet`."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        found = next((path / f"{stem}{suffix}" for suffix in LOCAL_SUFFIXES if (path / f"{stem}{suffix}").is_file()), None)
+        if found is None:
+            present = ", ".join(sorted(p.name for p in path.iterdir())) or "nothing"
+            raise FileNotFoundError(f"no {stem}.jsonl/.json/.parquet in {path} (it holds: {present})")
+        return found
+    return path
+
+
+def split_source(data: DataSection, which: str) -> tuple[str | None, str | None, int | None]:
+    """(source, split, row limit) of the training (`which="train"`) or validation split; split None: no such split."""
+    spec = BUILDERS[data.builder]
+    if which == "train":
+        return data.source or spec.default_source, data.split or spec.default_split, data.max_train_samples
+    return data.validation_source or data.source or spec.default_source, data.validation_split, data.validation_size
+
+
+def local_split_file(data: DataSection, which: str) -> Path | None:
+    """The local file a split will be read from, or None (hub data, generated data, or no such split).
+    Raises FileNotFoundError for a local folder without the split's file."""
+    spec = BUILDERS[data.builder]
+    source, split, _ = split_source(data, which)
+    if source is None or split is None or not is_local_source(source):
+        return None
+    options = {name: default for name, (_, default) in spec.options.items()} | dict(data.options)
+    return local_file(source, spec.local_stem.format(split=split, **options))
+
+
+def scan_split_file(data: DataSection, which: str) -> list[DataProblem]:
+    """Row-level problems of a split's local file (nothing for hub or generated data); see `checks.scan_local_file`."""
+    try:
+        path = local_split_file(data, which)
+    except FileNotFoundError as error:
+        return [DataProblem(split_source(data, which)[0] or "", str(error))]
+    if path is None:
+        return []
+    if not path.is_file():
+        return [DataProblem(str(path), "local data file not found")]
+    spec = BUILDERS[data.builder]
+    hint = "; map your columns with data.columns {prompt: <column>, answer: <column>}" if spec.needs_columns else ""
+    return scan_local_file(path, *spec.source_columns(data.columns), hint=hint)
+
+
 def load_source(
     source: str,
     config: str | None,
@@ -53,16 +102,7 @@ def load_source(
     """Load a split from a local file, a local folder (`<folder>/<local_name or split>.jsonl|.parquet`) or the hub
     (`data_files` picks files inside a hub repo that holds several)."""
     if is_local_source(source):
-        path = Path(source).expanduser()
-        if path.is_dir():
-            stem = local_name or split
-            candidates = [path / f"{stem}{suffix}" for suffix in LOCAL_SUFFIXES]
-            found = next((c for c in candidates if c.is_file()), None)
-            if found is None:
-                present = ", ".join(sorted(p.name for p in path.iterdir())) or "nothing"
-                raise FileNotFoundError(f"no {stem}.jsonl/.json/.parquet in {path} (it holds: {present})")
-            path = found
-        return read_local(path)
+        return read_local(local_file(source, local_name or split))
     from datasets import load_dataset
 
     return load_dataset(source, config, split=hub_split or split, data_files=data_files)
@@ -85,6 +125,10 @@ def gsm8k_gold(worked_solution: str) -> str:
 
 def load_gsm8k(source: str, config: str | None, split: str, columns: dict[str, str], data_files=None) -> Dataset:
     data = load_source(source, config, split, data_files=data_files)
+    bad = [i + 1 for i, text in enumerate(data["answer"]) if not isinstance(text, str) or not GSM8K_ANSWER.search(text)]
+    if bad:
+        raise DataError([DataProblem(f"{source} [{split}]", "GSM8K answer has no '#### <number>' line", row=row,
+                                     column="answer") for row in bad])  # fmt: skip
     return data.map(
         lambda row: {"question": row["question"], "answer": gsm8k_gold(row["answer"])},
         remove_columns=data.column_names,
@@ -106,7 +150,7 @@ def load_kk(
         source,
         split,
         split,
-        local_name=f"{num_people}ppl_{split}",
+        local_name=BUILDERS["kk"].local_stem.format(split=split, num_people=num_people),
         hub_split=f"{num_people}ppl",
         data_files=data_files,
     )
@@ -199,37 +243,102 @@ def prompt_token_count(prompt: str | list[dict[str, str]], tokenizer: Any) -> in
     return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
 
+def text_chars(question: Any) -> int:
+    """Characters of a problem text (a chat message list: of its contents)."""
+    if isinstance(question, list):
+        return sum(len(str(message.get("content") or "")) for message in question if isinstance(message, dict))
+    return len(str(question))
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """An upper bound on the characters one token covers: the longest vocabulary entry (byte-level and
+    sentencepiece vocabularies spell a token with at least as many symbols as the text it stands for)."""
+    return max(1, max((len(token) for token in tokenizer.get_vocab()), default=1))
+
+
+def drop_overlong_texts(rows: Dataset, limit: int, tokenizer: Any) -> Dataset:
+    """Drop rows whose problem text alone cannot fit in `limit` tokens: more than `limit x longest_token_chars`
+    characters. Cheap (no rendering, no tokenising), so a megabyte prompt never reaches the tokenizer, which would
+    take gigabytes for it; the rows left are then counted exactly (`prompt_token_count`)."""
+    bound = limit * longest_token_chars(tokenizer)
+    return rows.filter(lambda question: text_chars(question) <= bound, input_columns="question", batch_size=64)
+
+
+@contextlib.contextmanager
+def quiet_datasets(quiet: bool = True) -> Iterator[None]:
+    """No `datasets` progress bars inside (its map/filter bars over a few thousand short rows are noise); restores
+    the caller's setting."""
+    import datasets
+
+    enabled = datasets.is_progress_bar_enabled()
+    if quiet and enabled:
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if quiet and enabled:
+            datasets.enable_progress_bars()
+
+
 def build_dataset(data: DataSection, which: str = "train", tokenizer: Any = None) -> Dataset | None:
     """The training (`which="train"`) or validation split of a recipe's data, with `prompt` + gold columns.
 
-    Returns None for validation when the recipe names no validation split. The prompt-length filter needs
-    `tokenizer`; rows it drops are counted in the log.
+    Returns None for validation when the recipe names no validation split. Raises `DataError` (file, line or row,
+    column) for data a run cannot train on, before anything is tokenised: a local file is scanned row by row first
+    (`checks.scan_local_file`), and every built split is checked again (`checks.check_built_rows`). The
+    prompt-length filter (`data.max_prompt_tokens`, default 2048) needs `tokenizer`; rows it drops are counted.
     """
     spec = BUILDERS[data.builder]
-    if which == "train":
-        source, split, limit = (
-            data.source or spec.default_source,
-            data.split or spec.default_split,
-            data.max_train_samples,
-        )
-    else:
-        split = data.validation_split
-        if split is None:
-            return None
-        source, limit = data.validation_source or data.source or spec.default_source, data.validation_size
+    source, split, limit = split_source(data, which)
+    if split is None:
+        return None
+    problems = scan_split_file(data, which)
+    if problems:
+        raise DataError(problems)
+    local = local_split_file(data, which)
+    where = str(local) if local is not None else f"{source or data.builder} [{split}]"
     options = {name: default for name, (_, default) in spec.options.items()} | dict(data.options)
     config = data.config if data.config is not None else spec.default_config
-    rows = spec.load_function()(source, config, split, dict(data.columns), data.data_files, **options)
+    try:
+        with quiet_datasets(quiet=local is not None or source is None):  # hub downloads keep their progress bars
+            rows = spec.load_function()(source, config, split, dict(data.columns), data.data_files, **options)
+    except DataError:
+        raise
+    except Exception as error:  # a hub error, an unreadable file, a generator refusing its options: one message
+        raise DataError([DataProblem(where, f"cannot be loaded: {type(error).__name__}: {error}")]) from error
+    with quiet_datasets():
+        return _shape(rows, data, which, where, limit, tokenizer)
+
+
+def _shape(rows: Dataset, data: DataSection, which: str, where: str, limit: int | None, tokenizer: Any) -> Dataset:
+    """Limit, check, length-filter and template a loaded split (see `build_dataset`)."""
+    spec = BUILDERS[data.builder]
     if limit is not None:
         rows = rows.select(range(min(limit, len(rows))))
+    gold = [c for c in data.columns if c != "prompt"] if spec.needs_columns else list(spec.gold_columns)
+    problems = check_built_rows(rows, where, gold)
+    if problems:
+        raise DataError(problems)
+    cap = data.max_prompt_tokens
+    before = len(rows)
+    if cap is not None and tokenizer is not None:
+        rows = drop_overlong_texts(rows, cap, tokenizer)
     template = data.template or spec.default_template
-    rows = rows.map(
-        lambda row: {"prompt": render_prompt(row["question"], template, data.prompt_format, data.system_prompt)}
-    )
-    if data.max_prompt_tokens is not None and tokenizer is not None:
-        before = len(rows)
-        rows = rows.filter(lambda row: prompt_token_count(row["prompt"], tokenizer) <= data.max_prompt_tokens)
-        logger.info("%s: kept %d of %d prompts of <= %d tokens", which, len(rows), before, data.max_prompt_tokens)
+    try:
+        rows = rows.map(
+            lambda row: {"prompt": render_prompt(row["question"], template, data.prompt_format, data.system_prompt)},
+            writer_batch_size=64,  # rows can be long: never hold a thousand of them in memory
+        )
+    except ValueError as error:
+        raise DataError([DataProblem(where, str(error), column="question")]) from error
+    if cap is not None and tokenizer is not None:
+        rows = rows.filter(lambda row: prompt_token_count(row["prompt"], tokenizer) <= cap, batch_size=64)
+        if len(rows) < before:
+            logger.warning("%s: kept %d of %d prompts of <= %d tokens (data.max_prompt_tokens)", which, len(rows), before, cap)
     if len(rows) == 0:
-        raise ValueError(f"the {which} split ({source}, {split}) is empty after filtering")
+        message = (
+            f"no rows left: all {before} prompts are longer than data.max_prompt_tokens = {cap} tokens; raise it"
+            if before else "has no rows"
+        )
+        raise DataError([DataProblem(where, message)])
     return rows

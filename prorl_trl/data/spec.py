@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# Prompts longer than this are dropped unless the recipe says otherwise (`data.max_prompt_tokens`).
+DEFAULT_MAX_PROMPT_TOKENS = 2048
+
 
 @dataclass
 class DataSection:
@@ -47,7 +50,13 @@ class DataSection:
     )
     max_train_samples: int | None = field(default=None, metadata={"help": "Keep the first N training rows.", "min": 1})
     max_prompt_tokens: int | None = field(
-        default=None, metadata={"help": "Drop prompts longer than this many tokens (after templating).", "min": 1}
+        default=DEFAULT_MAX_PROMPT_TOKENS,
+        metadata={
+            "help": "Drop prompts longer than this many tokens (after templating; the count is logged). Default "
+            "2048: above any GSM8K/MATH/K&K prompt, below where a stray document in the data would eat the context. "
+            "null: keep every prompt.",
+            "min": 1,
+        },
     )
     validation_source: str | None = field(
         default=None, metadata={"help": "Source of the validation split; None: `source`."}
