@@ -4,9 +4,31 @@ stop), when to hard-reset, and the overlong penalty.
 Modules: `trainer` (ProRLTrainer), `callbacks` (HardResetCallback, SamplingScheduleCallback, PlateauTracker),
 `state` (the trainer's own callback: pending resets, phase plateau, checkpoint state), `checks` (settings checked
 before init), `sampling` (where sampling settings live in TRL), `dynamic_sampling`, `early_stop`, `overlong`.
+
+Names are imported on first use, so `prorl_trl.trainer.checks` (run by `prorl-trl validate`) does not import
+`GRPOTrainer` and the model code behind it.
 """
 
-from .callbacks import HardResetCallback, PlateauTracker, SamplingScheduleCallback
-from .trainer import ProRLTrainer
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .callbacks import HardResetCallback, PlateauTracker, SamplingScheduleCallback
+    from .trainer import ProRLTrainer
+
+_HOME = {
+    "HardResetCallback": "callbacks",
+    "PlateauTracker": "callbacks",
+    "SamplingScheduleCallback": "callbacks",
+    "ProRLTrainer": "trainer",
+}
 
 __all__ = ["HardResetCallback", "PlateauTracker", "ProRLTrainer", "SamplingScheduleCallback"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from trl.trainer.utils import add_fused_lm_head
-
 from ..rollout.vllm_sync import VLLM_SAMPLING_ATTRIBUTES
 
 # The settings a phase or a schedule may change mid-run: the attributes TRL reads at every generation (both backends).
@@ -27,6 +25,8 @@ def patch_fused_log_prob_heads(
     `originals` maps `id(module)` to the forward TRL installed at init; it is restored first (and remembered on the
     first call), so repeated changes never stack more than one layer.
     """
+    from trl.trainer.utils import add_fused_lm_head  # here, so `trainer.checks` (validate) stays light
+
     targets = [(policy.get_base_model() if hasattr(policy, "get_base_model") else policy, ("log_probs", "entropy"))]
     if ref_model is not None:
         targets.append((ref_model, ("log_probs",)))
