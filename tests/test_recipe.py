@@ -27,7 +27,6 @@ BASE = {
         "per_device_train_batch_size": 4,
         "num_generations": 4,
         "max_completion_length": 64,
-        "bf16": True,
     },
     "phases": [
         {"name": "a", "max_steps": 2},
@@ -73,8 +72,9 @@ def run_validate(capsys, path: Path, *extra: str) -> tuple[int, str, str]:
 
 @pytest.mark.parametrize("recipe", SHIPPED, ids=lambda p: p.name)
 def test_every_shipped_recipe_validates(capsys, recipe):
+    # GPU recipes (bf16, hub models), and the demo's model folder exists only once the demo made it.
     extra = ["--num-processes", "4"] if "logic_rl" in recipe.name else []  # its batch sizes assume 4 GPUs
-    code = main(["validate", *extra, str(recipe)])
+    code = main(["validate", *extra, str(recipe), "--no-machine-checks"])
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "is valid" in out
@@ -218,14 +218,35 @@ def test_unknown_reward_lists_every_registered_reward(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("key, value", [("data.source", "./no/such/folder"), ("model.name_or_path", "/no/such/model")])
-def test_missing_local_paths_stop_train_and_are_noted_by_validate(capsys, tmp_path, key, value):
+def test_missing_local_paths_stop_validate_and_train(capsys, tmp_path, key, value):
     path = write(tmp_path, changed(key, value))
-    code, out, err = run_validate(capsys, path)
-    assert code == 0 and f"note: {key} = '{value}': local file or folder not found" in err
-    code = main(["train", str(path)])
-    err = capsys.readouterr().err
-    assert code == 2 and f"{key} = '{value}': local file or folder not found" in err and "Traceback" not in err
+    for command in ("validate", "train"):
+        code = main([command, str(path)])
+        err = capsys.readouterr().err
+        assert code == 2 and f"{key} = '{value}': local file or folder not found" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+    # A recipe meant for another machine: `--no-machine-checks` checks the recipe alone.
+    code, out, err = run_validate(capsys, path, "--no-machine-checks")
+    assert code == 0 and "recipe only (--no-machine-checks)" in out, err
+
+
+def test_hub_ids_are_said_to_be_unchecked(capsys, tmp_path):
+    code, out, err = run_validate(capsys, write(tmp_path, BASE))
+    assert code == 0, err
+    assert "note: model.name_or_path = 'Qwen/Qwen2-0.5B' is a hub id: not checked here" in err
+    assert "note: data.source" not in err  # gsm8k's default hub data set: no source key set
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a machine without a GPU")
+def test_bf16_without_a_gpu_stops_validate_and_train(capsys, tmp_path):
+    path = write(tmp_path, changed("training.bf16", True))
+    for command in ("validate", "train"):
+        code = main([command, str(path)])
+        err = capsys.readouterr().err
+        assert code == 2 and "training.bf16 = True: needs a CUDA GPU and torch sees none here" in err, err
+        assert "Traceback" not in err
+    assert run_validate(capsys, path, "--no-machine-checks")[0] == 0
+    assert run_validate(capsys, path, "--training.use_cpu", "true")[0] == 0  # bf16 autocast on the CPU is allowed
 
 
 def test_yaml_syntax_error_names_the_line(capsys, tmp_path):
@@ -310,7 +331,8 @@ def test_validate_as_a_process_is_light_and_clean(tmp_path):
     good, bad = write(tmp_path, BASE, "good.yaml"), write(tmp_path, changed("training.num_generations", 1), "bad.yaml")
     probe = (
         "import sys; from prorl_trl.cli import main; code = main(sys.argv[1:]); "
-        "heavy = [m for m in ('prorl_trl.trainer', 'prorl_trl.evaluation.validation', 'transformers.models.qwen2.modeling_qwen2') if m in sys.modules]; "
+        "heavy = [m for m in ('prorl_trl.trainer.trainer', 'trl.trainer.grpo_trainer', 'prorl_trl.evaluation.validation', "
+        "'transformers.models.qwen2.modeling_qwen2', 'datasets') if m in sys.modules]; "
         "print('HEAVY', heavy); raise SystemExit(code)"
     )
     for path, expected in ((good, 0), (bad, 2)):

@@ -8,10 +8,10 @@ Order: cheap structural checks first; only a structurally clean recipe is handed
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import typing
 import warnings
-from pathlib import Path
 from typing import Any
 
 from .recipe import Recipe
@@ -25,6 +25,7 @@ from .schema import (
     check_mapping,
     check_section,
     dataclass_hints,
+    non_finite_paths,
     suggest,
 )
 
@@ -66,24 +67,64 @@ RANGES: dict[str, dict[str, Any]] = {
     "lora_r": {"min": 1},
     "lora_alpha": {"min_exclusive": 0},
 }
-TRAINING_RANGES = {k: v for k, v in RANGES.items() if k != "max_steps"} | {"max_steps": {"min": -1}}
+# Counts get a ceiling: a typo such as `per_device_train_batch_size: 1000000000000000000000000000000` otherwise passes
+# every check and ends in an OverflowError deep inside TRL.
+LARGEST_COUNT = 2**31 - 1
+for _key in ("num_generations", "max_completion_length", "per_device_train_batch_size", "per_device_eval_batch_size",
+             "gradient_accumulation_steps", "generation_batch_size", "steps_per_generation", "num_iterations",
+             "max_steps", "lora_r"):  # fmt: skip
+    RANGES[_key] = {**RANGES[_key], "max": LARGEST_COUNT}
+TRAINING_RANGES = {k: v for k, v in RANGES.items() if k != "max_steps"} | {"max_steps": {"min": -1, "max": LARGEST_COUNT}}
+
+# Top-level keys of TRL / open-r1 script configs (`trl grpo --config`) and where they go in a recipe.
+FLAT_CONFIG_KEYS = {
+    "model_name_or_path": "model.name_or_path",
+    "model_revision": "model.revision",
+    "torch_dtype": "model.dtype",
+    "dtype": "model.dtype",
+    "attn_implementation": "model.attn_implementation",
+    "load_in_4bit": "model.quantization: 4bit",
+    "load_in_8bit": "model.quantization: 8bit",
+    "use_peft": "peft (a mapping, or null for full fine-tuning)",
+    "lora_r": "peft.r",
+    "lora_alpha": "peft.lora_alpha",
+    "lora_dropout": "peft.lora_dropout",
+    "lora_target_modules": "peft.target_modules",
+    "dataset_name": "data.source (with data.builder)",
+    "dataset_config": "data.config",
+    "dataset_train_split": "data.split",
+    "dataset_test_split": "data.validation_split",
+    "system_prompt": "data.system_prompt",
+    "reward_funcs": "rewards: [{name: ...}, ...]",
+    "reward_weights": "rewards[i].weight",
+}
+GRID_MARKERS = ("variants", "grid")
 
 PHASE_MESSAGE = re.compile(r"phase (\d+)")
 
 
 def check_recipe(file: str, raw: dict[str, Any], problems: list[RecipeProblem], world_size: int, dry: bool):
+    """Every check of a recipe's content. `dry=False` also checks the precision switches against this machine
+    (`bf16` needs a GPU), as `train` must; paths, installed extras and data are the preflight's (`preflight.py`)."""
+    whole_file = not_a_recipe(raw)
+    if whole_file is not None:  # a grid file or a flat TRL config: one message, not one per key
+        problems.append(whole_file)
+        return None
+    for path in non_finite_paths(raw):
+        problems.append(RecipeProblem(path, "must be a finite number (NaN and infinity are refused)", _value_at(raw, path)))
     sections = build_sections(raw, problems)
     training = check_training(raw.get("training"), sections.get("logging"), raw.get("logging"), problems)
     phases = check_phases(raw, problems)
     reward_names = check_rewards(sections["rewards"], problems)
-    missing_paths = check_local_paths(sections.get("model"), sections.get("data"))
-    if not dry:  # `train` needs them now; `validate` only notes them (a demo creates its model folder first)
-        problems += missing_paths
     check_data(sections.get("data"), sections.get("validation"), problems)
     check_distill(raw.get("distill"), sections.get("data"), problems)
     if training is not None and sections.get("logging") is not None:
         logging_values = {k: getattr(sections["logging"], k) for k in LOGGING_KEYS if k in (raw.get("logging") or {})}
         training = {**training, **logging_values}
+    if training is not None:
+        problems += batch_problems(training, world_size)
+        if not dry:
+            problems += precision_problems(training)
     if problems:
         return None
     validation = sections.get("validation")
@@ -107,15 +148,65 @@ def check_recipe(file: str, raw: dict[str, Any], problems: list[RecipeProblem], 
     )
     check_validation(validation, recipe.rewards, problems)
     check_assembled(recipe, reward_names, problems, world_size, dry)
-    recipe.warnings += [f"{p.path} = {p.value!r}: {p.message} (`train` will stop here)" for p in missing_paths]
     return recipe
+
+
+def _value_at(raw: Any, path: str) -> Any:
+    for part in path.split("."):
+        raw = raw[int(part)] if isinstance(raw, list) else raw[part]
+    return raw
+
+
+def not_a_recipe(raw: dict[str, Any]) -> RecipeProblem | None:
+    """A file that is not a recipe at all: an ablation grid, or a flat TRL/open-r1 script config."""
+    if "base" in raw and any(key in raw for key in GRID_MARKERS):
+        return RecipeProblem(
+            "", "this is an ablation grid file (it has `base` and `variants`/`grid`), not a recipe: check it with "
+            "`prorl-trl ablate FILE --validate-only` (and run it with `prorl-trl ablate FILE`)"
+        )
+    from ..config import ProRLConfig
+
+    training_fields = _init_fields(ProRLConfig)
+    stray = [key for key in raw if key not in TOP_LEVEL_KEYS]
+    known = [key for key in stray if key in FLAT_CONFIG_KEYS or key in training_fields]
+    if len(known) < 2 or len(known) < len(stray) / 2:
+        return None
+    return RecipeProblem("", flat_config_message(raw, stray, training_fields))
+
+
+def flat_config_message(raw: dict[str, Any], stray: list[str], training_fields: set[str]) -> str:
+    """How the keys of a flat TRL/open-r1 config nest in a recipe, written out for this file's keys."""
+    elsewhere = [f"      {key} -> {FLAT_CONFIG_KEYS[key]}" for key in stray if key in FLAT_CONFIG_KEYS]
+    training = [key for key in stray if key in training_fields and key not in FLAT_CONFIG_KEYS]
+    unknown = [key for key in stray if key not in FLAT_CONFIG_KEYS and key not in training_fields]
+    shown = "".join(f"\n        {key}: {raw[key]!r}" for key in training[:8]) + ("\n        ..." if len(training) > 8 else "")
+    lines = [
+        "this looks like a flat TRL / open-r1 config; a recipe nests its keys in sections (see recipes/*.yaml):",
+        "      model: {name_or_path: ...}   data: {builder: ..., source: ...}   rewards: [{name: ...}]",
+        "      training:" + (shown or " {...}"),
+    ]
+    if elsewhere:
+        lines += ["    and moves these keys:"] + elsewhere
+    if unknown:
+        lines.append(f"    no recipe key matches: {', '.join(unknown)}")
+    return "\n".join(lines)
 
 
 def build_sections(raw: dict[str, Any], problems: list[RecipeProblem]) -> dict[str, Any]:
     """Top-level keys and the recipe's own sections (everything except `training`/`phases`/`rewards` semantics)."""
+    from ..config import ProRLConfig
+
+    training_fields = _init_fields(ProRLConfig)
     for key, value in raw.items():
-        if key not in TOP_LEVEL_KEYS:
-            problems.append(RecipeProblem(str(key), f"unknown section{suggest(key, TOP_LEVEL_KEYS)}", value))
+        if key in TOP_LEVEL_KEYS:
+            continue
+        if key in training_fields:
+            hint = f"; `{key}` is a training setting: put it under `training:`"
+        elif key in FLAT_CONFIG_KEYS:
+            hint = f"; in a recipe it is {FLAT_CONFIG_KEYS[key]}"
+        else:
+            hint = suggest(key, TOP_LEVEL_KEYS)
+        problems.append(RecipeProblem(str(key), f"unknown section{hint}", value))
     for required in ("model", "data", "rewards"):
         if raw.get(required) is None:
             problems.append(RecipeProblem(required, "section is required but missing"))
@@ -150,6 +241,14 @@ def check_training(raw: Any, logging_section: Any, raw_logging: Any, problems: l
     hints = {k: v for k, v in typing.get_type_hints(ProRLConfig).items() if k in _init_fields(ProRLConfig)}
     before = len(problems)
     training = check_mapping(raw, "training", hints, problems, metadata=TRAINING_RANGES, reserved=TRAINING_RESERVED)
+    if isinstance(raw, dict) and "output_dir" in raw and (not isinstance(raw["output_dir"], str) or not raw["output_dir"].strip()):
+        problems.append(
+            RecipeProblem(
+                "training.output_dir",
+                "must name a folder; remove the key to use runs/<recipe file name>",
+                raw["output_dir"],
+            )
+        )
     for key in set(training) & set(raw_logging or {}):
         problems.append(RecipeProblem(f"training.{key}", f"also set as `logging.{key}`; keep one", training[key]))
     buffer, cap = training.get("overlong_buffer"), training.get("max_completion_length", 256)
@@ -217,12 +316,6 @@ def unknown_name(key_path: str, kind: str, name: str, available: typing.Iterable
     return RecipeProblem(key_path, f"unknown {kind}{suggest(name, available)} (available: {listing})", name)
 
 
-def _looks_local(source: str) -> bool:
-    from ..data.builders import is_local_source
-
-    return is_local_source(source)
-
-
 def check_data(data: Any, validation: Any, problems: list[RecipeProblem]) -> None:
     from ..data import BUILDERS
     from ..data.templates import TEMPLATES
@@ -244,7 +337,7 @@ def check_data(data: Any, validation: Any, problems: list[RecipeProblem]) -> Non
             )
         )
     hints = {name: kind for name, (kind, _) in spec.options.items()}
-    check_mapping(data.options, "data.options", hints, problems)
+    check_mapping(data.options, "data.options", hints, problems, metadata=spec.option_rules)
     if spec.default_source is None and data.source is None and not data.builder.startswith("synthetic_"):
         problems.append(
             RecipeProblem("data.source", f"builder `{data.builder}` needs a source (hub id or local file)")
@@ -292,18 +385,6 @@ def check_validation(validation: Any, specs: list[Any], problems: list[RecipePro
         )
 
 
-def check_local_paths(model: Any, data: Any) -> list[RecipeProblem]:
-    """Local model folders and data files that do not exist (hub ids are not checked: no network here)."""
-    missing = []
-    keys = [("model", model, "name_or_path"), ("model", model, "tokenizer_name_or_path")]
-    keys += [("data", data, "source"), ("data", data, "validation_source")]
-    for section, values, key in keys:
-        value = getattr(values, key, None) if values is not None else None
-        if value and _looks_local(value) and not Path(value).expanduser().exists():
-            missing.append(RecipeProblem(f"{section}.{key}", "local file or folder not found", value))
-    return missing
-
-
 def check_assembled(recipe: Any, reward_names: list[str], problems: list[RecipeProblem], world_size: int, dry: bool):
     """Build `ProRLConfig` and resolve the phases exactly as training will, mapping errors back to key paths."""
     from ..config import resolve_phases
@@ -345,6 +426,107 @@ def check_assembled(recipe: Any, reward_names: list[str], problems: list[RecipeP
                 name,
             )
         )
+
+
+def batch_problems(training: dict[str, Any], world_size: int) -> list[RecipeProblem]:
+    """TRL's generation-batch arithmetic for `world_size` processes, reported against the key the recipe set.
+
+    TRL (GRPOConfig.__post_init__) derives `generation_batch_size` = per_device_train_batch_size x processes x
+    steps_per_generation (default: gradient_accumulation_steps) and needs it divisible by num_generations, or, when
+    `generation_batch_size` is set, divisible by per_device_train_batch_size x processes. Its message always names
+    `generation_batch_size`, and `validate` runs in one process, so the check is repeated here for the launch.
+    """
+    from ..config import ProRLConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(ProRLConfig)}
+    value = {key: training.get(key, defaults[key]) for key in (
+        "per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size", "steps_per_generation",
+        "num_generations")}  # fmt: skip
+    given = [v for k, v in value.items() if v is not None or k not in ("generation_batch_size", "steps_per_generation")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in given) or world_size < 1:
+        return []  # a type or range problem, reported by the field checks
+    per_device, processes = value["per_device_train_batch_size"], world_size
+    if value["generation_batch_size"] is not None and value["steps_per_generation"] is None:
+        batch = per_device * processes
+        if value["generation_batch_size"] % batch:
+            return [RecipeProblem(
+                "training.generation_batch_size",
+                f"must be divisible by per_device_train_batch_size x processes = {per_device} x {processes} = {batch} "
+                f"(one generation batch is split into whole micro-batches)",
+                value["generation_batch_size"],
+            )]  # fmt: skip
+        generation = value["generation_batch_size"]
+    elif value["generation_batch_size"] is None:
+        steps_key = "steps_per_generation" if value["steps_per_generation"] is not None else "gradient_accumulation_steps"
+        generation = per_device * processes * value[steps_key]
+        if generation % value["num_generations"]:
+            culprit = next((k for k in ("per_device_train_batch_size", "num_generations", steps_key) if k in training),
+                           "per_device_train_batch_size")  # fmt: skip
+            return [RecipeProblem(
+                f"training.{culprit}",
+                f"per_device_train_batch_size x processes x {steps_key} = {per_device} x {processes} x "
+                f"{value[steps_key]} = {generation} completions per generation batch, which must be a multiple of "
+                f"num_generations = {value['num_generations']} (whole groups of one prompt's completions)",
+                training.get(culprit, value.get(culprit)),
+            )]  # fmt: skip
+    else:
+        return []  # both set: TRL's own message names both keys
+    if generation % value["num_generations"]:
+        return [RecipeProblem(
+            "training.generation_batch_size",
+            f"must be a multiple of num_generations = {value['num_generations']} (whole groups)",
+            generation,
+        )]  # fmt: skip
+    return []
+
+
+def precision_problems(training: dict[str, Any]) -> list[RecipeProblem]:
+    """`bf16`/`fp16`/`tf32` against this machine, as `train` will meet them (TrainingArguments refuses them late)."""
+    import torch
+
+    on_cpu = bool(training.get("use_cpu")) or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
+    gpu = torch.cuda.is_available() and not on_cpu
+    elsewhere = "; to check a recipe meant for another machine, run `prorl-trl validate --no-machine-checks`"
+    problems = []
+    if training.get("bf16") and not gpu and not on_cpu:
+        problems.append(RecipeProblem(
+            "training.bf16", "needs a CUDA GPU and torch sees none here (torch.cuda.is_available() is False); set "
+            "`training.bf16: false`, or `training.use_cpu: true` for bf16 on the CPU" + elsewhere, True))  # fmt: skip
+    elif training.get("bf16") and gpu and not torch.cuda.is_bf16_supported():
+        problems.append(RecipeProblem(
+            "training.bf16", "this GPU has no bf16 support (it needs Ampere or newer); use `fp16: true`" + elsewhere, True
+        ))  # fmt: skip
+    if training.get("fp16") and not gpu:
+        problems.append(RecipeProblem(
+            "training.fp16", "fp16 mixed precision needs a CUDA GPU and torch sees none here; set `training.fp16: false`"
+            + elsewhere, True))  # fmt: skip
+    if training.get("tf32") and not (gpu and torch.cuda.get_device_capability()[0] >= 8):
+        problems.append(RecipeProblem(
+            "training.tf32", "needs an Ampere or newer CUDA GPU; remove it or set `training.tf32: false`" + elsewhere, True
+        ))  # fmt: skip
+    return problems
+
+
+def override_annotation(raw: dict[str, Any], parts: list[str]) -> Any:
+    """The type of the recipe key at `parts` (`["training", "save_strategy"]`, `["phases", "2", "top_p"]`,
+    `["data", "options", "num_people"]`), or None where it has none to read by (a whole section, reward params)."""
+    from ..config import PhaseConfig, ProRLConfig
+
+    if len(parts) == 2 and parts[0] == "training":
+        return typing.get_type_hints(ProRLConfig).get(parts[1])
+    if len(parts) == 3 and parts[0] == "phases":
+        return typing.get_type_hints(PhaseConfig).get(parts[2])
+    if len(parts) == 3 and parts[:2] == ["data", "options"]:
+        from ..data import BUILDERS
+
+        spec = BUILDERS.get(str((raw.get("data") or {}).get("builder")))
+        return spec.options.get(parts[2], (None,))[0] if spec else None
+    if len(parts) == 3 and parts[0] == "rewards" and parts[2] in ("name", "weight"):
+        return typing.get_type_hints(RewardSpec)[parts[2]]
+    cls = SECTIONS.get(parts[0])
+    if len(parts) == 2 and cls is not None:
+        return typing.get_type_hints(cls).get(parts[1])
+    return None
 
 
 def _path_of(message: str, default: str) -> str:

@@ -8,8 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .checks import check_recipe
-from .reading import apply_overrides, parse_overrides, read_recipe_file
+from .checks import check_recipe, override_annotation
+from .reading import apply_overrides, read_override_tokens, read_recipe_file
 from .recipe import Recipe
 from .schema import RecipeError
 
@@ -22,13 +22,13 @@ def load_recipe(
 ) -> Recipe:
     """Read, override and fully validate a recipe. Raises `RecipeError` listing every problem.
 
-    `overrides` are `(dotted.path, value)` pairs or raw command-line tokens. `world_size` (default: `$WORLD_SIZE` or
+    `overrides` are `(dotted.path, value)` pairs or raw command-line tokens (read by each key's type). `world_size` (default: `$WORLD_SIZE` or
     1) is what batch divisibility is checked against. `dry=True` checks hardware switches (bf16, tf32, ...) by type
     only, so a GPU recipe validates on a laptop.
     """
     raw = read_recipe_file(path)
     if overrides and isinstance(next(iter(overrides)), str):
-        overrides = parse_overrides(list(overrides))
+        overrides = read_override_tokens(list(overrides))
     return recipe_from_dict(raw, str(path), list(overrides), world_size=world_size, dry=dry)
 
 
@@ -40,7 +40,7 @@ def recipe_from_dict(
     dry: bool = True,
 ) -> Recipe:
     """`load_recipe` for a mapping already in memory (`file` names it in messages). `raw` is modified in place."""
-    problems = apply_overrides(raw, list(overrides))
+    problems = apply_overrides(raw, list(overrides), annotation_of=override_annotation)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     recipe = check_recipe(file, raw, problems, world_size=world_size, dry=dry)

@@ -1,19 +1,27 @@
 """Reading recipe files and command-line overrides: YAML (safe, strict) in, plain mappings out.
 
-Command-line overrides: `--<key.path> VALUE` or `--<key.path>=VALUE`, values parsed as YAML scalars
-(`--training.learning_rate 1e-6`, `--phases.2.temperature 1.2`, `--peft.target_modules '[q_proj, v_proj]'`,
-`--peft null`). A path whose first part is not a section means `training.` (`--learning_rate 1e-6`).
+Command-line overrides: `--<key.path> VALUE` or `--<key.path>=VALUE` (`--training.learning_rate 1e-6`,
+`--phases.2.temperature 1.2`, `--peft.target_modules '[q_proj, v_proj]'`, `--peft null`). A value is read by the
+type of the key it sets (`read_override_value`): where the key takes text, the text as typed (`--training.save_strategy
+no` is "no", not YAML's `false`); elsewhere as YAML, like the same text in the recipe. A path whose first part is not
+a section means `training.` (`--learning_rate 1e-6`); one that looks like a misspelt section is refused.
 """
 
 from __future__ import annotations
 
+import difflib
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from .schema import TOP_LEVEL_KEYS, RecipeError, RecipeProblem
+from .schema import TOP_LEVEL_KEYS, RecipeError, RecipeProblem, coerce
+
+
+class CommandLineText(str):
+    """An override value as typed on the command line, read once the target key's type is known."""
 
 class RecipeLoader(yaml.SafeLoader):
     """`yaml.SafeLoader` that reads `1e-6` as a float (YAML 1.1 wants `1.0e-6`) and rejects duplicate keys."""
@@ -65,8 +73,25 @@ def read_recipe_file(path: str | Path, kind: str = "recipe") -> dict[str, Any]:
     return raw
 
 
+def read_override_value(text: str, annotation: Any) -> Any:
+    """A command-line value for a key of type `annotation` (None: unknown): YAML's reading when it fits the type,
+    else the text itself when the key takes text (`no`, `yes`, `on`, `1234` for a string key), else YAML's reading
+    (the type check then reports it)."""
+    value = parse_yaml_scalar(text)
+    if annotation is None or coerce(value, annotation)[0]:
+        return value
+    return text if coerce(text, annotation)[0] else value
+
+
 def parse_overrides(tokens: list[str]) -> list[tuple[str, Any]]:
-    """`["--a.b", "1", "--c=x"]` -> `[("a.b", 1), ("c", "x")]`. Raises `RecipeError` on a malformed list."""
+    """`["--a.b", "1", "--c=x"]` -> `[("a.b", 1), ("c", "x")]`: values read as YAML, whatever the key's type
+    (`load_recipe` reads them by type, from `read_override_tokens`). Raises `RecipeError` on a malformed list."""
+    return [(key, parse_yaml_scalar(text)) for key, text in read_override_tokens(tokens)]
+
+
+def read_override_tokens(tokens: list[str]) -> list[tuple[str, CommandLineText]]:
+    """`["--a.b", "1", "--c=x"]` -> `[("a.b", "1"), ("c", "x")]` with the values unread (`CommandLineText`).
+    Raises `RecipeError` on a malformed list."""
     overrides, problems, index = [], [], 0
     while index < len(tokens):
         token = tokens[index]
@@ -81,20 +106,31 @@ def parse_overrides(tokens: list[str]) -> list[tuple[str, Any]]:
                 index += 1
                 continue
             value, index = tokens[index + 1], index + 1
-        overrides.append((key, parse_yaml_scalar(value)))
+        overrides.append((key, CommandLineText(value)))
         index += 1
     if problems:
         raise RecipeError("command line", problems)
     return overrides
 
 
-def apply_overrides(raw: dict[str, Any], overrides: list[tuple[str, Any]]) -> list[RecipeProblem]:
-    """Set each dotted path in `raw` (in place). Integer parts index lists (`phases.2`)."""
+def apply_overrides(
+    raw: dict[str, Any],
+    overrides: list[tuple[str, Any]],
+    annotation_of: Callable[[dict[str, Any], list[str]], Any] | None = None,
+) -> list[RecipeProblem]:
+    """Set each dotted path in `raw` (in place). Integer parts index lists (`phases.2`). `CommandLineText` values
+    are read by `annotation_of(raw, path parts)`, the type of the key they set (None: read as YAML)."""
     problems = []
     for key, value in overrides:
         parts = key.split(".")
         if parts[0] not in TOP_LEVEL_KEYS:
+            close = difflib.get_close_matches(parts[0], TOP_LEVEL_KEYS, n=1, cutoff=0.75)
+            if len(parts) > 1 and close:
+                problems.append(RecipeProblem(parts[0], f"unknown section in override `--{key}`; did you mean `{close[0]}`?"))
+                continue
             parts = ["training"] + parts
+        if isinstance(value, CommandLineText):
+            value = read_override_value(value, annotation_of(raw, parts) if annotation_of else None)
         node: Any = raw
         for depth, part in enumerate(parts):
             last = depth == len(parts) - 1

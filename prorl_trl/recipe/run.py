@@ -19,6 +19,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from .load import load_recipe
+from .preflight import require_preflight, require_readable_golds
 from .recipe import Recipe
 
 
@@ -127,6 +128,7 @@ def run_train(recipe_path: str, overrides: list[str]) -> int:
     """Validate, load, train all phases, write the summary. Returns the exit status."""
     started = time.time()
     recipe = load_recipe(recipe_path, overrides, dry=False)
+    require_preflight(recipe, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     main = _is_main_process()
     if main:
         print(describe_recipe(recipe, world_size=int(os.environ.get("WORLD_SIZE", "1"))), flush=True)
@@ -147,6 +149,7 @@ def run_train(recipe_path: str, overrides: list[str]) -> int:
     with PartialState().main_process_first():  # rank 0 fills the datasets cache, the others read it
         train_dataset = build_dataset(recipe.data, "train", tokenizer)
         eval_dataset = build_dataset(recipe.data, "validation", tokenizer)
+    require_readable_golds(recipe, train_dataset, eval_dataset)
     reward_funcs = recipe.reward_functions()
     callback = _validation_callback(recipe, eval_dataset, args)
     recorder = LogRecorder()

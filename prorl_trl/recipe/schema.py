@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -155,14 +156,29 @@ def check_value(path: str, value: Any, annotation: Any, metadata: Any, problems:
         problems.append(
             RecipeProblem(path, f"must be one of {', '.join(map(repr, choices))}{suggest(value, choices)}", value)
         )
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if "min" in metadata and value < metadata["min"]:
+    numbers = value if isinstance(value, list) else [value]  # a range applies to each number of a list
+    for number in numbers:
+        if not isinstance(number, (int, float)) or isinstance(number, bool):
+            continue
+        if "min" in metadata and number < metadata["min"]:
             problems.append(RecipeProblem(path, f"must be >= {metadata['min']}", value))
-        if "min_exclusive" in metadata and value <= metadata["min_exclusive"]:
+        if "min_exclusive" in metadata and number <= metadata["min_exclusive"]:
             problems.append(RecipeProblem(path, f"must be > {metadata['min_exclusive']}", value))
-        if "max" in metadata and value > metadata["max"]:
+        if "max" in metadata and number > metadata["max"]:
             problems.append(RecipeProblem(path, f"must be <= {metadata['max']}", value))
     return value
+
+
+def non_finite_paths(value: Any, path: str = "") -> list[str]:
+    """Key paths of every NaN or infinite number in a YAML value (YAML reads `.nan` and `.inf` as floats, and NaN
+    passes every `<`/`>` range check)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return [path]
+    if isinstance(value, dict):
+        return [p for key, item in value.items() for p in non_finite_paths(item, f"{path}.{key}" if path else str(key))]
+    if isinstance(value, list):
+        return [p for index, item in enumerate(value) for p in non_finite_paths(item, f"{path}.{index}")]
+    return []
 
 
 def _enum_values(annotation: Any) -> list[str]:

@@ -1,0 +1,278 @@
+"""The preflight: what `train` would fail on that the recipe text alone cannot tell, checked before any model loads.
+
+`load_recipe` checks the recipe itself (keys, types, ranges, phases, batch arithmetic; with `dry=False` also the
+precision switches against this machine). The preflight adds the world outside the file, so `prorl-trl validate`
+says ok only when `train` would start:
+
+* local paths: model and tokenizer folders (a file is not a model), data files, the distillation teacher;
+  hub ids are allowed and reported as not checked (nothing here uses the network);
+* extras the recipe or launch needs (vLLM, bitsandbytes, DeepSpeed, Liger, flash-attn), with the install command;
+* the launch: hard resets refused under DeepSpeed/FSDP, and the trainer's own pre-init checks
+  (`prorl_trl.trainer.checks.check_before_init`) for the number of processes;
+* data (`validate` only; `train` runs the same checks while it builds its datasets): local files row by row, the
+  built splits, and whether the rewards can read the golds (`prorl_trl.data.checks`).
+
+`train` runs it first (`preflight(recipe, data=False)` in `run.py`); `validate` runs all of it. The output folder's
+state and the trackers' installation are checked by the functions of the resume/tracker work when they exist (see
+`SEAM` below); nothing here duplicates them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from .recipe import Recipe
+from .schema import RecipeProblem
+
+# Optional packages: import name -> how to install it.
+EXTRAS = {
+    "vllm": "pip install 'prorl-trl[vllm]'",
+    "bitsandbytes": "pip install 'prorl-trl[quant]'",
+    "deepspeed": "pip install deepspeed",
+    "liger_kernel": "pip install liger-kernel",
+    "flash_attn": "pip install flash-attn --no-build-isolation",
+}
+MODEL_FILES = ("config.json", "adapter_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+# Issue 12, items 1-2 (trackers, output-folder state) add their checks here: each is `(recipe) -> list[RecipeProblem]`.
+SEAM: list[Any] = []
+
+
+@dataclass
+class Launch:
+    """What an `accelerate` launch config tells the preflight (`validate --launch-config FILE`)."""
+
+    num_processes: int = 1
+    distributed_type: str = "NO"  # accelerate's DistributedType value: NO, MULTI_GPU, DEEPSPEED, FSDP, ...
+
+
+def read_launch_config(path: str | Path) -> Launch:
+    """`num_processes` and `distributed_type` of an accelerate config file; `RecipeError` if it cannot be read."""
+    import yaml
+
+    from .schema import RecipeError
+
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as error:
+        raise RecipeError(str(path), [RecipeProblem("", f"cannot read the launch config: {error}")]) from None
+    if not isinstance(raw, dict):
+        raise RecipeError(str(path), [RecipeProblem("", "a launch config is a YAML mapping (accelerate config)")])
+    return Launch(int(raw.get("num_processes") or 1), str(raw.get("distributed_type") or "NO").upper())
+
+
+def installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def is_local(value: str) -> bool:
+    from ..data.builders import is_local_source
+
+    return is_local_source(value) or Path(value).expanduser().exists()
+
+
+def preflight(
+    recipe: Recipe, world_size: int = 1, machine: bool = True, data: bool = True, launch: Launch | None = None
+) -> list[RecipeProblem]:
+    """Every problem `train` would meet before its first step, for `world_size` processes. Hub ids are noted in
+    `recipe.warnings`. `machine=False` skips what depends on this machine (paths, installed packages, data)."""
+    problems: list[RecipeProblem] = []
+    if machine:
+        problems += path_problems(recipe)
+        problems += extras_problems(recipe, launch)
+        for check in SEAM:
+            problems += check(recipe)
+    problems += launch_problems(recipe, world_size, launch)
+    if data and machine and not problems:  # data checks read files; a missing one was reported above
+        problems += data_problems(recipe)
+    return problems
+
+
+def require_preflight(recipe: Recipe, world_size: int) -> None:
+    """`train`'s first step: raise `RecipeError` with every problem the preflight finds (data excepted: `train`
+    checks it while building its datasets, see `require_readable_golds`)."""
+    from .schema import RecipeError
+
+    problems = preflight(recipe, world_size=world_size, data=False)
+    if problems:
+        raise RecipeError(recipe.file, problems)
+
+
+def require_readable_golds(recipe: Recipe, train_dataset: Any, eval_dataset: Any) -> None:
+    """After `train` built its splits (hub data included), before the model loads: raise `DataError` when the rewards
+    cannot read the golds (`prorl_trl.data.checks.check_golds_readable`)."""
+    from ..data.checks import DataError, check_golds_readable
+
+    problems = []
+    for which, rows in (("train", train_dataset), ("validation", eval_dataset)):
+        if rows is not None:
+            problems += check_golds_readable(rows, reward_functions_for(recipe, which), _where(recipe, which))
+    if problems:
+        raise DataError(problems)
+
+
+def path_problems(recipe: Recipe) -> list[RecipeProblem]:
+    """Local model/tokenizer folders, data files and the teacher exist and look like what they should be."""
+    problems = []
+    model = recipe.model
+    problems += _model_folder("model.name_or_path", model.name_or_path, recipe, MODEL_FILES, "a model")
+    tokenizer_key = "model.tokenizer_name_or_path" if model.tokenizer_name_or_path else "model.name_or_path"
+    tokenizer = model.tokenizer_name_or_path or model.name_or_path
+    if not problems or model.tokenizer_name_or_path:
+        problems += _model_folder(tokenizer_key, tokenizer, recipe, TOKENIZER_FILES, "a tokenizer")
+    for key in ("source", "validation_source"):
+        value = getattr(recipe.data, key)
+        if value and is_local(value) and not Path(value).expanduser().exists():
+            problems.append(RecipeProblem(f"data.{key}", "local file or folder not found", value))
+        elif value and not is_local(value):
+            recipe.warnings.append(f"data.{key} = {value!r} is a hub dataset id: not checked here (no network use)")
+    if recipe.distill is not None and isinstance(recipe.distill.get("teacher"), str):
+        from ..distill.run import check_teacher
+
+        try:
+            check_teacher(recipe.distill["teacher"])
+        except FileNotFoundError as error:
+            problems.append(RecipeProblem("distill.teacher", str(error), recipe.distill["teacher"]))
+    return problems
+
+
+def _model_folder(key: str, value: str, recipe: Recipe, files: tuple[str, ...], what: str) -> list[RecipeProblem]:
+    if not is_local(value):
+        note = f"{key} = {value!r} is a hub id: not checked here (no network use)"
+        if note not in recipe.warnings:
+            recipe.warnings.append(note)
+        return []
+    path = Path(value).expanduser()
+    if not path.exists():
+        return [RecipeProblem(key, "local file or folder not found", value)]
+    if path.is_file():
+        return [RecipeProblem(key, f"is a file; {what} is a folder written by `save_pretrained`, or a hub id", value)]
+    if not any((path / name).is_file() for name in files):
+        hint = "; set model.tokenizer_name_or_path" if what == "a tokenizer" else ""
+        return [RecipeProblem(key, f"the folder holds no {' / '.join(files)}: it is not {what} folder{hint}", value)]
+    return []
+
+
+def extras_problems(recipe: Recipe, launch: Launch | None) -> list[RecipeProblem]:
+    """Optional packages the recipe or the launch needs, each with its install command."""
+    training, model = recipe.training, recipe.model
+    needs = []
+    if training.get("use_vllm"):
+        needs.append(("training.use_vllm", "vllm"))
+    if isinstance(recipe.distill, dict) and recipe.distill.get("use_vllm"):
+        needs.append(("distill.use_vllm", "vllm"))
+    if model.quantization:
+        needs.append(("model.quantization", "bitsandbytes"))
+    if training.get("use_liger_kernel"):
+        needs.append(("training.use_liger_kernel", "liger_kernel"))
+    if model.attn_implementation == "flash_attention_2":
+        needs.append(("model.attn_implementation", "flash_attn"))
+    if training.get("deepspeed") or (launch is not None and launch.distributed_type == "DEEPSPEED"):
+        needs.append(("training.deepspeed" if training.get("deepspeed") else "launch config", "deepspeed"))
+    return [
+        RecipeProblem(key, f"needs `{module}`, which is not installed: {EXTRAS[module]}")
+        for key, module in needs
+        if not installed(module)
+    ]
+
+
+def launch_problems(recipe: Recipe, world_size: int, launch: Launch | None) -> list[RecipeProblem]:
+    """The trainer's pre-init refusals (DeepSpeed/FSDP with resets, beta to/from 0, ...), before any model loads."""
+    from ..reset.support import ResetNotSupportedError, check_reset_support
+    from ..trainer.checks import check_before_init, resets_possible
+
+    with warnings.catch_warnings():  # the recipe checks reported the warnings about the recipe's own keys
+        warnings.simplefilter("ignore")
+        args = recipe.training_args(dry=True)
+    phases = recipe.resolved_phases or []
+    problems = []
+    reward_funcs = recipe.reward_functions()
+    try:
+        check_before_init(args, phases, recipe.model.name_or_path, recipe.peft_config(), reward_funcs, [])
+    except ValueError as error:
+        problems.append(RecipeProblem("phases" if "phase" in str(error) else "training", str(error)))
+    if resets_possible(phases, []):
+        # `check_reset_support` reads `accelerator.distributed_type.value` (and the ACCELERATE_USE_* variables `accelerate
+        # launch` sets, which is what `train` sees).
+        accelerator = None if launch is None else SimpleNamespace(distributed_type=SimpleNamespace(value=launch.distributed_type))
+        try:
+            check_reset_support(args, None, accelerator)
+        except ResetNotSupportedError as error:
+            problems.append(RecipeProblem("launch config" if launch else "training", str(error)))
+        if recipe.model.quantization:
+            problems.append(
+                RecipeProblem(
+                    "model.quantization",
+                    "hard resets are refused on a quantised base (merging re-quantises it at every reset; see "
+                    "prorl_trl.reset.support): load the base unquantised, or turn resets off "
+                    "(`hard_reset_between_phases: false`, no phase with `hard_reset: true` or a new LoRA shape)",
+                    recipe.model.quantization,
+                )
+            )
+    return problems
+
+
+def data_problems(recipe: Recipe) -> list[RecipeProblem]:
+    """Local data, row by row, then built and probed with the recipe's rewards (hub and generated data are checked
+    by `train` while it builds them, before the model loads)."""
+    from ..data.builders import local_split_file, scan_split_file, split_source
+
+    problems = []
+    for which, key in (("train", "data.source"), ("validation", "data.validation_source")):
+        if split_source(recipe.data, which)[1] is None:
+            continue
+        found = scan_split_file(recipe.data, which)
+        try:
+            local = local_split_file(recipe.data, which)
+        except FileNotFoundError:
+            local = None
+        if not found and local is not None:
+            found = built_data_problems(recipe, which)
+        problems += _as_recipe_problems(key, found)
+    return problems
+
+
+def built_data_problems(recipe: Recipe, which: str, tokenizer: Any = None) -> list[Any]:
+    """Build one split (no tokenizer: no length filter) and check the rewards can read its golds; `DataProblem`s."""
+    from ..data import build_dataset
+    from ..data.checks import DataError, check_golds_readable
+
+    try:
+        rows = build_dataset(recipe.data, which, tokenizer)
+    except DataError as error:
+        return error.problems
+    if rows is None:
+        return []
+    return check_golds_readable(rows, reward_functions_for(recipe, which), _where(recipe, which))
+
+
+def reward_functions_for(recipe: Recipe, which: str) -> list[Any]:
+    """The rewards that read a split: all of the recipe's for training, the validation reward for validation."""
+    if which == "train" or recipe.validation is None:
+        return recipe.reward_functions()
+    import rewards
+
+    spec = next(s for s in recipe.rewards if s.name == (recipe.validation.reward or recipe.rewards[0].name))
+    return [rewards.get_reward(spec.name, **spec.params)]
+
+
+def _where(recipe: Recipe, which: str) -> str:
+    from ..data.builders import local_split_file, split_source
+
+    local = local_split_file(recipe.data, which)
+    source, split, _ = split_source(recipe.data, which)
+    return str(local) if local is not None else f"{source or recipe.data.builder} [{split}]"
+
+
+def _as_recipe_problems(key: str, problems: list[Any]) -> list[RecipeProblem]:
+    """`DataProblem`s as recipe problems under the data key that names the file (grouped: a few lines per kind)."""
+    from ..data.checks import render_problems
+
+    return [RecipeProblem(key, line) for line in render_problems(problems)]
