@@ -1,12 +1,14 @@
 """`prorl-trl` (also `python -m prorl_trl`, and `accelerate launch -m prorl_trl ...`).
 
-    prorl-trl train RECIPE [--key.path VALUE ...]     run a recipe (all phases), overrides as YAML scalars
-    prorl-trl validate RECIPE [--key.path VALUE ...]  check a recipe without loading a model or data (exit 0 or 2)
+    prorl-trl train RECIPE [--key.path VALUE ...]     run a recipe (all phases), overrides read by the key's type
+    prorl-trl validate RECIPE [--key.path VALUE ...]  check a recipe, this machine and local data (exit 0 or 2)
     prorl-trl ablate GRID [--parallel N]              run the variants of a grid file and tabulate them
     prorl-trl demo [--out DIR]                        offline tiny-model demo
     prorl-trl eval ...                                pass@k evaluation
     prorl-trl distill --teacher T --student S ...     distil a teacher's verified solutions into a student (SFT)
 
+Every option has a `--kebab-case` and a `--snake_case` spelling (as in Hugging Face's argument parser), `--help`
+shows every default, and the options of `train`/`validate` may come before or after RECIPE.
 Subcommand modules are imported only when their subcommand runs, so `validate` stays fast and a missing optional
 module disables only its own subcommand. Exit status: 0 success, 1 failure while running, 2 bad input.
 """
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
+from .data.checks import DataError
 from .recipe.schema import RecipeError
 
 # Subcommands owned by other modules: name -> (module, add-arguments function, run function, help).
@@ -29,12 +32,101 @@ PLUGGED_COMMANDS = {
     "eval": ("prorl_trl.evaluation.cli", "add_eval_arguments", "run_eval", "sample, grade and report pass@k"),
     "distill": ("prorl_trl.distill.cli", "add_distill_arguments", "run_distill", "distil a teacher into a tiny model"),
 }
+RECIPE_COMMANDS = ("train", "validate")
 
 OVERRIDES_HELP = (
-    "Recipe overrides, after RECIPE: `--section.key VALUE` or `--section.key=VALUE`, values read as YAML "
+    "Recipe overrides, anywhere after the subcommand: `--section.key VALUE` or `--section.key=VALUE` "
     "(`--training.learning_rate 1e-6`, `--phases.2.temperature 1.2`, `--peft.target_modules '[q_proj,v_proj]'`). "
-    "A key with no section means `training.` (`--learning_rate 1e-6`)."
+    "A value is read as the key's type: a text field gets the text (`--training.save_strategy no` is 'no'), other "
+    "fields read it as YAML. A key with no section means `training.` (`--learning_rate 1e-6`)."
 )
+SPELLING_NOTE = "Every option also accepts its --snake_case spelling."
+
+
+class BothSpellingsParser(argparse.ArgumentParser):
+    """An `ArgumentParser` whose options answer to both `--kebab-case` and `--snake_case` (HF's parser does the
+    same), whose help shows one spelling and every default, and which never guesses an abbreviated option."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("epilog", SPELLING_NOTE)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *names: Any, **kwargs: Any) -> argparse.Action:
+        spelled: list[str] = []
+        for name in names:
+            if isinstance(name, str) and name.startswith("--"):
+                spellings = ["--" + name[2:].replace("_", "-"), "--" + name[2:].replace("-", "_"), name]
+            else:
+                spellings = [name]
+            spelled += [spelling for spelling in spellings if spelling not in spelled]
+        return super().add_argument(*spelled, **kwargs)
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Help with one spelling per option and `(default: X)` after every option whose help does not state it."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if not action.option_strings:
+            return super()._format_action_invocation(action)
+        short = [name for name in action.option_strings if not name.startswith("--")]
+        shown = ", ".join(short + [next((n for n in action.option_strings if n.startswith("--")), "")]).strip(", ")
+        if action.nargs == 0:
+            return shown
+        return f"{shown} {self._format_args(action, self._get_default_metavar_for_optional(action))}"
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            action.option_strings
+            and action.default is not argparse.SUPPRESS
+            and not action.required
+            and "default" not in text.lower()
+        ):
+            text += f" (default: {_shown(action.default)})".replace("%", "%%")
+        return text
+
+
+def _shown(default: Any) -> str:
+    if default is None:
+        return "none"
+    if isinstance(default, str):
+        return default or "''"
+    return str(default)
+
+
+def split_options(tokens: list[str], parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
+    """(the subcommand's own options and RECIPE, the recipe overrides) of the tokens after `train`/`validate`.
+
+    Options are recognised wherever they stand (`validate RECIPE --num-processes 3`); every other `--key [VALUE]`
+    and any word after RECIPE is an override (`parse_overrides` reports malformed ones).
+    """
+    takes_value = {
+        spelling: action.nargs != 0 for action in parser._actions for spelling in action.option_strings
+    }  # `_actions` is argparse's public-by-convention action list (stable since Python 3.2)
+    own, overrides, recipe_seen, index = [], [], False, 0
+    while index < len(tokens):
+        token = tokens[index]
+        name = token.split("=", 1)[0]
+        following = tokens[index + 1] if index + 1 < len(tokens) else None
+        if name in takes_value:
+            own.append(token)
+            if takes_value[name] and "=" not in token and following is not None:
+                own.append(following)
+                index += 1
+        elif token.startswith("--") and len(token) > 2:
+            overrides.append(token)
+            if "=" not in token and following is not None and not (following.startswith("--") and len(following) > 2):
+                overrides.append(following)
+                index += 1
+        elif not recipe_seen and not token.startswith("-"):
+            own.append(token)
+            recipe_seen = True
+        else:
+            overrides.append(token)
+        index += 1
+    return own, overrides
 
 
 def _module_file_exists(module: str) -> bool:
@@ -52,25 +144,38 @@ def _unavailable(name: str, error: Exception) -> Callable[[Any], int]:
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="prorl-trl", description="Prolonged RL (ProRL) on top of TRL.")
+    parser = BothSpellingsParser(prog="prorl-trl", description="Prolonged RL (ProRL) on top of TRL.")
     parser.add_argument("--version", action="version", version=f"prorl-trl {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=BothSpellingsParser)
 
     train = commands.add_parser(
         "train", help="run a recipe (all phases)", description="Run a recipe. " + OVERRIDES_HELP
     )
     train.add_argument("recipe", help="recipe YAML file")
-    train.add_argument("overrides", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     train.set_defaults(handler=_run_train)
 
     validate = commands.add_parser(
-        "validate", help="check a recipe (no model or data loaded)", description="Check a recipe. " + OVERRIDES_HELP
-    )
-    validate.add_argument(
-        "--num-processes", type=int, default=None, help="processes the run will use (batch divisibility); default 1"
+        "validate",
+        help="check a recipe, this machine and local data (no model loaded)",
+        description="Check everything `train` would fail on before loading a model: the recipe, local model and "
+        "data paths, precision against this machine's GPU, installed extras, the batch arithmetic for the number of "
+        "processes, and local data files row by row (hub data is checked by `train` before the model loads). "
+        + OVERRIDES_HELP,
     )
     validate.add_argument("recipe", help="recipe YAML file")
-    validate.add_argument("overrides", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    validate.add_argument(
+        "--num-processes", type=int, default=None,
+        help="processes the run will use (batch divisibility); default: the launch config's, else 1",
+    )  # fmt: skip
+    validate.add_argument(
+        "--launch-config", default=None, metavar="FILE",
+        help="the `accelerate launch --config_file` the run will use (processes, DeepSpeed/FSDP)",
+    )  # fmt: skip
+    validate.add_argument(
+        "--no-machine-checks", action="store_true",
+        help="check the recipe alone, not this machine (local paths, GPU vs bf16, installed extras, local data): for "
+        "a recipe meant for another machine",
+    )  # fmt: skip
     validate.set_defaults(handler=_run_validate)
 
     ablate = commands.add_parser("ablate", help="run a grid of recipe variants and tabulate them")
@@ -90,6 +195,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         except (ImportError, AttributeError) as error:
             sub.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
             sub.set_defaults(handler=_unavailable(name, error))
+    parser.subcommands = commands.choices  # name -> subparser, for `split_options`
     return parser
 
 
@@ -98,7 +204,7 @@ def _add_ablate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parallel", type=int, default=1, help="variants run at the same time (processes)")
     parser.add_argument("--out", default=None, help="output folder (default: the grid's `output_dir`)")
     parser.add_argument("--force", action="store_true", help="re-run variants that already finished")
-    parser.add_argument("--only", nargs="+", default=None, help="run only these variant names")
+    parser.add_argument("--only", nargs="+", default=None, help="run only these variant names (default: all)")
     parser.add_argument("--validate-only", action="store_true", help="validate every variant, run nothing")
     parser.add_argument(
         "--launcher",
@@ -109,7 +215,7 @@ def _add_ablate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--devices",
         default=None,
-        help="comma-separated GPU ids; parallel slot i gets CUDA_VISIBLE_DEVICES=ids[i %% n]",
+        help="comma-separated GPU ids; parallel slot i gets CUDA_VISIBLE_DEVICES=ids[i %% n] (default: all visible)",
     )
     parser.add_argument("--metric", default=None, help="validation metric for the table (default: auto-detected)")
     parser.set_defaults(handler=_run_ablate)
@@ -117,13 +223,23 @@ def _add_ablate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_validate(args: argparse.Namespace) -> int:
     from .recipe.load import load_recipe
+    from .recipe.preflight import Launch, preflight, read_launch_config
     from .recipe.run import describe_recipe
 
-    recipe = load_recipe(args.recipe, args.overrides, world_size=args.num_processes, dry=True)
+    launch = read_launch_config(args.launch_config) if args.launch_config else None
+    world_size = args.num_processes or (launch.num_processes if launch else None)
+    machine = not args.no_machine_checks
+    recipe = load_recipe(args.recipe, args.overrides, world_size=world_size, dry=not machine)
+    world_size = world_size or 1
+    problems = preflight(recipe, world_size=world_size, machine=machine, launch=launch or Launch(world_size))
+    if problems:
+        raise RecipeError(args.recipe, problems)
     for warning in recipe.warnings:
         print(f"note: {warning}", file=sys.stderr)
-    print(describe_recipe(recipe, world_size=args.num_processes or 1))
-    print(f"ok: {args.recipe} is valid (training would write to {recipe.output_dir}/)")
+    print(describe_recipe(recipe, world_size=world_size))
+    checked = "recipe only (--no-machine-checks)" if not machine else "recipe, this machine and local data"
+    print(f"ok: {args.recipe} is valid for {world_size} process(es); checked: {checked} "
+          f"(training would write to {recipe.output_dir}/)")  # fmt: skip
     return 0
 
 
@@ -139,18 +255,28 @@ def _run_ablate(args: argparse.Namespace) -> int:
     return run_ablate(args)
 
 
+def parse_command_line(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The parser and the parsed arguments; `train`/`validate` get their recipe overrides as `args.overrides`."""
+    parser = build_parser(argv)
+    position = next((i for i, token in enumerate(argv) if not token.startswith("-")), None)
+    command = argv[position] if position is not None else None
+    if command not in RECIPE_COMMANDS:
+        return parser, parser.parse_args(argv)
+    own, overrides = split_options(argv[position + 1 :], parser.subcommands[command])
+    args = parser.parse_args(argv[: position + 1] + own)
+    args.overrides = overrides
+    return parser, args
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    parser, args = parse_command_line(argv)
     if getattr(args, "handler", None) is None:
         parser.print_help(sys.stderr)
         return 2
-    if any(token in ("-h", "--help") for token in getattr(args, "overrides", None) or []):
-        parser.parse_args([args.command, "--help"])  # `train RECIPE --help`: the subcommand's help, exit 0
     try:
         return int(args.handler(args) or 0)
-    except RecipeError as error:
+    except (RecipeError, DataError) as error:
         print(f"error: {error.render()}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -40,7 +40,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     p.add_argument("--k", default="1,2,4,8,16,32", help="Comma-separated k values of pass@k (each <= --n).")
     p.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature.")
     p.add_argument("--top-p", type=float, default=0.7, help="Nucleus sampling mass (1.0: off).")
-    p.add_argument("--max-new-tokens", type=int, default=1024, help="Maximum new tokens per completion.")
+    p.add_argument("--max-new-tokens", "--max-completion-length", type=int, default=1024,
+                   help="Maximum new tokens per completion (distill's and the recipes' max_completion_length).")
     p.add_argument("--batch-size", type=int, default=None, help="Sequences per generate call (default: 256 on GPU, 32 on CPU).")
     p.add_argument("--breakdown", default="", help="Comma-separated columns to break pass@k down by (e.g. level,subject).")
     p.add_argument("--subset", default=None, metavar="non-integer|always-wrong:NAME",
