@@ -73,7 +73,7 @@ DEMO_RECIPE: dict[str, Any] = {
         "batch_size": 50,
         "at_start": True,
     },
-    "logging": {"report_to": "none", "logging_steps": 5, "disable_tqdm": True},
+    "logging": {"report_to": "none", "logging_steps": 5, "disable_tqdm": False},
 }
 
 # `--smoke`: the same pipeline shrunk to seconds (used by the tests); no accuracy claim is made for it.
@@ -246,6 +246,7 @@ def warm_start(
     from trl import SFTConfig, SFTTrainer
 
     from .data import build_dataset
+    from .trainer.progress import use_run_progress
 
     rows = build_dataset(recipe.data, "train", tokenizer)
     rows = rows.map(lambda row: {"completion": "\\boxed{" + str(row["answer"]) + "}"})
@@ -262,12 +263,13 @@ def warm_start(
         use_cpu=True,
         bf16=False,
         seed=seed,
-        disable_tqdm=True,
+        disable_tqdm=False,
     )
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
         trainer = SFTTrainer(model=model, args=config, train_dataset=rows, processing_class=tokenizer)
+        use_run_progress(trainer)  # a bar with rate and ETA, a short line per log
         trainer.train()
     finally:
         hf_logging.set_verbosity(verbosity)

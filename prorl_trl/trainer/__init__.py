@@ -3,7 +3,8 @@ stop), when to hard-reset, and the overlong penalty.
 
 Modules: `trainer` (ProRLTrainer), `callbacks` (HardResetCallback, SamplingScheduleCallback, PlateauTracker),
 `state` (the trainer's own callback: pending resets, phase plateau, checkpoint state), `checks` (settings checked
-before init), `sampling` (where sampling settings live in TRL), `dynamic_sampling`, `early_stop`, `overlong`.
+before init), `sampling` (where sampling settings live in TRL), `progress` (rate and ETA over the whole run),
+`dynamic_sampling`, `early_stop`, `overlong`.
 
 Names are imported on first use, so `prorl_trl.trainer.checks` (run by `prorl-trl validate`) does not import
 `GRPOTrainer` and the model code behind it.

@@ -38,6 +38,7 @@ from trl import GRPOTrainer
 import rewards
 
 from .. import reset as reset_ops
+from ..console import announce, quiet_console
 from ..config import ProRLConfig, ResolvedPhase, resolve_phases
 from ..reset.checkpoint import (
     LOG_HISTORY_NAME,
@@ -53,6 +54,7 @@ from .checks import check_before_init, resets_possible
 from .dynamic_sampling import DynamicSamplingMixin
 from .early_stop import MinibatchEarlyStopMixin
 from .overlong import OverlongPenalty
+from .progress import use_run_progress
 from .sampling import GENERATION_CONFIG_NAMES, SAMPLING_KEYS, patch_fused_log_prob_heads
 from .state import ProRLStateCallback
 
@@ -71,6 +73,9 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
 
     _tag_names = ["trl", "grpo", "prorl"]
     _name = "ProRL"
+    # TRL's model card names the method's paper (GRPOTrainer's would say DeepSeekMath).
+    _paper = {"title": "ProRL: Prolonged Reinforcement Learning Expands Reasoning Boundaries in Large Language Models",
+              "id": "2505.24864"}  # fmt: skip
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: ProRLConfig | None = None, **kwargs: Any):
         if not isinstance(args, ProRLConfig):
@@ -115,6 +120,7 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         self._compiled_generation = False
 
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
+        use_run_progress(self)  # one bar (or line per log) over all phases with rate and ETA, not a dict per log
 
         self._check_after_init()
         self.sampling: dict[str, Any] = {key: getattr(self, key) for key in SAMPLING_KEYS}
@@ -261,14 +267,10 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         )
 
     def announce(self, message: str, rule: bool = False) -> None:
-        """Phase changes and resets, on the console (rich, main process only) and in the `prorl_trl` logger."""
+        """Phase changes and resets, on the console (main process only, never cropped) and in the `prorl_trl` logger."""
         logger.info(message)
-        if not self.accelerator.is_main_process:
-            return
-        from rich.console import Console
-
-        console = Console(stderr=True)
-        console.rule(f"[bold]{message}", align="left") if rule else console.print(f"[bold]{message}")
+        if self.accelerator.is_main_process:
+            announce(message, rule=rule)
 
     # ------------------------------------------------------------------------------------------- resume and saves
 
@@ -418,6 +420,7 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
             self.callback_handler.lr_scheduler = self.lr_scheduler
 
     # ----------------------------------------------------------------------------------------------------- train
+    @quiet_console()  # each warning once (TRL re-raises some at every save and validation), no save progress bars
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, ignore_keys_for_eval: Any = None, **kwargs: Any) -> TrainOutput:
         """Run every phase (from the checkpoint's phase when resuming), hard-resetting at phase boundaries."""
         self._bind_callbacks()

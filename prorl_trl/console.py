@@ -1,0 +1,106 @@
+"""What a long run prints: each warning once, banners never cut, and progress with rate and ETA.
+
+Nothing heavy is imported here (the `prorl-trl` command imports this module); `prorl_trl.trainer.progress` holds
+the training progress callback.
+
+* `each_warning_once()`: Python shows a warning once per code location, but any `warnings.catch_warnings` or
+  filter change (TRL and accelerate enter them every step) resets that memory, so a deprecation from TRL's
+  generation context printed at every save and validation (14 times in an 8-step run). Inside this context a
+  warning with the same category and text is shown once.
+* `quiet_console()`: the above for a training run, plus no `transformers` progress bars inside it.
+* `announce()`: rich's `Console` crops at 80 columns when it does not write to a terminal, which cut the phase
+  banner (temperature, top_p, LoRA) in log files; here long lines are printed whole.
+* `duration`, `eta_text`, `metrics_line`: the pieces of a progress line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+# Metrics a progress line shows when a log has them, in this order (reward columns are added as they appear).
+PROGRESS_METRICS = (
+    "loss", "reward", "reward_std", "kl", "entropy", "completions/mean_length", "completions/clipped_ratio",
+    "prorl/dropped_groups", "eval_pass@1", "eval_reward", "learning_rate",
+)  # fmt: skip
+SHORT_NAMES = {"completions/mean_length": "length", "completions/clipped_ratio": "clipped", "learning_rate": "lr"}
+
+
+@contextlib.contextmanager
+def each_warning_once() -> Iterator[None]:
+    """Show every distinct warning (category + text) once while inside, however often it is raised."""
+    shown: set[tuple[type, str]] = set()
+    previous = warnings.showwarning
+
+    def show_once(message, category, filename, lineno, file=None, line=None):
+        key = (category, str(message))
+        if key not in shown:
+            shown.add(key)
+            previous(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show_once
+    try:
+        yield
+    finally:
+        if warnings.showwarning is show_once:
+            warnings.showwarning = previous
+
+
+@contextlib.contextmanager
+def quiet_console() -> Iterator[None]:
+    """For the length of a training run: each warning once, and no `transformers` progress bars (a "Writing model
+    shards" bar at every checkpoint and merged save); the run's own progress is `RunProgress`."""
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with each_warning_once():
+            yield
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def announce(message: str, rule: bool = False) -> None:
+    """A banner on stderr: bold on a terminal, whole on one line everywhere (never cropped to 80 columns)."""
+    from rich.console import Console
+    from rich.text import Text
+
+    console = Console(stderr=True, soft_wrap=True)
+    if rule:
+        console.rule(style="dim")
+    console.print(Text(message, style="bold"))
+
+
+def duration(seconds: float) -> str:
+    """`75` -> `1m15s`; `4000` -> `1h06m`."""
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def eta_text(done: int, total: int, elapsed: float) -> str:
+    """`3/10 done in 1m00s, 20.0 s each, ETA 2m20s` (rate and remaining time from the mean so far)."""
+    each = elapsed / done if done else float("nan")
+    return f"{done}/{total} done in {duration(elapsed)}, {each:.1f} s each, ETA {duration(each * (total - done))}"
+
+
+def metrics_line(logs: dict[str, Any]) -> str:
+    """The main metrics of one log entry, short: `reward 0.31, kl 0.0021, length 7.5, eval_pass@1 0.34`."""
+    keys = [k for k in PROGRESS_METRICS if k in logs]
+    keys[1:1] = sorted(k for k in logs if k.startswith("rewards/") and k.endswith("/mean"))
+    parts = []
+    for key in keys:
+        value = logs[key]
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            parts.append(f"{SHORT_NAMES.get(key, key.removesuffix('/mean'))} {value:.4g}")
+    return ", ".join(parts)
