@@ -7,7 +7,7 @@ function, or under `if TYPE_CHECKING:`. Layers, top to bottom (a module may impo
     recipe/, distill/, evaluation/
     trainer/
     reset/, rollout/, config
-    data/, tiny, plots
+    data/, tiny, plots, console, model_card
     rewards/            (imports nothing from prorl_trl)
 """
 
@@ -28,6 +28,8 @@ LAYERS = {
     "prorl_trl.data": 1,
     "prorl_trl.tiny": 1,
     "prorl_trl.plots": 1,
+    "prorl_trl.console": 1,
+    "prorl_trl.model_card": 1,
     "prorl_trl.config": 2,
     "prorl_trl.reset": 2,
     "prorl_trl.rollout": 2,

@@ -41,7 +41,8 @@ def _optional(kind: Any) -> Any:
 
 
 def add_distill_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add one flag per `DistillConfig` field (`--out` is short for `--output_dir`); help comes from the fields."""
+    """Add one flag per `DistillConfig` field (`--out` is short for `--output_dir`); help comes from the fields.
+    (`prorl-trl distill` accepts each flag as --kebab-case and --snake_case.)"""
     hints = get_type_hints(DistillConfig)
     for spec in fields(DistillConfig):
         hint, required = str(hints[spec.name]), spec.default is MISSING and spec.default_factory is MISSING

@@ -24,6 +24,8 @@ class DistillConfig:
         correct_threshold (`float`, *optional*): A sample is correct when its reward is >= this. None: the
             registry's test (`rewards.is_correct`; for `kk_logic` the full score), else reward > 0.
         max_problems (`int`, *optional*): Use only the first this many problems.
+        min_kept (`int`): Refuse to fine-tune the student when fewer problems than this keep a verified completion
+            (the distilled set stays in `output_dir` to inspect). Below 10% kept, a warning is printed either way.
 
         > Teacher sampling
 
@@ -64,6 +66,13 @@ class DistillConfig:
         metadata={"help": "A sample is correct when its reward >= this. None: rewards.is_correct (else reward > 0)."},
     )
     max_problems: int | None = field(default=None, metadata={"help": "Use only the first this many problems."})
+    min_kept: int = field(
+        default=1,
+        metadata={
+            "help": "Refuse to fine-tune the student when fewer problems than this keep a verified completion "
+            "(the distilled set is kept to inspect); below a tenth of the problems kept, a warning is printed anyway."
+        },
+    )
     samples: int = field(default=5, metadata={"help": "Teacher completions sampled per problem."})
     temperature: float = field(default=1.0, metadata={"help": "Teacher sampling temperature."})
     top_p: float = field(default=1.0, metadata={"help": "Teacher nucleus sampling mass, in (0, 1]."})
@@ -107,6 +116,8 @@ class DistillConfig:
             problems.append(f"`temperature` must be > 0 (rejection sampling needs sampling), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             problems.append(f"`top_p` must be in (0, 1], got {self.top_p}")
+        if self.min_kept < 0:
+            problems.append(f"`min_kept` must be >= 0, got {self.min_kept}")
         if self.max_problems is not None and self.max_problems < 1:
             problems.append(f"`max_problems` must be >= 1, got {self.max_problems}")
         if self.num_train_epochs <= 0 or self.learning_rate <= 0:

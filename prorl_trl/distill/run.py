@@ -31,6 +31,31 @@ logger = logging.getLogger("prorl_trl.distill")
 
 DISTILLED_FILE = "distilled.jsonl"
 SUMMARY_FILE = "distill_summary.json"
+# Below this fraction of problems kept, the student learns from a sliver of the data: say so.
+FEW_KEPT_FRACTION = 0.1
+
+
+class TooFewKept(RuntimeError):
+    """Fewer problems kept a verified completion than `min_kept`: the student is not fine-tuned (exit status 1)."""
+
+    exit_status = 1
+
+
+def check_kept(config: DistillConfig, summary: dict[str, Any], rows_path: Path) -> None:
+    """Warn when few problems survived rejection; raise `TooFewKept` below `config.min_kept`."""
+    kept, total = summary.get("num_kept", 0), summary.get("num_problems", 0)
+    share = f"{kept} of {total} problems ({100 * kept / total:.1f}%)" if total else f"{kept} problems"
+    advice = "raise `samples` or `temperature`, check the reward and the teacher"
+    if kept < config.min_kept:
+        raise TooFewKept(
+            f"distillation kept {share} with a verified completion, fewer than min_kept = {config.min_kept}: the "
+            f"student is not fine-tuned. The kept rows are in {rows_path}; {advice}, or lower --min-kept."
+        )
+    if total and kept / total < FEW_KEPT_FRACTION:
+        logger.warning(
+            "Only %s kept a verified completion: the student is fine-tuned on %d example(s). To refuse such runs, "
+            "set --min-kept (distill.min_kept); to keep more, %s.", share, kept, advice,
+        )  # fmt: skip
 
 
 def _data_section(config: DistillConfig) -> Any:
@@ -154,6 +179,7 @@ def distill(
     else:
         _build_distilled_set(config, problems, sample_fn, reward_fn, state)
     summary = json.loads(summary_path.read_text())
+    check_kept(config, summary, rows_path)
     model_dir, losses = train_student(config, read_jsonl(rows_path), config.student)
     _free_memory()
     summary.update(losses, student=config.student, student_path=str(model_dir), settings=settings)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..model_card import write_model_card
 from .config import DistillConfig
 
 SFT_DIR = "sft"
@@ -85,5 +86,23 @@ def train_student(config: DistillConfig, rows: Sequence[dict[str, Any]], student
         del merged
     else:
         trainer.save_model(str(model_dir))
+    if trainer.accelerator.is_main_process:
+        write_model_card(
+            model_dir,
+            str(student) if isinstance(student, (str, Path)) else config.student or "the student model",
+            f"Distilled with prorl-trl (rejection sampling, then supervised fine-tuning): trained on {len(rows)} "
+            f"completions of the teacher `{config.teacher}` that the reward `{config.reward}` verified.",
+            [
+                "## Distillation",
+                "",
+                f"- teacher: `{config.teacher}`, {config.samples} samples per problem at temperature {config.temperature}, "
+                f"top_p {config.top_p}",
+                f"- data: builder `{config.dataset}` {config.dataset_kwargs or ''}".rstrip(),
+                f"- reward: `{config.reward}` {config.reward_kwargs or ''}".rstrip(),
+                f"- fine-tuning: {config.num_train_epochs:g} epochs, learning rate {config.learning_rate:g}, "
+                + ("LoRA merged" if config.use_peft else "full"),
+                f"- completion loss on the distilled set: {losses['loss_before']:.4f} before, {losses['loss_after']:.4f} after",
+            ],
+        )
     trainer.accelerator.wait_for_everyone()
     return model_dir, losses

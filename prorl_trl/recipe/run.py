@@ -124,11 +124,39 @@ def summarize_log(log_history: list[dict[str, Any]]) -> dict[str, Any]:
     return {"steps": steps, "final_eval": final_eval, "reward_means": reward_means}
 
 
+def write_final_card(final: Path, recipe: Recipe, base_model: str, summary: dict[str, Any]) -> None:
+    """`final/README.md`: the base model, the recipe and its phase table, rewards, data and final validation."""
+    from ..model_card import phase_table, write_model_card
+
+    resets = sum(phase.hard_reset for phase in recipe.resolved_phases or [])
+    data = recipe.data
+    details = ["## Phases", "", *phase_table(recipe.resolved_phases or []), "", "## Recipe", ""]
+    details += [
+        f"- recipe: `{recipe.file}` (with its overrides: `../recipe.yaml`)",
+        f"- data: `{data.builder}` {data.source or '(default source)'}, template {data.template or 'default'}",
+        "- rewards: " + ", ".join(f"`{spec.name}` x{spec.weight:g}" for spec in recipe.rewards),
+        "- adapter: " + ("full fine-tuning" if recipe.peft is None or not recipe.peft.enabled
+                         else f"LoRA r={recipe.peft.r}, merged into the weights"),  # fmt: skip
+    ]
+    if recipe.distill is not None:
+        details.append(f"- distilled from `{recipe.distill.get('teacher')}` before the phases (`../distill/`)")
+    if summary["final_eval"]:
+        details += ["", "## Final validation", ""] + [f"- {k}: {v:.4g}" for k, v in sorted(summary["final_eval"].items())]
+    write_model_card(
+        final,
+        base_model,
+        f"Trained with prorl-trl (ProRL: prolonged GRPO in {len(recipe.resolved_phases or [])} phases with "
+        f"{resets} hard reset(s), {summary['steps']} steps) from the recipe `{Path(recipe.file).name}`.",
+        details,
+    )
+
+
 def run_train(recipe_path: str, overrides: list[str]) -> int:
     """Validate, load, train all phases, write the summary. Returns the exit status."""
     started = time.time()
     recipe = load_recipe(recipe_path, overrides, dry=False)
     require_preflight(recipe, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    base_model = recipe.model.name_or_path  # before a `distill:` section swaps in its student
     main = _is_main_process()
     if main:
         print(describe_recipe(recipe, world_size=int(os.environ.get("WORLD_SIZE", "1"))), flush=True)
@@ -180,6 +208,8 @@ def run_train(recipe_path: str, overrides: list[str]) -> int:
         json.dumps({**summary, "log_history": log_history}, indent=1, default=str)
     )
     final = output_dir / "final"
+    if (final / "config.json").is_file():
+        write_final_card(final, recipe, base_model, summary)
     print(f"\ndone in {summary['seconds']:.0f}s, {summary['steps']} steps.", file=sys.stdout)
     for key, value in sorted(summary["final_eval"].items()):
         print(f"  {key}: {value:.4g}")
