@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
+from .console import each_warning_once
 from .data.checks import DataError
 from .recipe.schema import RecipeError
 
@@ -207,6 +208,10 @@ def _add_ablate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", nargs="+", default=None, help="run only these variant names (default: all)")
     parser.add_argument("--validate-only", action="store_true", help="validate every variant, run nothing")
     parser.add_argument(
+        "--no-machine-checks", action="store_true",
+        help="with --validate-only: check the recipes alone, not this machine (a grid meant for another machine)",
+    )  # fmt: skip
+    parser.add_argument(
         "--launcher",
         default=None,
         help="command that runs one variant before `-m prorl_trl train` (default: this Python; e.g. "
@@ -275,10 +280,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
-        return int(args.handler(args) or 0)
+        with each_warning_once():
+            return int(args.handler(args) or 0)
     except (RecipeError, DataError) as error:
         print(f"error: {error.render()}", file=sys.stderr)
         return 2
+    except Exception as error:
+        status = getattr(error, "exit_status", None)  # a run that stopped on purpose, with its reason (no traceback)
+        if status is None:
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return int(status)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -65,7 +65,8 @@ def test_table_has_metric_and_reward_means_and_survives_a_failure(ablation):
     assert table["rank2"]["think_answer_format (mean)"] != "" and table["rank4"]["think_answer_format (mean)"] == ""
     markdown = (out / "summary.md").read_text()
     assert "| rank2 | done |" in markdown and "eval_pass@1" in markdown
-    assert "empty after filtering" in (out / "logs" / "broken.log").read_text()
+    log = (out / "logs" / "broken.log").read_text()
+    assert "no rows left: all 32 prompts are longer than data.max_prompt_tokens = 1" in log and "Traceback" not in log
 
 
 def test_rerun_skips_finished_variants(ablation, capsys):
@@ -128,5 +129,6 @@ def test_malformed_grid_exits_2_naming_the_key(tmp_path, capsys, text, key_path)
 
 
 def test_shipped_ablation_grid_validates(capsys):
-    assert main(["ablate", str(REPO / "recipes" / "ablations" / "qwen3_0.6b_rewards.yaml"), "--validate-only"]) == 0
+    grid = str(REPO / "recipes" / "ablations" / "qwen3_0.6b_rewards.yaml")
+    assert main(["ablate", grid, "--validate-only", "--no-machine-checks"]) == 0  # a GPU grid (bf16)
     assert "8 variants" in capsys.readouterr().out

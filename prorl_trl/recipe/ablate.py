@@ -39,6 +39,7 @@ from typing import Any
 
 import yaml
 
+from ..console import eta_text
 from .reading import read_recipe_file
 from .schema import RecipeError, RecipeProblem, suggest
 
@@ -122,23 +123,28 @@ def _shape_problems(grid: dict[str, Any]) -> list[RecipeProblem]:
     return problems
 
 
-def prepare_variants(grid: dict[str, Any], variants: list[Variant], out: Path) -> None:
-    """Apply overrides to the base recipe and validate every variant (nothing is written); one `RecipeError` lists
-    the problems of all variants."""
+def prepare_variants(grid: dict[str, Any], variants: list[Variant], out: Path, machine: bool = True) -> None:
+    """Apply overrides to the base recipe and check every variant as `validate` does (recipe, this machine, local
+    data; `machine=False`: the recipe alone; nothing is written); one `RecipeError` lists every variant's problems."""
     from .load import recipe_from_dict
+    from .preflight import preflight
 
     problems: list[RecipeProblem] = []
     base = read_recipe_file(grid["base"])
+    data_checked: set[str] = set()  # variants usually share their data: read it once
     for variant in variants:
         raw = copy.deepcopy(base)
         overrides = list((grid.get("overrides") or {}).items()) + list(variant.overrides.items())
         overrides.append(("training.output_dir", str(out / variant.name)))
+        found: list[RecipeProblem] = []
         try:
-            recipe_from_dict(raw, f"{grid['base']} [{variant.name}]", overrides, dry=True)
+            recipe = recipe_from_dict(raw, f"{grid['base']} [{variant.name}]", overrides, dry=not machine)
+            data_key = repr((recipe.data, recipe.rewards, recipe.validation))
+            found = preflight(recipe, machine=machine, data=data_key not in data_checked)
+            data_checked.add(data_key)
         except RecipeError as error:
-            problems += [
-                RecipeProblem(f"variants.{variant.name}: {p.path}", p.message, p.value) for p in error.problems
-            ]
+            found = error.problems
+        problems += [RecipeProblem(f"variants.{variant.name}: {p.path}", p.message, p.value) for p in found]
         variant.raw = raw
     if problems:
         raise RecipeError(grid.get("_file", "grid"), problems)
@@ -253,7 +259,7 @@ def run_ablate(args: Any) -> int:
                 ],
             )
         variants = [v for v in variants if v.name in args.only]
-    prepare_variants(grid, variants, out)
+    prepare_variants(grid, variants, out, machine=not getattr(args, "no_machine_checks", False))
     print(f"{len(variants)} variants of {grid['base']} validated")
     if args.validate_only:
         return 0
@@ -269,7 +275,7 @@ def run_ablate(args: Any) -> int:
         f"running {len(todo)} (skipping {len(variants) - len(todo)} already finished), {max(1, args.parallel)} at a time"
     )
     requested = args.metric or grid.get("metric")
-    lock, finished = threading.Lock(), [0]
+    lock, finished, started = threading.Lock(), [0], time.time()
 
     def work(index_variant: tuple[int, Variant]) -> None:
         slot, variant = index_variant
@@ -286,7 +292,8 @@ def run_ablate(args: Any) -> int:
             value = (variant.summary or {}).get("final_eval", {}).get(metric or "")
             shown = f", {metric}={value:.4f}" if isinstance(value, float) else ""
             print(
-                f"[{finished[0]}/{len(todo)}] {variant.name}: {variant.status} in {variant.seconds / 60:.1f} min{shown}",
+                f"[{finished[0]}/{len(todo)}] {variant.name}: {variant.status} in {variant.seconds / 60:.1f} min{shown} "
+                f"({eta_text(finished[0], len(todo), time.time() - started)})",
                 flush=True,
             )
             write_summary(variants, out, metric)
