@@ -30,6 +30,7 @@ def trained(tiny_dir, shared_data, tmp_path_factory):
         "--model.name_or_path", str(tiny_dir), "--training.output_dir", str(out),
         "--phases.0.max_steps", "1", "--phases.1.max_steps", "1", "--phases.1.temperature", "1.3",
         "--data.options.num_train", "128", "--data.validation_size", "8", "--validation.eval_steps", "1",
+        "--training.save_strategy", "steps", "--training.save_steps", "1",  # a checkpoint at every step
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     return out, result
@@ -46,6 +47,29 @@ def test_train_under_accelerate_runs_all_phases_and_reports_outputs(trained):
     assert sorted(set(phases)) == [0, 1]
     effective = yaml.safe_load((out / "recipe.yaml").read_text())
     assert effective["phases"][1]["temperature"] == 1.3 and effective["training"]["output_dir"] == str(out)
+
+
+def test_console_shows_each_warning_once_and_whole_banners(trained):
+    """Captured (not a terminal, like a log file): validation at the start and after each step and a checkpoint at
+    every step re-raised TRL's gradient-checkpointing deprecations each time; now each is shown once, and the phase
+    banner keeps its last setting (rich used to crop it at 80 columns)."""
+    out, result = trained
+    assert result.returncode == 0
+    err = result.stderr
+    assert len(list(out.glob("phase-*/checkpoint-*"))) == 2  # several saves happened
+    for deprecated in ("`gradient_checkpointing_enable` is deprecated", "`is_gradient_checkpointing` is deprecated"):
+        assert err.count(deprecated) == 1, err[-3000:]
+    banner = next(line for line in err.splitlines() if line.startswith("ProRL phase 2/2 'sharpen'"))
+    assert len(banner) > 80 and "temperature=1.3" in banner and banner.rstrip().endswith("max_completion_length=8")
+    assert "step 2/2 [sharpen]" in err and "{'loss'" not in err  # a short line per log, not HF's dict
+
+
+def test_final_model_card_names_the_base_model_and_the_recipe(trained, tiny_dir):
+    out, result = trained
+    card = (out / "final" / "README.md").read_text()
+    assert f"Fine-tuned from `{tiny_dir}` (a local folder)" in card and "[None]" not in card
+    assert "from the recipe `demo_tiny.yaml`" in card and "| sharpen | 1 | 1.3 |" in card
+    assert "eval_pass@1" in card
 
 
 def test_final_model_loads(trained):

@@ -2,6 +2,7 @@
 (tiny model, SFT warm start, 2 ProRL phases with a hard reset, validation, plots, report); bad arguments exit 2."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -30,9 +31,13 @@ def test_demo_recipe_points_at_the_output_folder(tmp_path):
     assert DEMO_RECIPE["model"]["name_or_path"] != raw["model"]["name_or_path"], "the default must stay untouched"
 
 
-def test_smoke_demo_end_to_end(tmp_path):
+def test_smoke_demo_end_to_end(tmp_path, capsys):
     out = tmp_path / "demo"
     assert main(["demo", "--out", str(out), "--smoke", "--threads", "1"]) == 0
+    err = capsys.readouterr().err
+    # Progress with rate and ETA over both phases (tqdm: "3/4 [00:08<00:02, 2.73s/step]"), a short line per log.
+    assert re.search(r"4/4 \[\d\d:\d\d<\d\d:\d\d, +[\d.]+(s/step|step/s)\]", err), err[-2000:]
+    assert "step 4/4 [sharpen]: " in err and "{'loss'" not in err
     summary = json.loads((out / "summary.json").read_text())
     assert 0.0 <= summary["val_accuracy_before"] <= 1.0 and 0.0 <= summary["val_accuracy_after"] <= 1.0
     curve = summary["val_accuracy_curve"]

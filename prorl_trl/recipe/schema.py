@@ -54,6 +54,8 @@ class RecipeError(ValueError):
 
 
 def _short_repr(value: Any, limit: int = 80) -> str:
+    """A value as the message shows it: paths and other text whole (up to 300 characters), the rest shortened."""
+    limit = max(limit, 300) if isinstance(value, str) else limit
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -142,6 +144,8 @@ def check_value(path: str, value: Any, annotation: Any, metadata: Any, problems:
         expected = describe_type(annotation)
         enum_values = _enum_values(annotation)
         hint = suggest(value, enum_values) if isinstance(value, str) and enum_values else ""
+        if isinstance(value, bool) and coerce("text", annotation)[0]:
+            hint += "; YAML reads unquoted yes/no/on/off as true/false: quote the word (e.g. \"no\")"
         problems.append(RecipeProblem(path, f"expected {expected}{hint}", value))
         return value
     enum_values = _enum_values(annotation)
