@@ -95,12 +95,15 @@ def eta_text(done: int, total: int, elapsed: float) -> str:
 
 
 def metrics_line(logs: dict[str, Any]) -> str:
-    """The main metrics of one log entry, short: `reward 0.31, kl 0.0021, length 7.5, eval_pass@1 0.34`."""
-    keys = [k for k in PROGRESS_METRICS if k in logs]
-    keys[1:1] = sorted(k for k in logs if k.startswith("rewards/") and k.endswith("/mean"))
+    """The main metrics of one log entry, short: `reward 0.31, boxed_answer 0.31, kl 0.0021, length 7.5`."""
+    keys = [key for key in PROGRESS_METRICS if key in logs]
+    rewards = sorted(key for key in logs if key.startswith("rewards/") and key.endswith("/mean"))
+    at = keys.index("reward") + 1 if "reward" in keys else len(keys)
+    keys[at:at] = rewards
     parts = []
     for key in keys:
         value = logs[key]
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            parts.append(f"{SHORT_NAMES.get(key, key.removesuffix('/mean'))} {value:.4g}")
+            name = key[len("rewards/") : -len("/mean")] if key in rewards else SHORT_NAMES.get(key, key)
+            parts.append(f"{name} {value:.4g}")
     return ", ".join(parts)

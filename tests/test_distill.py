@@ -434,3 +434,23 @@ def test_recipe_with_distill_section_trains_the_phases_from_the_distilled_studen
 
     # The two RL steps start from the distilled student, not from the recipe's original model.
     assert distance(final, distilled) < 0.1 * distance(final, original)
+
+
+def test_min_kept_refuses_to_fine_tune_the_student_on_too_few_problems(tiny_dir, tmp_path, capsys, caplog, one_thread):
+    """A random tiny teacher solves (almost) nothing: distill warns, and `--min-kept` stops it before the SFT with
+    exit 1, keeping the distilled set to look at and writing no student."""
+    from prorl_trl.cli import main
+
+    out = tmp_path / "out"
+    code = main([
+        "distill", "--teacher", str(tiny_dir), "--student", str(tiny_dir), "--dataset", "synthetic_arithmetic",
+        "--dataset-kwargs", '{"options": {"num_train": 16}}', "--reward", "boxed_answer", "--out", str(out),
+        "--samples", "2", "--max-completion-length", "4", "--use-cpu", "true", "--bf16", "false", "--min-kept", "4",
+    ])  # fmt: skip
+    err = capsys.readouterr().err
+    summary = json.loads((out / SUMMARY_FILE).read_text())
+    assert summary["num_problems"] == 16 and summary["num_kept"] < 2, summary
+    assert code == 1 and f"distillation kept {summary['num_kept']} of 16 problems" in err
+    assert "fewer than min_kept = 4: the student is not fine-tuned" in err and "Traceback" not in err
+    assert f"Only {summary['num_kept']} of 16 problems" in caplog.text and "set --min-kept" in caplog.text  # warned
+    assert (out / DISTILLED_FILE).is_file() and not (out / "model").exists()

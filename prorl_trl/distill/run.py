@@ -46,16 +46,16 @@ def check_kept(config: DistillConfig, summary: dict[str, Any], rows_path: Path) 
     kept, total = summary.get("num_kept", 0), summary.get("num_problems", 0)
     share = f"{kept} of {total} problems ({100 * kept / total:.1f}%)" if total else f"{kept} problems"
     advice = "raise `samples` or `temperature`, check the reward and the teacher"
+    if total and kept / total < FEW_KEPT_FRACTION:
+        logger.warning(
+            "Only %s kept a verified completion: the student would be fine-tuned on %d example(s). To refuse such "
+            "runs, set --min-kept (distill.min_kept); to keep more, %s.", share, kept, advice,
+        )  # fmt: skip
     if kept < config.min_kept:
         raise TooFewKept(
             f"distillation kept {share} with a verified completion, fewer than min_kept = {config.min_kept}: the "
             f"student is not fine-tuned. The kept rows are in {rows_path}; {advice}, or lower --min-kept."
         )
-    if total and kept / total < FEW_KEPT_FRACTION:
-        logger.warning(
-            "Only %s kept a verified completion: the student is fine-tuned on %d example(s). To refuse such runs, "
-            "set --min-kept (distill.min_kept); to keep more, %s.", share, kept, advice,
-        )  # fmt: skip
 
 
 def _data_section(config: DistillConfig) -> Any:
