@@ -268,8 +268,9 @@ def scan_local_file(
 
 def _batches(dataset: Any, columns: list[str], size: int = PROBE_BATCH) -> Iterator[tuple[int, dict[str, list]]]:
     """`(first row index, {column: values})` over a `datasets.Dataset`, a few rows at a time (prompts may be long)."""
-    for start in range(0, len(dataset), size):
-        yield start, dataset.select_columns(columns)[start : start + size]
+    view = dataset.select_columns(columns)
+    for start in range(0, len(view), size):
+        yield start, view[start : start + size]
 
 
 def check_built_rows(dataset: Any, where: str, gold_columns: Iterable[str]) -> list[DataProblem]:

@@ -15,12 +15,27 @@ from .runner import ModelSpec, sample_model
 from .sampling import SamplingSettings
 
 
-def grade_records(records: list[dict[str, Any]], rows: dict[str, dict[str, Any]], reward: Callable) -> None:
-    """Add `reward` and `correct` to every sample record in place."""
-    chosen = [rows[r["problem_id"]] for r in records]
-    rewards, correct = grade(reward, [row["prompt"] for row in chosen], [r["completion"] for r in records], chosen)
-    for record, value, ok in zip(records, rewards, correct):
-        record["reward"], record["correct"] = value, ok
+# Completions graded per reward call (the progress bar moves once per chunk).
+GRADING_CHUNK = 512
+
+
+def grade_records(
+    records: list[dict[str, Any]], rows: dict[str, dict[str, Any]], reward: Callable, progress: bool = False,
+    desc: str = "grading",
+) -> None:
+    """Add `reward` and `correct` to every sample record in place (in chunks, with a progress bar when asked:
+    symbolic grading of tens of thousands of completions takes minutes)."""
+    from tqdm.auto import tqdm
+
+    chunk = GRADING_CHUNK
+    with tqdm(total=len(records), desc=desc, unit="completion", disable=not progress) as bar:
+        for start in range(0, len(records), chunk):
+            part = records[start : start + chunk]
+            chosen = [rows[r["problem_id"]] for r in part]
+            rewards, correct = grade(reward, [row["prompt"] for row in chosen], [r["completion"] for r in part], chosen)
+            for record, value, ok in zip(part, rewards, correct):
+                record["reward"], record["correct"] = value, ok
+            bar.update(len(part))
 
 
 def evaluate(
@@ -51,7 +66,7 @@ def evaluate(
     throughput: dict[str, dict[str, Any]] = {}
     for spec in order:
         records, stats = sample_model(spec, evaluated, settings, out, backend, device, dtype, trust_remote_code, progress)
-        grade_records(records, by_id, reward)
+        grade_records(records, by_id, reward, progress, desc=f"grading {spec.name}")
         records_by_model[spec.name] = records
         seconds = stats["seconds"]
         throughput[spec.name] = {

@@ -394,7 +394,7 @@ def check_assembled(recipe: Any, reward_names: list[str], problems: list[RecipeP
         try:
             args = recipe.training_args(dry=dry)
         except Exception as error:  # TRL/transformers validation: report it against the section
-            problems.append(RecipeProblem(_path_of(str(error), "training"), str(error)))
+            problems.append(RecipeProblem(key_path_of(str(error), "training"), str(error)))
             return
         try:
             peft_config = recipe.peft_config()
@@ -408,7 +408,7 @@ def check_assembled(recipe: Any, reward_names: list[str], problems: list[RecipeP
     try:
         recipe.resolved_phases = resolve_phases(args, peft_config, world_size)
     except ValueError as error:
-        problems.append(RecipeProblem(_path_of(str(error), "phases" if recipe.phases else "training"), str(error)))
+        problems.append(RecipeProblem(key_path_of(str(error), "phases" if recipe.phases else "training"), str(error)))
     for index, phase in enumerate(recipe.phases or []):
         weights = phase.get("reward_weights")
         if weights is not None and len(weights) != len(recipe.rewards):
@@ -529,7 +529,8 @@ def override_annotation(raw: dict[str, Any], parts: list[str]) -> Any:
     return None
 
 
-def _path_of(message: str, default: str) -> str:
+def key_path_of(message: str, default: str) -> str:
+    """The key path an error message of `ProRLConfig`/`resolve_phases`/the trainer's checks is about."""
     match = PHASE_MESSAGE.search(message)
     if match and "ProRLConfig phase" in message:
         return f"phases.{match.group(1)}"

@@ -26,6 +26,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from .checks import key_path_of
 from .recipe import Recipe
 from .schema import RecipeProblem
 
@@ -75,7 +76,7 @@ def installed(module: str) -> bool:
 def is_local(value: str) -> bool:
     from ..data.builders import is_local_source
 
-    return is_local_source(value) or Path(value).expanduser().exists()
+    return is_local_source(value)
 
 
 def preflight(
@@ -197,7 +198,7 @@ def launch_problems(recipe: Recipe, world_size: int, launch: Launch | None) -> l
     try:
         check_before_init(args, phases, recipe.model.name_or_path, recipe.peft_config(), reward_funcs, [])
     except ValueError as error:
-        problems.append(RecipeProblem("phases" if "phase" in str(error) else "training", str(error)))
+        problems.append(RecipeProblem(key_path_of(str(error), "training"), str(error)))
     if resets_possible(phases, []):
         # `check_reset_support` reads `accelerator.distributed_type.value` (and the ACCELERATE_USE_* variables `accelerate
         # launch` sets, which is what `train` sees).
