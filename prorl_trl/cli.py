@@ -62,7 +62,11 @@ class BothSpellingsParser(argparse.ArgumentParser):
             else:
                 spellings = [name]
             spelled += [spelling for spelling in spellings if spelling not in spelled]
-        return super().add_argument(*spelled, **kwargs)
+        action = super().add_argument(*spelled, **kwargs)
+        if not hasattr(self, "takes_value"):  # option spelling -> whether a value follows it (`split_options`)
+            self.takes_value: dict[str, bool] = {}
+        self.takes_value.update({spelling: action.nargs != 0 for spelling in action.option_strings})
+        return action
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -97,15 +101,13 @@ def _shown(default: Any) -> str:
     return str(default)
 
 
-def split_options(tokens: list[str], parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
+def split_options(tokens: list[str], parser: BothSpellingsParser) -> tuple[list[str], list[str]]:
     """(the subcommand's own options and RECIPE, the recipe overrides) of the tokens after `train`/`validate`.
 
     Options are recognised wherever they stand (`validate RECIPE --num-processes 3`); every other `--key [VALUE]`
     and any word after RECIPE is an override (`parse_overrides` reports malformed ones).
     """
-    takes_value = {
-        spelling: action.nargs != 0 for action in parser._actions for spelling in action.option_strings
-    }  # `_actions` is argparse's public-by-convention action list (stable since Python 3.2)
+    takes_value = parser.takes_value
     own, overrides, recipe_seen, index = [], [], False, 0
     while index < len(tokens):
         token = tokens[index]

@@ -1,7 +1,8 @@
 """Recipes: a YAML file (one experiment) -> validated objects -> a `prorl-trl train` run; and grids of them (`ablate`).
 
-Read downward: `run` (train) and `ablate` -> `load` (read, override, check) -> `checks` -> `recipe` (the validated
-`Recipe`) -> `schema` (sections and value checks); `reading` parses YAML files and command-line overrides.
+Read downward: `run` (train) and `ablate` -> `preflight` (this machine, paths, extras, data) -> `load` (read,
+override, check) -> `checks` -> `recipe` (the validated `Recipe`) -> `schema` (sections and value checks); `reading`
+parses YAML files and command-line overrides (read by the target key's type).
 """
 
 from .load import load_recipe, recipe_from_dict
