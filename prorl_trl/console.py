@@ -24,7 +24,7 @@ from typing import Any
 # Metrics a progress line shows when a log has them, in this order (reward columns are added as they appear).
 PROGRESS_METRICS = (
     "loss", "reward", "reward_std", "kl", "entropy", "completions/mean_length", "completions/clipped_ratio",
-    "prorl/dropped_groups", "eval_pass@1", "eval_reward", "learning_rate",
+    "prorl/dropped_groups", "eval_pass@1", "eval_reward", "eval_loss", "learning_rate",
 )  # fmt: skip
 SHORT_NAMES = {"completions/mean_length": "length", "completions/clipped_ratio": "clipped", "learning_rate": "lr"}
 

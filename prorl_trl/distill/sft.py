@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..model_card import write_model_card
+from ..trainer.progress import use_run_progress
 from .config import DistillConfig
 
 SFT_DIR = "sft"
@@ -69,6 +70,7 @@ def train_student(config: DistillConfig, rows: Sequence[dict[str, Any]], student
     trainer = SFTTrainer(
         model=student, args=SFTConfig(**settings), train_dataset=dataset, eval_dataset=dataset, peft_config=peft_config
     )
+    use_run_progress(trainer)  # a bar with rate and ETA and a short line per log, not HF's dict per log
     if config.use_peft and (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):
         raise ValueError(
             "use_peft with DeepSpeed/FSDP cannot merge the adapter into sharded weights here; "

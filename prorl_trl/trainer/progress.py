@@ -101,7 +101,7 @@ class RunProgress(TrainerCallback):
             print(line, file=sys.stderr, flush=True)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or not logs or "train_runtime" in logs:
+        if not state.is_world_process_zero or not logs or "train_runtime" in logs or not metrics_line(logs):
             return
         self._start(args, state)  # validation before the first step logs before `on_train_begin` reaches us
         step, total = self.global_step(state), self.total or state.max_steps
