@@ -206,6 +206,9 @@ class ProRLConfig(GRPOConfig):
             decode attention on GPU (see `prorl_trl.rollout.compiled`); the shipped recipes enable it.
         generation_max_prompt_length (`int`, *optional*): Prompt budget of the static cache, so each phase
             compiles once.
+        rollout_engine (`bool`, defaults to `False`): Generate with `prorl_trl.rollout`'s CUDA-graph decode loop
+            (prefill + captured decode steps, sort-free sampling, early stop) instead of `generate`; CUDA only, falls
+            back to TRL's path elsewhere; the shipped recipes enable it.
 
         > Minibatch early stop (RLinf)
 
@@ -269,6 +272,16 @@ class ProRLConfig(GRPOConfig):
         metadata={
             "help": "Prompt tokens reserved in the static KV cache of `compiled_generation` (cache = this + "
             "max_completion_length), so each phase compiles once. None: the cache follows the longest prompt seen."
+        },
+    )
+    rollout_engine: bool = field(
+        default=False,
+        metadata={
+            "help": "Generate rollouts with prorl_trl.rollout's own decode loop: one prefill, then decode steps "
+            "captured as CUDA graphs and replayed back to back (transformers' sampling distribution, sort-free top-p, "
+            "stop checked every 16 steps); several times faster than `compiled_generation` "
+            "(benchmarks/results/rollout_engine.md). CUDA only: on CPU, with vLLM, FSDP, ZeRO-3 or an unsupported "
+            "model or setting it falls back to TRL's path (with a warning). The recipes turn it on."
         },
     )
     early_stop_importance_ratio: float | None = field(

@@ -89,6 +89,21 @@ def test_overridden_private_methods_keep_their_signatures():
     assert {"num_training_steps", "optimizer"} <= set(inspect.signature(Trainer.create_scheduler).parameters)
 
 
+def test_generate_single_turn_contract_the_rollout_engine_reproduces():
+    """`ProRLTrainer._generate_single_turn` (rollout engine) returns what TRL's transformers branch returns; these
+    are the steps of that branch `prorl_trl.rollout.trl_generation` mirrors."""
+    params = list(inspect.signature(GRPOTrainer._generate_single_turn).parameters)
+    assert params == ["self", "prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"]
+    source = inspect.getsource(GRPOTrainer._generate_single_turn)
+    for step in ('padding_side="left"', "pad_to_multiple_of=self.pad_to_multiple_of", "unwrap_model_for_generation(",
+                 "generation_kwargs=self.generation_kwargs", "torch.isin(completion_ids, torch.tensor(self.eos_token_ids",
+                 "(sequence_indices <= eos_idx.unsqueeze(1))", "logprobs = None", "return completion_ids, logprobs"):  # fmt: skip
+        assert step in source, step
+    from transformers import GenerationMixin
+
+    assert list(inspect.signature(GenerationMixin._prepare_generation_config).parameters)[:2] == ["self", "generation_config"]
+
+
 def test_hf_loop_reads_optimizer_and_scheduler_from_self_each_step():
     source = inspect.getsource(Trainer._run_epoch)
     assert "self.optimizer.step()" in source and "self.lr_scheduler.step()" in source

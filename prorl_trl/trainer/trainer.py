@@ -20,6 +20,9 @@ tests/test_trainer_internals.py):
   in TRL).
 * `_compute_loss` / `_get_per_token_logps_and_entropies`: minibatch early stop (`MinibatchEarlyStopMixin`) needs the
   policy log-probs TRL computes inside the loss and does not return.
+* `_generate_single_turn`: with `rollout_engine`, TRL's transformers branch (left-pad, `generate`, cut after the first
+  EOS) runs `prorl_trl.rollout`'s CUDA-graph decode loop instead of `generate` (`generate_completions`, same return
+  value); vLLM, multimodal inputs and settings the engine does not implement go to TRL's code.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from ..reset.checkpoint import (
     write_json,
 )
 from ..rollout.compiled import configure_trainer_generation
+from ..rollout.trl_generation import attach_rollout_engine, generate_completions
 from ..rollout.vllm_sync import apply_vllm_sampling, force_weight_sync
 from .checks import check_before_init, resets_possible
 from .dynamic_sampling import DynamicSamplingMixin
@@ -123,6 +127,7 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         use_run_progress(self)  # one bar (or line per log) over all phases with rate and ETA, not a dict per log
 
         self._check_after_init()
+        self.rollout_engine = attach_rollout_engine(self) if args.rollout_engine else None
         self.sampling: dict[str, Any] = {key: getattr(self, key) for key in SAMPLING_KEYS}
         self._state_callback = ProRLStateCallback(self)
         self.add_callback(self._state_callback)
@@ -186,6 +191,19 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
                 self, max_prompt_length=self.args.generation_max_prompt_length
             )
         self.sampling = {key: getattr(self, key) for key in SAMPLING_KEYS}
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """TRL's, but text-only transformers-path generations go through `self.rollout_engine` when it is set.
+
+        TRL 1.16 returns `(completion_ids, logprobs)` here; its transformers branch gives unpadded id lists cut after
+        the first EOS and `logprobs=None`, and so does the engine (`prorl_trl.rollout.trl_generation`). Per-call
+        fallback (None) for settings the engine does not implement.
+        """
+        if self.rollout_engine is not None and not self.use_vllm and images is None and not multimodal_fields:
+            completion_ids = generate_completions(self, self.rollout_engine, prompt_ids)
+            if completion_ids is not None:
+                return completion_ids, None
+        return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
 
     # ---------------------------------------------------------------------------------------------------- phases
     @property

@@ -1,0 +1,135 @@
+"""Triton kernels of `decode_attention.gqa_decode_attention` (imported only where Triton is installed).
+
+Pass 1 (`_split_kernel`), one program per (row, kv head, split of `split` keys): the group's query heads form the
+rows of a `(groups, head_dim) x (head_dim, BLOCK_N)` product, keys outside `[start[row], end]` are masked, and an online
+softmax keeps the running max `m`, sum `l` and unnormalised output. A split entirely outside the live range runs no
+iteration (its `l` is 0). Pass 2 (`_merge_kernel`), one program per (row, kv head): rescales each split by
+`exp(m_s - max m)` and divides by the merged sum. float32 inputs use IEEE float32 products (no TF32), so tests can
+compare with the float32 reference; 16-bit inputs multiply in 16 bits with float32 accumulation, as SDPA kernels do.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .decode_attention import BLOCK_N
+
+
+@triton.jit
+def _split_kernel(
+    Q, K, V, Start, End, Acc, M, L,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    scale,
+    KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
+):
+    row_head = tl.program_id(0)
+    split = tl.program_id(1)
+    row = row_head // KV_HEADS
+    head = row_head % KV_HEADS
+    start = tl.load(Start + row).to(tl.int32)
+    end = tl.load(End).to(tl.int32)
+    low = tl.maximum(start, split * SPLIT)
+    high = tl.minimum(end + 1, (split + 1) * SPLIT)
+
+    groups = tl.arange(0, GROUPS_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    offsets = tl.arange(0, BLOCK)
+    q_rows = (row_head * GROUPS + groups)[:, None] * HEAD_DIM + dims[None, :]
+    query = tl.load(Q + q_rows, mask=(groups < GROUPS)[:, None], other=0.0)
+
+    running_max = tl.full([GROUPS_PAD], float("-inf"), dtype=tl.float32)
+    running_sum = tl.zeros([GROUPS_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUPS_PAD, HEAD_DIM], dtype=tl.float32)
+    k_base = K + row * stride_kb + head * stride_kh
+    v_base = V + row * stride_vb + head * stride_vh
+    for first in range(low, high, BLOCK):
+        columns = first + offsets
+        live = columns < high
+        keys = tl.load(k_base + columns[:, None] * stride_kn + dims[None, :], mask=live[:, None], other=0.0)
+        if IEEE:
+            scores = tl.dot(query, tl.trans(keys), input_precision="ieee")
+        else:
+            scores = tl.dot(query, tl.trans(keys))
+        scores = tl.where(live[None, :], scores * scale, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, 1))
+        correction = tl.exp(running_max - new_max)
+        weights = tl.exp(scores - new_max[:, None])
+        running_sum = running_sum * correction + tl.sum(weights, 1)
+        values = tl.load(v_base + columns[:, None] * stride_vn + dims[None, :], mask=live[:, None], other=0.0)
+        if IEEE:
+            acc = acc * correction[:, None] + tl.dot(weights, values, input_precision="ieee")
+        else:
+            acc = acc * correction[:, None] + tl.dot(weights.to(values.dtype), values)
+        running_max = new_max
+
+    stat_offsets = (row_head * NUM_SPLITS + split) * GROUPS_PAD + groups
+    tl.store(M + stat_offsets, running_max)
+    tl.store(L + stat_offsets, running_sum)
+    tl.store(Acc + stat_offsets[:, None] * HEAD_DIM + dims[None, :], acc)
+
+
+@triton.jit
+def _merge_kernel(
+    Acc, M, L, Out,
+    GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    row_head = tl.program_id(0)
+    groups = tl.arange(0, GROUPS_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    splits = tl.arange(0, SPLITS_PAD)
+    stats = (row_head * NUM_SPLITS + splits)[:, None] * GROUPS_PAD + groups[None, :]
+    maxima = tl.load(M + stats, mask=(splits < NUM_SPLITS)[:, None], other=float("-inf"))
+    overall = tl.max(maxima, 0)
+    overall = tl.where(overall == float("-inf"), 0.0, overall)  # padded query rows: no live split
+    total = tl.zeros([GROUPS_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUPS_PAD, HEAD_DIM], dtype=tl.float32)
+    for split in range(NUM_SPLITS):
+        offsets = (row_head * NUM_SPLITS + split) * GROUPS_PAD + groups
+        weight = tl.exp(tl.load(M + offsets) - overall)  # 0 for an empty split (m = -inf)
+        total += weight * tl.load(L + offsets)
+        acc += weight[:, None] * tl.load(Acc + offsets[:, None] * HEAD_DIM + dims[None, :])
+    output = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    out_rows = (row_head * GROUPS + groups)[:, None] * HEAD_DIM + dims[None, :]
+    tl.store(Out + out_rows, output.to(Out.dtype.element_ty), mask=(groups < GROUPS)[:, None])
+
+
+def launch_gqa_decode(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
+    scale: float, split: int,
+) -> torch.Tensor:
+    """Both passes; `query` is `(batch, heads, [1,] head_dim)`, caches `(batch, kv_heads, cache_len, head_dim)`."""
+    batch, kv_heads, cache_len, head_dim = key_cache.shape
+    heads = query.numel() // (batch * head_dim)
+    groups = heads // kv_heads
+    groups_pad = max(16, triton.next_power_of_2(groups))
+    num_splits = triton.cdiv(cache_len, split)
+    query = query.reshape(batch, heads, head_dim).contiguous()
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError("gqa_decode_attention needs caches whose last dimension is contiguous.")
+    stats_shape = (batch * kv_heads, num_splits, groups_pad)
+    acc = torch.empty(*stats_shape, head_dim, dtype=torch.float32, device=query.device)
+    maxima = torch.empty(stats_shape, dtype=torch.float32, device=query.device)
+    sums = torch.empty(stats_shape, dtype=torch.float32, device=query.device)
+    ieee = query.dtype == torch.float32
+    _split_kernel[(batch * kv_heads, num_splits)](
+        query, key_cache, value_cache, start, end, acc, maxima, sums,
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        scale,
+        KV_HEADS=kv_heads, GROUPS=groups, GROUPS_PAD=groups_pad, HEAD_DIM=head_dim,
+        SPLIT=split, NUM_SPLITS=num_splits, BLOCK=BLOCK_N, IEEE=ieee,
+        num_warps=4,
+    )
+    output = torch.empty(batch, heads, head_dim, dtype=query.dtype, device=query.device)
+    _merge_kernel[(batch * kv_heads,)](
+        acc, maxima, sums, output,
+        GROUPS=groups, GROUPS_PAD=groups_pad, HEAD_DIM=head_dim,
+        NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        num_warps=4,
+    )
+    return output

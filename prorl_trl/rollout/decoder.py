@@ -1,0 +1,155 @@
+"""The model side of the decode loop: prefill through the model's own forward, then one-token steps on static KV buffers.
+
+Prefill is the model's `forward` on the left-padded prompts (its own attention and masks, `logits_to_keep=1`, the
+position ids `generate` computes), with a `DynamicCache` whose keys/values are then copied into the loop's buffers.
+A decode step calls the model's own submodules (norms, projections, so unmerged PEFT LoRA layers run as in training,
+the rotary embedding and `apply_rotary_pos_emb` of its modeling file, the MLP) in the order its decoder layer does;
+only attention is replaced, by `decode_attention.gqa_decode_attention` on the static cache. That restricts the loop
+to decoder-only models whose layers follow the Llama layout: `SUPPORTED_MODEL_TYPES`, full attention, a plain
+embedding. Anything else is refused with a reason (the caller falls back to `generate`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .decode_attention import gqa_decode_attention
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+
+
+class UnsupportedModel(ValueError):
+    """A model the decode loop cannot run; the caller falls back to `generate`."""
+
+
+@dataclass
+class DecoderParts:
+    """What a decode step calls, looked up once per model (the modules themselves, never copies of their weights)."""
+
+    model: torch.nn.Module  # the PreTrainedModel whose forward `generate` calls (the PEFT base model for PEFT)
+    embed_tokens: torch.nn.Embedding
+    layers: list[torch.nn.Module]
+    norm: torch.nn.Module
+    lm_head: torch.nn.Module
+    rotary_emb: torch.nn.Module
+    apply_rotary: Callable
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qk_norm: bool
+
+
+def generation_target(model: Any) -> Any:
+    """The module whose forward `generate` runs: a PEFT model's base model (LoRA layers live inside it)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def decoder_parts(model: Any) -> DecoderParts:
+    """Look up the decode step's modules; raises `UnsupportedModel` with the reason."""
+    target = generation_target(model)
+    config = getattr(target, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModel(f"model type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    if getattr(config, "quantization_config", None) is not None:
+        raise UnsupportedModel("quantized weights")
+    if len(set(getattr(target, "hf_device_map", {"": 0}).values())) > 1:
+        raise UnsupportedModel("a model split across devices (device_map)")
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(kind != "full_attention" for kind in layer_types):
+        raise UnsupportedModel(f"layer types {sorted(set(layer_types))} (only full attention is supported)")
+    backbone = getattr(target, "model", None)
+    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if backbone is None or any(not hasattr(backbone, name) for name in needed) or not hasattr(target, "lm_head"):
+        raise UnsupportedModel(f"{type(target).__name__} lacks the Llama layout (model.{{{','.join(needed)}}}, lm_head)")
+    if type(backbone.embed_tokens) is not torch.nn.Embedding:
+        raise UnsupportedModel(f"input embedding is a {type(backbone.embed_tokens).__name__} (adapter or wrapper)")
+    first = backbone.layers[0].self_attn
+    if getattr(first, "sliding_window", None) is not None:
+        raise UnsupportedModel("sliding-window attention")
+    modeling = sys.modules[type(first).__module__]
+    apply_rotary = getattr(modeling, "apply_rotary_pos_emb", None)
+    if apply_rotary is None:
+        raise UnsupportedModel(f"{modeling.__name__} has no apply_rotary_pos_emb")
+    if list(inspect.signature(backbone.rotary_emb.forward).parameters)[:2] != ["x", "position_ids"]:
+        raise UnsupportedModel(f"rotary embedding signature {inspect.signature(backbone.rotary_emb.forward)}")
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    num_heads = text_config.num_attention_heads
+    return DecoderParts(
+        model=target,
+        embed_tokens=backbone.embed_tokens,
+        layers=list(backbone.layers),
+        norm=backbone.norm,
+        lm_head=target.lm_head,
+        rotary_emb=backbone.rotary_emb,
+        apply_rotary=apply_rotary,
+        num_heads=num_heads,
+        num_kv_heads=text_config.num_key_value_heads or num_heads,
+        head_dim=first.head_dim,
+        qk_norm=hasattr(first, "q_norm"),
+    )
+
+
+def _cache_keyword(model: torch.nn.Module) -> str:
+    """transformers 5.24 renamed the forward's `past_key_values` to `cache` (5.17 has the old name)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def prefill(parts: DecoderParts, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """The model's forward on the left-padded prompts; returns (last-position logits (batch, vocab), [(k, v)] per layer).
+
+    Position ids as `generate` builds them from the attention mask (`cumsum - 1`, padding at 0), so every row starts
+    at position 0 whatever its padding.
+    """
+    from transformers import DynamicCache
+
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    cache = DynamicCache(config=parts.model.config)
+    outputs = parts.model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=True,
+        logits_to_keep=1,
+        **{_cache_keyword(parts.model): cache},
+    )
+    return outputs.logits[:, -1], [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def decode_logits(
+    parts: DecoderParts,
+    tokens: torch.Tensor,
+    start: torch.Tensor,
+    write_index: torch.Tensor,
+    key_caches: list[torch.Tensor],
+    value_caches: list[torch.Tensor],
+) -> torch.Tensor:
+    """Logits `(batch, vocab)` for one new token per row, writing its keys/values at column `write_index`.
+
+    `tokens` are the previous step's tokens, `start[b]` the first live cache column of row b (its left padding), so
+    its position is `write_index - start[b]`, as in `generate` (positions count only real tokens).
+    """
+    batch = tokens.shape[0]
+    hidden = torch.nn.functional.embedding(tokens[:, None], parts.embed_tokens.weight)
+    positions = (write_index - start)[:, None]
+    cos, sin = parts.rotary_emb(hidden, positions)
+    for layer, key_cache, value_cache in zip(parts.layers, key_caches, value_caches, strict=True):
+        attention = layer.self_attn
+        normed = layer.input_layernorm(hidden)
+        query = attention.q_proj(normed).view(batch, 1, -1, parts.head_dim)
+        key = attention.k_proj(normed).view(batch, 1, -1, parts.head_dim)
+        value = attention.v_proj(normed).view(batch, 1, -1, parts.head_dim)
+        if parts.qk_norm:
+            query, key = attention.q_norm(query), attention.k_norm(key)
+        query, key = parts.apply_rotary(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+        key_cache.index_copy_(2, write_index, key.to(key_cache.dtype))
+        value_cache.index_copy_(2, write_index, value.transpose(1, 2).to(value_cache.dtype))
+        attended = gqa_decode_attention(query, key_cache, value_cache, start, write_index, attention.scaling)
+        hidden = hidden + attention.o_proj(attended.reshape(batch, 1, -1))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return parts.lm_head(parts.norm(hidden))[:, 0].float()

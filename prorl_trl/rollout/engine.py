@@ -1,0 +1,443 @@
+"""`RolloutEngine`: a decode loop of our own, captured as CUDA graphs, for rollouts on the transformers path.
+
+Why: `generate` costs ~5.8 ms per decode step at the seed's shapes (transformers' Python loop, the top-p sort, a host
+sync per token around a ~0.5 ms graph; ../shared/notes/rollout-engine.md). Here a generation is:
+1. prefill once: the model's own forward on the left-padded prompts (`decoder.prefill`), the first token sampled;
+2. a fixed-shape decode step (`decoder.decode_logits` on static KV buffers + `sampler.next_tokens` + per-row EOS and
+   padding bookkeeping, all on device tensors) compiled (`torch.compile`, CUDA) and captured `steps_per_graph` times
+   into one CUDA graph, replayed back to back;
+3. "all rows done?" read every `steps_per_graph` steps through pinned memory, one graph behind (the GPU always has the
+   next graph queued), so the host never waits per token; the loop stops early once every row has finished.
+It returns what `generate` returns after the prompt: `(batch, n)` tokens, the pad token after each row's EOS, `n` the
+longest completion (so at most the cap).
+
+What makes a new capture (`capture_reasons`, logged with its time): the batch size, cache length (prompt budget +
+cap), the sampler's static layout, the autocast dtype, the model's parameter storage (data pointers, shapes, dtypes:
+a LoRA rank/target change, `.data` swaps) or LoRA state (merged, disabled, active adapter, scaling), and the KV
+buffers' address, which are freed after every generation (so training gets the memory back, as with `generate`) and
+usually come back at the same address. Optimizer steps update parameters in place: the graph reads the live storage,
+no recapture. Values that change between calls (temperature, top_p, min_p, min_new_tokens, the seed, the prompts and
+their padding) are copied into tensors the graph reads.
+
+Off CUDA (or with `cuda_graphs=False`) the same step function runs eagerly, chunk by chunk: that is what the CPU
+tests exercise. Dropout active in train mode is refused (generation would apply it); with every dropout at 0 the loop
+runs the model in eval mode, which computes the same function, so training and evaluation share one compilation.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import Any, NamedTuple
+
+import torch
+
+from .compiled import raise_recompile_limit
+from .decoder import DecoderParts, UnsupportedModel, decode_logits, decoder_parts, generation_target, prefill
+from .sampler import SamplerLayout, SamplerSettings, SamplerTensors, UnsupportedGeneration, next_tokens, sampler_settings
+
+logger = logging.getLogger("prorl_trl")
+
+PROMPT_ALIGN = 64  # prompt budgets grow in these steps, so nearby prompt widths share a capture
+
+
+class DecodeState(NamedTuple):
+    """The per-row state a decode step reads and updates in place (fixed addresses: the graph's inputs)."""
+
+    token: torch.Tensor  # (batch,) the token fed to the next step
+    step: torch.Tensor  # (1,) index of the token the next step chooses
+    width: torch.Tensor  # (1,) padded prompt width: the first decode key goes to column `width`
+    start: torch.Tensor  # (batch,) first live cache column of each row (its left padding)
+    finished: torch.Tensor  # (batch,) bool: the row has emitted an EOS
+    out: torch.Tensor  # (batch, columns) chosen tokens, column = step
+    done: torch.Tensor  # () bool: every row finished
+
+
+@dataclass
+class RolloutOutput:
+    """`tokens`: `(batch, n)` completion tokens as `generate` returns them after the prompt; `lengths`: tokens per row
+    up to and including the first EOS (the cap for rows that did not finish)."""
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+
+
+@dataclass
+class EngineStats:
+    """What the engine did, cumulative and for the last call (benchmarks and logs read it)."""
+
+    generations: int = 0
+    captures: int = 0
+    capture_seconds: float = 0.0
+    compile_error: str | None = None
+    last: dict[str, Any] = field(default_factory=dict)
+
+
+def unsupported_reason(model: Any, generation_config: Any) -> str | None:
+    """Why the engine cannot run `model` with `generation_config` (None: it can). Cheap; no side effects."""
+    try:
+        decoder_parts(model)
+        sampler_settings(resolved_generation_config(model, generation_config))
+    except (UnsupportedModel, UnsupportedGeneration) as error:
+        return str(error)
+    target = generation_target(model)
+    active = [
+        name
+        for name, module in target.named_modules()
+        if module.training
+        and ((isinstance(module, torch.nn.Dropout) and module.p > 0) or getattr(module, "attention_dropout", 0) > 0)
+    ]
+    if active:
+        return f"dropout is active in train mode ({active[0]}, ...): generation would apply it"
+    return None
+
+
+def resolved_generation_config(model: Any, generation_config: Any) -> Any:
+    """The config `generate` samples with: unset fields filled from the model's `generation_config` (transformers'
+    private `_prepare_generation_config`, same in 5.17 and 5.24; guarded by tests/test_rollout_engine.py)."""
+    config, _ = generation_target(model)._prepare_generation_config(generation_config)
+    return config
+
+
+def model_fingerprint(target: torch.nn.Module) -> tuple:
+    """Everything about the model a captured graph depends on: parameter/buffer storage and LoRA layer state."""
+    storage = tuple(
+        (name, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))
+        for name, tensor in chain(target.named_parameters(), target.named_buffers())
+    )
+    lora = tuple(
+        (
+            name,
+            getattr(module, "merged", None),
+            getattr(module, "disable_adapters", None),
+            tuple(getattr(module, "active_adapters", ())),
+            tuple(sorted(getattr(module, "scaling", {}).items())),
+        )
+        for name, module in target.named_modules()
+        if hasattr(module, "lora_A")
+    )
+    return storage, lora
+
+
+@contextmanager
+def eval_mode(module: torch.nn.Module):
+    """Every submodule in eval mode for the block, each one's own flag restored afterwards."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+@dataclass(frozen=True)
+class CaptureKey:
+    """The shapes and static settings a captured graph (and its compilation) is specialised to."""
+
+    device: str
+    batch: int
+    cache_len: int
+    chunks: int
+    layout: SamplerLayout
+    kv_dtype: torch.dtype
+    autocast_dtype: torch.dtype | None
+    model: int
+    cuda_graphs: bool
+
+
+class CaptureRecord(NamedTuple):
+    key: CaptureKey
+    fingerprint: tuple  # model_fingerprint: (parameter storage, LoRA state)
+    kv_address: int
+
+
+def capture_reasons(previous: CaptureRecord | None, current: CaptureRecord) -> list[str]:
+    """Why the graph captured for `previous` cannot serve `current` (empty: replay it)."""
+    if previous is None:
+        return ["first call"]
+    reasons = [
+        f"{name} {getattr(previous.key, name)} -> {getattr(current.key, name)}"
+        for name in CaptureKey.__dataclass_fields__
+        if getattr(previous.key, name) != getattr(current.key, name)
+    ]
+    if previous.fingerprint[0] != current.fingerprint[0]:
+        reasons.append("parameter storage (shapes, dtypes or addresses)")
+    if previous.fingerprint[1] != current.fingerprint[1]:
+        reasons.append("LoRA state (merged, disabled, active adapter or scaling)")
+    if previous.kv_address != current.kv_address:
+        reasons.append("KV buffers moved")
+    return reasons
+
+
+def is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+    return (tokens[..., None] == eos).any(-1)
+
+
+def build_step(parts: DecoderParts, layout: SamplerLayout, ways: int):
+    """The decode step: one token for every row, all state updated in place on device (no host reads)."""
+
+    def step(state: DecodeState, keys: tuple, values: tuple, sampler: SamplerTensors) -> None:
+        write_index = state.width + state.step - 1
+        logits = decode_logits(parts, state.token, state.start, write_index, list(keys), list(values))
+        tokens = next_tokens(logits, layout, sampler, state.step, ways)
+        tokens = torch.where(state.finished, sampler.pad, tokens)
+        state.finished.logical_or_(is_eos(tokens, sampler.eos))
+        state.out.index_copy_(1, state.step, tokens[:, None])
+        state.token.copy_(tokens)
+        state.step.add_(1)
+        state.done.copy_(state.finished.all())
+
+    return step
+
+
+class RolloutEngine:
+    """Generate completions with the CUDA-graph decode loop; `unsupported_reason` says when to use `generate` instead.
+
+    Args:
+        steps_per_graph: decode steps per CUDA graph (and per "all done?" check); the loop may run up to twice this
+            many steps past the last row's EOS (their tokens are padding and are dropped).
+        cuda_graphs: capture and replay CUDA graphs (default: on CUDA). Off: the same step runs eagerly.
+        compile: `torch.compile` the step before capture (default: on CUDA). A compilation error falls back to the
+            eager step (recorded in `stats.compile_error`, logged).
+        prompt_budget: prompt tokens reserved in the KV cache (the trainer's `generation_max_prompt_length`), so prompt
+            widths up to it share one capture. A wider batch grows the budget (one more capture).
+    """
+
+    def __init__(
+        self,
+        steps_per_graph: int = 16,
+        cuda_graphs: bool | None = None,
+        compile: bool | None = None,
+        prompt_budget: int | None = None,
+    ):
+        if steps_per_graph < 1:
+            raise ValueError(f"steps_per_graph must be >= 1, got {steps_per_graph}.")
+        self.steps_per_graph = steps_per_graph
+        self.cuda_graphs = cuda_graphs
+        self.compile = compile
+        self.prompt_budget = prompt_budget or 0
+        self.stats = EngineStats()
+        self._capture_record: CaptureRecord | None = None
+        self._kv: torch.Tensor | None = None
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._pool = None
+        self._state: DecodeState | None = None
+        self._sampler: SamplerTensors | None = None
+        self._parts: tuple[int, DecoderParts] | None = None
+        self._steps: dict[tuple, Any] = {}
+
+    # ------------------------------------------------------------------------------------------------ public
+    def unsupported_reason(self, model: Any, generation_config: Any) -> str | None:
+        return unsupported_reason(model, generation_config)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        generation_config: Any,
+        seed: int | None = None,
+        autocast_dtype: torch.dtype | None = None,
+    ) -> RolloutOutput:
+        """Complete the left-padded `input_ids` as `model.generate(input_ids, attention_mask, generation_config)` would.
+
+        `seed`: the sampler's seed (default: drawn from torch's global CPU generator, so `set_seed` makes runs
+        repeatable). `autocast_dtype`: run under `torch.autocast` (also picked up from an enclosing autocast), as
+        generate would inside one. Raises `UnsupportedModel` / `UnsupportedGeneration` where `unsupported_reason` says.
+        """
+        reason = self.unsupported_reason(model, generation_config)
+        if reason is not None:
+            raise UnsupportedGeneration(f"rollout engine: {reason}")
+        if attention_mask.shape != input_ids.shape or input_ids.ndim != 2:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
+                             "must be the same (batch, width) shape.")  # fmt: skip
+        settings = sampler_settings(resolved_generation_config(model, generation_config))
+        parts = self._decoder_parts(model)
+        device = input_ids.device
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        if autocast_dtype is None and torch.is_autocast_enabled(device.type):
+            autocast_dtype = torch.get_autocast_dtype(device.type)
+        autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
+        use_graphs = device.type == "cuda" if self.cuda_graphs is None else self.cuda_graphs
+        started = time.perf_counter()
+        with eval_mode(parts.model), autocast:
+            logits, prompt_kv = prefill(parts, input_ids, attention_mask)
+            key = self._prepare(parts, settings, input_ids, prompt_kv, autocast_dtype, use_graphs)
+            self._load(settings, seed, input_ids, attention_mask, prompt_kv, logits, parts)
+            del prompt_kv, logits
+            prefill_seconds = _elapsed(started, device)
+            decode_started = time.perf_counter()
+            executed, host_seconds = self._decode(settings, key, use_graphs, parts)
+            output = self._finish(settings, executed)
+        decode_seconds = _elapsed(decode_started, device)
+        self.stats.generations += 1
+        self.stats.last.update(
+            batch=input_ids.shape[0], prompt_width=input_ids.shape[1], max_new_tokens=settings.max_new_tokens,
+            decode_steps=executed - 1, generated=output.tokens.shape[1], prefill_seconds=prefill_seconds,
+            decode_seconds=decode_seconds, host_seconds=host_seconds, cuda_graphs=use_graphs,
+        )  # fmt: skip
+        self._kv = None  # give the KV memory back (training needs it); the graph is re-checked next call
+        return output
+
+    # ------------------------------------------------------------------------------------------------ internals
+    def _decoder_parts(self, model: Any) -> DecoderParts:
+        target = generation_target(model)
+        if self._parts is None or self._parts[0] != id(target) or self._parts[1].model is not target:
+            self._parts = (id(target), decoder_parts(model))
+        return self._parts[1]
+
+    def _prepare(self, parts, settings, input_ids, prompt_kv, autocast_dtype, use_graphs) -> CaptureKey:
+        """Allocate the KV buffers (and state, graph) for this call; recapture when anything it depends on changed."""
+        batch, width = input_ids.shape
+        device = input_ids.device
+        self.prompt_budget = max(self.prompt_budget, math.ceil(width / PROMPT_ALIGN) * PROMPT_ALIGN)
+        chunks = math.ceil((settings.max_new_tokens - 1) / self.steps_per_graph)
+        key = CaptureKey(
+            device=str(device), batch=batch, cache_len=self.prompt_budget + chunks * self.steps_per_graph,
+            chunks=chunks, layout=settings.layout, kv_dtype=prompt_kv[0][0].dtype, autocast_dtype=autocast_dtype,
+            model=id(parts.model), cuda_graphs=use_graphs,
+        )  # fmt: skip
+        kv_shape = (2, len(parts.layers), batch, parts.num_kv_heads, key.cache_len, parts.head_dim)
+        self._kv = torch.zeros(kv_shape, dtype=key.kv_dtype, device=device)
+        if self._capture_record is None or key != self._capture_record.key:
+            self._state = DecodeState(
+                token=torch.zeros(batch, dtype=torch.long, device=device),
+                step=torch.ones(1, dtype=torch.long, device=device),
+                width=torch.full((1,), self.prompt_budget, dtype=torch.long, device=device),
+                start=torch.zeros(batch, dtype=torch.long, device=device),
+                finished=torch.zeros(batch, dtype=torch.bool, device=device),
+                out=torch.zeros(batch, 1 + chunks * self.steps_per_graph, dtype=torch.long, device=device),
+                done=torch.zeros((), dtype=torch.bool, device=device),
+            )
+            self._sampler = SamplerTensors.allocate(settings.layout.num_eos, device)
+        record = CaptureRecord(key, model_fingerprint(parts.model), self._kv.data_ptr())
+        reasons = capture_reasons(self._capture_record, record)
+        self.stats.last = {"capture_reasons": reasons}
+        if use_graphs and chunks > 0 and (reasons or self._graph is None):
+            self._capture(parts, settings, key, reasons or ["no graph yet"])
+        self._capture_record = record
+        return key
+
+    def _step_function(self, parts: DecoderParts, layout: SamplerLayout, device: torch.device):
+        """The (compiled) step for this model and sampler layout, built once and reused by later captures."""
+        compile_step = (device.type == "cuda") if self.compile is None else self.compile
+        cache_key = (id(parts.model), layout, compile_step)
+        if cache_key not in self._steps:
+            step = build_step(parts, layout, ways=16 if compile_step else 2)  # 16: fused passes; 2: no big temporaries
+            if compile_step:
+                raise_recompile_limit()
+                step = torch.compile(step, fullgraph=True, dynamic=False)
+            self._steps[cache_key] = step
+        return self._steps[cache_key]
+
+    def _caches(self) -> tuple[tuple, tuple]:
+        return tuple(self._kv[0].unbind(0)), tuple(self._kv[1].unbind(0))
+
+    def _capture(self, parts: DecoderParts, settings: SamplerSettings, key: CaptureKey, reasons: list[str]) -> None:
+        started = time.perf_counter()
+        self._graph = None  # frees the previous graph's memory back to the shared pool first
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        step = self._step_function(parts, settings.layout, self._kv.device)
+        keys, values = self._caches()
+        self._state.step.fill_(1)
+        self._state.width.fill_(self.prompt_budget)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            try:
+                for _ in range(2):  # compiles on the first call; the second settles allocations
+                    self._state.step.fill_(1)
+                    step(self._state, keys, values, self._sampler)
+            except Exception as error:  # noqa: BLE001 - any compiler failure: run the same step uncompiled
+                self.stats.compile_error = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+                logger.warning("Rollout engine: torch.compile of the decode step failed (%s); using the eager step.",
+                               self.stats.compile_error)  # fmt: skip
+                step = build_step(parts, settings.layout, ways=2)
+                self._steps[(id(parts.model), settings.layout, True)] = step
+                self._state.step.fill_(1)
+                step(self._state, keys, values, self._sampler)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            for _ in range(self.steps_per_graph):
+                step(self._state, keys, values, self._sampler)
+        torch.cuda.synchronize()
+        self._graph = graph
+        seconds = time.perf_counter() - started
+        self.stats.captures += 1
+        self.stats.capture_seconds += seconds
+        self.stats.last["capture_seconds"] = seconds
+        self.stats.last["capture_reason"] = ", ".join(reasons)
+        logger.info("Rollout engine: captured a %d-step CUDA graph in %.1f s (batch %d, cache %d; %s).",
+                    self.steps_per_graph, seconds, key.batch, key.cache_len, ", ".join(reasons))  # fmt: skip
+
+    def _load(self, settings, seed, input_ids, attention_mask, prompt_kv, logits, parts) -> None:
+        """Copy the prefill's keys/values and first tokens into the buffers the graph reads."""
+        width = input_ids.shape[1]
+        for layer, (key, value) in enumerate(prompt_kv):
+            self._kv[0, layer, :, :, :width].copy_(key)
+            self._kv[1, layer, :, :, :width].copy_(value)
+        sampler, state = self._sampler, self._state
+        sampler.load(settings, seed)
+        first = next_tokens(logits, settings.layout, sampler, torch.zeros_like(state.step), ways=2)
+        state.token.copy_(first)
+        state.step.fill_(1)
+        state.width.fill_(width)
+        state.start.copy_(width - attention_mask.sum(-1))
+        state.finished.copy_(is_eos(first, sampler.eos))
+        state.out.fill_(settings.pad_token_id)
+        state.out[:, 0] = first
+        state.done.copy_(state.finished.all())
+
+    def _decode(self, settings: SamplerSettings, key: CaptureKey, use_graphs: bool, parts: DecoderParts) -> tuple[int, float]:
+        """Run decode chunks until every row finished or the cap; returns (tokens per row produced, host seconds)."""
+        chunks = key.chunks
+        if chunks == 0 or bool(self._state.done):
+            return 1, 0.0
+        host = 0.0
+        if not use_graphs:
+            step = self._step_function(parts, settings.layout, self._kv.device)
+            keys, values = self._caches()
+            for chunk in range(chunks):
+                for _ in range(self.steps_per_graph):
+                    step(self._state, keys, values, self._sampler)
+                if bool(self._state.done):
+                    return 1 + (chunk + 1) * self.steps_per_graph, host
+            return 1 + chunks * self.steps_per_graph, host
+        flags = [torch.zeros((), dtype=torch.bool).pin_memory() for _ in range(2)]
+        events = [torch.cuda.Event() for _ in range(2)]
+        executed = chunks
+        for chunk in range(chunks):
+            issued = time.perf_counter()
+            self._graph.replay()
+            flags[chunk % 2].copy_(self._state.done, non_blocking=True)
+            events[chunk % 2].record()
+            host += time.perf_counter() - issued
+            if chunk >= 1:
+                events[(chunk - 1) % 2].synchronize()
+                if bool(flags[(chunk - 1) % 2]):
+                    executed = chunk + 1
+                    break
+        return 1 + executed * self.steps_per_graph, host
+
+    def _finish(self, settings: SamplerSettings, executed: int) -> RolloutOutput:
+        produced = min(executed, settings.max_new_tokens)
+        tokens = self._state.out[:, :produced]
+        eos = is_eos(tokens, self._sampler.eos)
+        lengths = torch.where(eos.any(-1), eos.int().argmax(-1) + 1, produced)
+        longest = int(lengths.max())
+        return RolloutOutput(tokens=tokens[:, :longest].clone(), lengths=lengths)
+
+
+def _elapsed(started: float, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started

@@ -1,0 +1,384 @@
+"""The rollout engine (prorl_trl.rollout) on CPU, graphs off: the same step function the CUDA graphs capture.
+
+Against transformers: the filters against its logits warpers, greedy tokens against `generate`, token frequencies
+against `generate` and against the exact processed distribution (chi-square), EOS/padding/length conventions against
+`generate`'s output; plus seeding, the noise, the recapture decisions, and the Triton kernel (interpreter, if Triton
+is installed). CUDA graphs and weight visibility: tests/test_rollout_engine_gpu.py. About 25 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from transformers import GenerationConfig, LogitsProcessorList
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from prorl_trl.rollout.decode_attention import gqa_decode_attention_reference, triton_available
+from prorl_trl.rollout.engine import RolloutEngine, resolved_generation_config, unsupported_reason
+from prorl_trl.rollout.sampler import (
+    SamplerTensors,
+    UnsupportedGeneration,
+    process_logits,
+    sampler_settings,
+    top_p_threshold,
+    uniform_noise,
+)
+from prorl_trl.tiny import build_tiny
+
+DRAWS = 20_000
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model, tokenizer = build_tiny(seed=0)
+    return model.eval(), tokenizer
+
+
+def config(tokenizer, **kwargs) -> GenerationConfig:
+    defaults = dict(max_new_tokens=8, do_sample=True, top_k=0, top_p=1.0, temperature=1.0, repetition_penalty=1.0,
+                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)  # fmt: skip
+    return GenerationConfig(**{**defaults, **kwargs})
+
+
+def left_padded(batch: int, width: int, pad: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, 250, (batch, width), generator=generator)
+    mask = torch.ones_like(input_ids)
+    for row in range(batch):
+        mask[row, : row % 4] = 0
+        input_ids[row, : row % 4] = pad
+    return input_ids, mask
+
+
+def warped(scores: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, min_p=None) -> torch.Tensor:
+    """transformers' own warpers, in `_get_logits_processor`'s order."""
+    processors = LogitsProcessorList()
+    if temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        processors.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        processors.append(TopPLogitsWarper(top_p))
+    if min_p is not None:
+        processors.append(MinPLogitsWarper(min_p))
+    return processors(None, scores.clone())
+
+
+def ours(scores: torch.Tensor, ways: int = 2, **kwargs) -> torch.Tensor:
+    generation = GenerationConfig(do_sample=True, max_new_tokens=1, eos_token_id=0, pad_token_id=0, **kwargs)
+    settings = sampler_settings(generation)
+    tensors = SamplerTensors.allocate(1, scores.device)
+    tensors.load(settings, seed=0)
+    return process_logits(scores, settings.layout, tensors, torch.zeros(1, dtype=torch.long), ways)
+
+
+def logit_sets(model) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        real = model(input_ids=torch.randint(3, 250, (6, 7), generator=generator)).logits[:, -1].float()
+    return {
+        "model": real,
+        "peaked": torch.randn(6, 300, generator=generator) * 6,
+        "flat": torch.randn(6, 300, generator=generator) * 0.05,
+        "wide": torch.randn(4, 5000, generator=generator) * 2,
+    }
+
+
+SETTINGS = [
+    dict(temperature=1.0, top_p=0.7),
+    dict(temperature=1.3, top_p=0.9),
+    dict(temperature=0.7, top_k=20),
+    dict(temperature=1.0, top_k=50, top_p=0.8, min_p=0.05),
+    dict(temperature=1.2, min_p=0.1),
+    dict(temperature=1.0, top_p=0.05),
+]
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_filters_match_transformers_warpers(tiny, settings):
+    """Same kept set and the same renormalised probabilities as TemperatureLogitsWarper -> TopK -> TopP -> MinP."""
+    for name, scores in logit_sets(tiny[0]).items():
+        expected = warped(scores, **settings)
+        for ways in (2, 16):
+            got = ours(scores, ways=ways, **settings)
+            kept_expected, kept_got = torch.isfinite(expected), torch.isfinite(got)
+            assert torch.equal(kept_got, kept_expected), f"{name}, ways={ways}: kept sets differ"
+            assert torch.allclose(torch.softmax(got, -1), torch.softmax(expected, -1), atol=1e-6), name
+
+
+def test_top_p_keeps_ties_together_where_transformers_splits_them():
+    """Equal logits at the boundary: transformers' (unstable) sort keeps an arbitrary part of the tie; the
+    threshold keeps all of it. The only intended difference."""
+    scores = torch.tensor([[2.0, 1.0, 1.0, 1.0, 1.0, 0.0]])
+    expected, got = warped(scores, top_p=0.6), ours(scores, top_p=0.6)
+    kept_expected, kept_got = torch.isfinite(expected[0]), torch.isfinite(got[0])
+    assert kept_got.tolist() == [True, True, True, True, True, False]
+    assert (kept_expected <= kept_got).all() and kept_expected[0] and not kept_expected[5]
+
+
+def test_top_p_threshold_is_exact_for_any_number_of_ways():
+    generator = torch.Generator().manual_seed(1)
+    probs = torch.softmax(torch.randn(8, 1000, generator=generator) * 3, -1)
+    top_p = torch.tensor([0.37])
+    base = top_p_threshold(probs, top_p, ways=2)
+    for ways in (4, 16, 64):
+        assert torch.equal(top_p_threshold(probs, top_p, ways=ways), base)
+    kept = probs >= base
+    sorted_probs = torch.sort(probs, -1).values
+    for row in range(8):  # kept mass = smallest suffix of the ascending order whose complement is <= 1 - top_p
+        dropped = sorted_probs[row][: (~kept[row]).sum()]
+        assert dropped.sum() <= 1 - 0.37 + 1e-6 < dropped.sum() + sorted_probs[row][len(dropped)] + 1e-6
+
+
+def test_noise_is_uniform_deterministic_and_counter_based():
+    seed, step = torch.tensor([123]), torch.tensor([4])
+    noise = uniform_noise(seed, step, 64, 4096)
+    assert torch.equal(noise, uniform_noise(seed, step, 64, 4096))
+    assert not torch.equal(noise, uniform_noise(seed, step + 1, 64, 4096))
+    assert not torch.equal(noise, uniform_noise(seed + 1, step, 64, 4096))
+    assert torch.equal(noise[:8, :100], uniform_noise(seed, step, 8, 100))  # a pure function of (row, token)
+    assert 0 < noise.min() and noise.max() < 1
+    assert stats.kstest(noise.flatten()[:50_000].double().numpy(), "uniform").pvalue > 1e-3
+    assert abs(torch.corrcoef(torch.stack([noise[0], noise[1]]))[0, 1]) < 0.05
+
+
+def test_unsupported_settings_are_refused_not_ignored(tiny):
+    model, tokenizer = tiny
+    for bad in (dict(repetition_penalty=1.1), dict(no_repeat_ngram_size=3), dict(num_beams=2, do_sample=False),
+                dict(typical_p=0.9), dict(suppress_tokens=[5])):  # fmt: skip
+        with pytest.raises(UnsupportedGeneration, match=next(iter(bad))):
+            sampler_settings(resolved_generation_config(model, config(tokenizer, **bad)))
+        assert next(iter(bad)) in unsupported_reason(model, config(tokenizer, **bad))
+    model.train()
+    model.model.layers[0].mlp.dropout = torch.nn.Dropout(0.1)  # an active dropout in train mode: generate applies it
+    try:
+        assert "dropout" in unsupported_reason(model, config(tokenizer))
+    finally:
+        del model.model.layers[0].mlp.dropout
+        model.eval()
+    assert unsupported_reason(model, config(tokenizer)) is None
+
+
+def test_model_generation_defaults_are_resolved_like_generate(tiny):
+    """Unset fields come from the model's generation_config, as in generate: a repetition penalty there is refused."""
+    model, tokenizer = tiny
+    saved = model.generation_config.repetition_penalty
+    model.generation_config.repetition_penalty = 1.3
+    try:
+        assert "repetition_penalty" in unsupported_reason(model, config(tokenizer, repetition_penalty=None))
+        assert unsupported_reason(model, config(tokenizer, repetition_penalty=1.0)) is None
+    finally:
+        model.generation_config.repetition_penalty = saved
+
+
+def generate_reference(model, input_ids, mask, generation):
+    with torch.no_grad():
+        return model.generate(input_ids=input_ids, attention_mask=mask, generation_config=generation)[:, input_ids.shape[1]:]
+
+
+@pytest.mark.parametrize("steps_per_graph", [1, 4])
+def test_greedy_tokens_equal_generate_with_left_padding_and_lora(tiny, steps_per_graph):
+    from peft import LoraConfig, get_peft_model
+
+    model, tokenizer = tiny
+    input_ids, mask = left_padded(6, 9, tokenizer.pad_token_id)
+    greedy = config(tokenizer, do_sample=False, max_new_tokens=13)
+    engine = RolloutEngine(steps_per_graph=steps_per_graph)
+    assert torch.equal(engine.generate(model, input_ids, mask, greedy).tokens, generate_reference(model, input_ids, mask, greedy))
+    peft_model = get_peft_model(build_tiny(seed=0)[0], LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"]))
+    for name, param in peft_model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.3)  # a trained-looking adapter, kept unmerged
+    peft_model.eval()
+    reference = generate_reference(peft_model, input_ids, mask, greedy)
+    with peft_model.disable_adapter():
+        assert not torch.equal(reference, generate_reference(peft_model, input_ids, mask, greedy)), "LoRA had no effect"
+    assert torch.equal(engine.generate(peft_model, input_ids, mask, greedy).tokens, reference)
+
+
+def test_eos_padding_lengths_and_cap_follow_generate(tiny):
+    """Rows stop at different steps: pad after EOS, output as wide as the longest row, stop early; caps that are not
+    a multiple of the graph length and the 1-token cap."""
+    model, tokenizer = tiny
+    input_ids, mask = left_padded(8, 7, tokenizer.pad_token_id, seed=5)
+    probe = generate_reference(model, input_ids, mask, config(tokenizer, do_sample=False, max_new_tokens=12))
+    eos = sorted({int(probe[row, 1 + row % 5]) for row in range(8)})  # every row ends, at different steps
+    for cap in (1, 5, 12, 30):
+        greedy = config(tokenizer, do_sample=False, max_new_tokens=cap, eos_token_id=eos)
+        expected = generate_reference(model, input_ids, mask, greedy)
+        output = RolloutEngine(steps_per_graph=4).generate(model, input_ids, mask, greedy)
+        assert torch.equal(output.tokens, expected), cap
+        stops = torch.isin(expected, torch.tensor(eos))
+        assert output.lengths.tolist() == [row.nonzero()[0].item() + 1 if row.any() else cap for row in stops]
+    assert output.tokens.shape[1] <= 6 and len(set(output.lengths.tolist())) > 1
+    assert (output.tokens == tokenizer.pad_token_id).any()
+    assert output.tokens.shape[1] < output.lengths.max() + 2 * 4  # stopped within two graphs of the last EOS
+
+
+def test_min_new_tokens_masks_eos(tiny):
+    model, tokenizer = tiny
+    input_ids, mask = left_padded(4, 7, tokenizer.pad_token_id, seed=5)
+    probe = generate_reference(model, input_ids, mask, config(tokenizer, do_sample=False, max_new_tokens=6))
+    greedy = config(tokenizer, do_sample=False, max_new_tokens=9, min_new_tokens=6, eos_token_id=int(probe[0, 1]))
+    expected = generate_reference(model, input_ids, mask, greedy)
+    assert torch.equal(RolloutEngine(steps_per_graph=4).generate(model, input_ids, mask, greedy).tokens, expected)
+
+
+def frequencies(tokens: torch.Tensor, vocab: int) -> np.ndarray:
+    return np.bincount(tokens.numpy(), minlength=vocab).astype(float)
+
+
+def chi_square_pvalue(observed: np.ndarray, expected_probs: np.ndarray) -> float:
+    """One-sample chi-square, cells with expected count < 5 pooled into one."""
+    expected = expected_probs * observed.sum()
+    small = expected < 5
+    obs = np.append(observed[~small], observed[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    assert observed[expected_probs == 0].sum() == 0, "a filtered-out token was drawn"
+    return stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
+
+
+def two_sample_pvalue(a: np.ndarray, b: np.ndarray) -> float:
+    cells = (a + b) >= 10
+    table = np.stack([np.append(a[cells], a[~cells].sum()), np.append(b[cells], b[~cells].sum())])
+    table = table[:, table.sum(0) > 0]
+    return stats.chi2_contingency(table).pvalue
+
+
+def test_token_frequencies_match_generate(tiny):
+    """20k rows of one prompt, two tokens each, every filter on: per-position frequencies of the engine against
+    `generate`'s (two-sample chi-square) and, for the first token, against the exact warped distribution."""
+    model, tokenizer = tiny
+    settings = dict(temperature=1.3, top_k=40, top_p=0.9, min_p=0.02)
+    vocab = model.config.vocab_size
+    prompt = torch.randint(3, 250, (1, 6), generator=torch.Generator().manual_seed(2))
+    input_ids, mask = prompt.expand(DRAWS, -1).contiguous(), torch.ones(DRAWS, 6, dtype=torch.long)
+    sampling = config(tokenizer, max_new_tokens=2, eos_token_id=0, **settings)  # id 0 never wins: fixed lengths
+    ours_tokens = RolloutEngine(steps_per_graph=1).generate(model, input_ids, mask, sampling, seed=11).tokens
+    torch.manual_seed(11)
+    theirs = generate_reference(model, input_ids, mask, sampling)
+    with torch.no_grad():
+        first_logits = model(input_ids=prompt).logits[:, -1].float()
+    exact = torch.softmax(warped(first_logits, **settings), -1)[0].double().numpy()
+    assert chi_square_pvalue(frequencies(ours_tokens[:, 0], vocab), exact) > 1e-3
+    assert chi_square_pvalue(frequencies(theirs[:, 0], vocab), exact) > 1e-3  # the test can tell: generate passes it
+    for position in (0, 1):
+        assert two_sample_pvalue(frequencies(ours_tokens[:, position], vocab), frequencies(theirs[:, position], vocab)) > 1e-3
+    tv = 0.5 * np.abs(frequencies(ours_tokens[:, 0], vocab) / DRAWS - exact).sum()
+    assert tv < 0.05
+
+
+def test_frequency_test_detects_a_wrong_distribution(tiny):
+    """The check above has power: 2,000 draws at top_p=0.8 fail against top_p=0.7's distribution."""
+    model, tokenizer = tiny
+    prompt = torch.randint(3, 250, (1, 6), generator=torch.Generator().manual_seed(2))
+    input_ids, mask = prompt.expand(2000, -1).contiguous(), torch.ones(2000, 6, dtype=torch.long)
+    wrong = RolloutEngine().generate(model, input_ids, mask, config(tokenizer, max_new_tokens=1, eos_token_id=0, top_p=0.8), seed=1)
+    with torch.no_grad():
+        logits = model(input_ids=prompt).logits[:, -1].float()
+    exact = torch.softmax(warped(logits, top_p=0.7), -1)[0].double().numpy()
+    with pytest.raises(AssertionError):
+        assert chi_square_pvalue(frequencies(wrong.tokens[:, 0], model.config.vocab_size), exact) > 1e-3
+
+
+def test_same_seed_same_tokens(tiny):
+    model, tokenizer = tiny
+    input_ids, mask = left_padded(5, 8, tokenizer.pad_token_id)
+    sampling = config(tokenizer, max_new_tokens=10, top_p=0.9)
+    engine = RolloutEngine(steps_per_graph=4)
+    first = engine.generate(model, input_ids, mask, sampling, seed=7).tokens
+    assert torch.equal(engine.generate(model, input_ids, mask, sampling, seed=7).tokens, first)
+    assert not torch.equal(engine.generate(model, input_ids, mask, sampling, seed=8).tokens, first)
+    torch.manual_seed(3)
+    drawn = engine.generate(model, input_ids, mask, sampling).tokens  # seed from torch's global generator
+    torch.manual_seed(3)
+    assert torch.equal(RolloutEngine(steps_per_graph=2).generate(model, input_ids, mask, sampling).tokens, drawn)
+
+
+def test_recapture_decisions(tiny):
+    """What would make a new CUDA graph (computed on CPU too): shapes and static settings, new parameter storage,
+    LoRA state; not in-place optimizer steps, temperature/top_p values or new prompts of the same width budget."""
+    from peft import LoraConfig, get_peft_model
+
+    _, tokenizer = tiny
+    model = get_peft_model(build_tiny(seed=0)[0], LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj"]))
+    input_ids, mask = left_padded(4, 8, tokenizer.pad_token_id)
+    engine = RolloutEngine(steps_per_graph=4, prompt_budget=16)
+
+    def reasons(generation, ids=input_ids, attention=mask):
+        engine.generate(model, ids, attention, generation, seed=0)
+        return [r for r in engine.stats.last["capture_reasons"] if r != "KV buffers moved"]  # CPU: no pinned address
+
+    base = config(tokenizer, max_new_tokens=9, top_p=0.7)
+    assert reasons(base) == ["first call"]
+    assert reasons(base) == []
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model(input_ids=input_ids, labels=input_ids).loss.backward()
+    optimizer.step()
+    assert reasons(base) == []  # in place: the graph reads the same storage
+    assert reasons(config(tokenizer, max_new_tokens=9, top_p=0.9, temperature=1.2)) == []
+    other_ids, other_mask = left_padded(4, 12, tokenizer.pad_token_id, seed=9)
+    assert reasons(base, other_ids, other_mask) == []  # still within the prompt budget
+    assert any(r.startswith("layout") for r in reasons(config(tokenizer, max_new_tokens=9, top_p=1.0)))
+    assert any(r.startswith("cache_len") for r in reasons(config(tokenizer, max_new_tokens=30, top_p=1.0)))
+    assert any(r.startswith("batch") for r in reasons(config(tokenizer, max_new_tokens=30, top_p=1.0), input_ids[:2], mask[:2]))
+    model.merge_adapter()
+    assert "LoRA state (merged, disabled, active adapter or scaling)" in reasons(base)
+    model.unmerge_adapter()
+    reasons(base)
+    model.delete_adapter("default")
+    model.add_adapter("default", LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    model.set_adapter("default")
+    assert "parameter storage (shapes, dtypes or addresses)" in reasons(base)
+
+
+@pytest.mark.skipif(not triton_available(), reason="Triton not installed (runs on the GPU machine: test_rollout_engine_gpu)")
+def test_triton_kernel_matches_reference_in_interpreter(monkeypatch):
+    """The split-K kernel under Triton's CPU interpreter (TRITON_INTERPRET=1) against the float32 reference."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from prorl_trl.rollout.decode_attention import gqa_decode_attention_reference\n"
+        "from prorl_trl.rollout.decode_attention_triton import launch_gqa_decode\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "for batch, kv, groups, cache, dim, end, split in [(3, 2, 7, 200, 64, 150, 64), (2, 1, 4, 130, 32, 129, 128)]:\n"
+        "    q = torch.randn(batch, kv * groups, 1, dim, generator=g)\n"
+        "    k, v = torch.randn(2, batch, kv, cache, dim, generator=g)\n"
+        "    start = torch.tensor([0, 5, 70][:batch]); stop = torch.tensor([end])\n"
+        "    got = launch_gqa_decode(q, k, v, start, stop, 0.125, split)\n"
+        "    want = gqa_decode_attention_reference(q, k, v, start, stop, 0.125)\n"
+        "    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()\n"
+        "print('ok')\n"
+    )
+    env = dict(__import__("os").environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
+
+
+def test_reference_attention_matches_repeat_kv_sdpa():
+    """The reference (the CPU path) against transformers-style attention: repeat the KV heads, masked SDPA."""
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(3, 14, 1, 16, generator=generator)
+    keys, values = torch.randn(2, 3, 2, 40, 16, generator=generator)
+    start, end = torch.tensor([0, 4, 9]), torch.tensor([30])
+    columns = torch.arange(40)
+    mask = ((columns >= start[:, None]) & (columns <= end))[:, None, None, :]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, keys.repeat_interleave(7, 1), values.repeat_interleave(7, 1), attn_mask=mask, scale=0.25
+    )[:, :, 0]
+    got = gqa_decode_attention_reference(query, keys, values, start, end, 0.25)
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert math.isclose(float(got.abs().sum()), float(expected.abs().sum()), rel_tol=1e-5)
