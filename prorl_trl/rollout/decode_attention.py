@@ -82,7 +82,7 @@ def _gqa_decode_attention_op(
     from .decode_attention_triton import launch_gqa_decode
 
     batch, kv_heads, cache_len, head_dim = key_cache.shape
-    return launch_gqa_decode(query, key_cache, value_cache, start, end, scale, split_size(batch, kv_heads, cache_len))
+    return launch_gqa_decode(query, key_cache, value_cache, start, end, scale, split_size(batch, kv_heads, cache_len), BLOCK_N)
 
 
 @_gqa_decode_attention_op.register_fake

@@ -14,8 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import BLOCK_N
-
 
 @triton.jit
 def _split_kernel(
@@ -100,9 +98,10 @@ def _merge_kernel(
 
 def launch_gqa_decode(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
-    scale: float, split: int,
+    scale: float, split: int, block: int = 64,
 ) -> torch.Tensor:
-    """Both passes; `query` is `(batch, heads, [1,] head_dim)`, caches `(batch, kv_heads, cache_len, head_dim)`."""
+    """Both passes; `query` is `(batch, heads, [1,] head_dim)`, caches `(batch, kv_heads, cache_len, head_dim)`;
+    `split` keys per program (a multiple of `block`, the keys per inner iteration)."""
     batch, kv_heads, cache_len, head_dim = key_cache.shape
     heads = query.numel() // (batch * head_dim)
     groups = heads // kv_heads
@@ -122,7 +121,7 @@ def launch_gqa_decode(
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         scale,
         KV_HEADS=kv_heads, GROUPS=groups, GROUPS_PAD=groups_pad, HEAD_DIM=head_dim,
-        SPLIT=split, NUM_SPLITS=num_splits, BLOCK=BLOCK_N, IEEE=ieee,
+        SPLIT=split, NUM_SPLITS=num_splits, BLOCK=block, IEEE=ieee,
         num_warps=4,
     )
     output = torch.empty(batch, heads, head_dim, dtype=query.dtype, device=query.device)
