@@ -9,6 +9,10 @@ GPU machine needs no TRL):
   static_compile_gqa   static_compile with `prorl_trl.rollout.gqa_attention.use_gqa_decode_attention` (decode steps attend on the
                        KV heads instead of copying them per query head).
   static_compile_top_p1  diagnostic: static_compile without top-p (no vocabulary sort per step).
+  rollout_engine       `prorl_trl.rollout.engine.RolloutEngine.generate` (what `ProRLConfig.rollout_engine` runs in the
+                       trainer): prefill + compiled decode steps replayed as CUDA graphs, sort-free sampling. Its rows
+                       add the capture/compile time and, from replays of its graph, GPU vs host milliseconds per step
+                       and (`--profile`) the kernels that take the GPU time.
   continuous_batching  `model.generate_batch(prompt_ids, generation_config=..., continuous_batching_config=
                        ContinuousBatchingConfig(max_memory_percent=0.5))` as TRL's `use_transformers_continuous_batching`.
 Continuous batching runs last for each model: it reserves half the free GPU memory for its paged cache.
@@ -51,6 +55,7 @@ METHODS = (
     "static_compile_gqa",
     "static_compile_top_p1",
     "continuous_batching",
+    "rollout_engine",
 )
 QWEN2_05B_EOS, QWEN2_05B_PAD = 151645, 151643
 
@@ -75,7 +80,7 @@ def qwen2_05b_config() -> Qwen2Config:
     )
 
 
-def build_model(smoke: bool, device: torch.device, dtype: torch.dtype, lora_rank: int):
+def build_model(smoke: bool, device: torch.device, dtype: torch.dtype, lora_rank: int, lora_targets: str = "q_proj,k_proj"):
     """`(model, eos_token_id, pad_token_id)`: random Qwen2-0.5B (or the tiny test model), optionally LoRA-wrapped.
 
     LoRA mirrors the trainer: `get_peft_model` (adapter weights upcast to fp32, PEFT's default) and
@@ -96,7 +101,8 @@ def build_model(smoke: bool, device: torch.device, dtype: torch.dtype, lora_rank
     if lora_rank:
         from peft import LoraConfig, get_peft_model
 
-        lora = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=["q_proj", "k_proj"])
+        targets = "all-linear" if lora_targets == "all-linear" else lora_targets.split(",")
+        lora = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=targets)
         model = get_peft_model(model, lora)
         model.enable_input_require_grads()
     model.train()  # TRL generates inside `training_step`, after `model.train()`
@@ -145,6 +151,21 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
     )
     top_p = 1.0 if method == "static_compile_top_p1" else args.top_p
     config = trl_generation_config(args, max_new_tokens, eos, pad, top_p)
+    if method == "rollout_engine":
+        from prorl_trl.rollout.engine import RolloutEngine
+
+        cache_len = max(args.cache_len or 0, args.prompt_length + max_new_tokens)
+        engine = RolloutEngine(prompt_budget=cache_len - max_new_tokens)
+
+        def run_engine() -> int:
+            output = engine.generate(model, input_ids, attention_mask, config)
+            if output.tokens.shape[1] != max_new_tokens:
+                raise RuntimeError(f"generated {output.tokens.shape[1]} tokens per sequence, expected {max_new_tokens}")
+            model.train()
+            return output.tokens.numel()
+
+        run_engine.engine = engine
+        return run_engine
     if method.startswith("static_compile"):
         cache_len = max(args.cache_len or 0, args.prompt_length + max_new_tokens)
         enable_compiled_generation(config, max_cache_len=cache_len)
@@ -220,8 +241,20 @@ def measure(method, model, args, shape, eos, pad, device, weight_bytes, kv_bytes
         run = make_runner(method, model, args, shape, eos, pad, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        first_seconds, tokens = timed(run, device)
-        steady = [timed(run, device) for _ in range(args.repeats)]
+        if args.warmup_tokens and method != "rollout_engine":  # their compiled shapes do not depend on the length
+            warm = make_runner(method, model, args, (shape[0], args.warmup_tokens), eos, pad, device)
+            first_seconds, _ = timed(warm, device)
+        else:
+            first_seconds, tokens = timed(run, device)
+        engine = getattr(run, "engine", None)
+        first_capture = engine.stats.capture_seconds if engine is not None else 0.0
+        steady = []
+        for index in range(args.repeats):
+            if engine is not None and index == args.repeats - 1:
+                engine.release_cache = False  # keep the last graph replayable for the diagnostics below
+            steady.append(timed(run, device))
+        if not steady:
+            raise RuntimeError("--repeats must be >= 1")
     except Exception as error:  # one failing path must not hide the others' numbers
         row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
         print(f"  {row['shape']} {row['model']} {method}: FAILED {row['error']}", flush=True)
@@ -229,6 +262,10 @@ def measure(method, model, args, shape, eos, pad, device, weight_bytes, kv_bytes
     steady_seconds = statistics.median(seconds for seconds, _ in steady)
     tokens = statistics.median(count for _, count in steady)
     overhead = max(first_seconds - steady_seconds, 0.0)
+    if args.warmup_tokens and method != "rollout_engine":
+        overhead = first_seconds  # a short warm-up call: (nearly) all of it is compilation
+    if engine is not None:
+        row["engine"] = engine_diagnostics(engine, first_capture, args.profile)
     floor = decode_floor_seconds(weight_bytes, kv_bytes, shape, args.prompt_length, bandwidth)
     row.update(
         tokens=tokens,
@@ -245,6 +282,38 @@ def measure(method, model, args, shape, eos, pad, device, weight_bytes, kv_bytes
     print(f"  {row['shape']} {row['model']} {method}: {row['tokens_per_s']:.0f} tok/s steady, first call "
           f"{first_seconds:.1f}s, steady {row['steady_seconds']}", flush=True)
     return row
+
+
+def engine_diagnostics(engine, first_capture_seconds: float, profile: bool) -> dict:
+    """Capture/compile time, the last call's split, and replays of its graph: GPU vs host time per decode step."""
+    last = engine.stats.last
+    steps = max(last["decode_steps"], 1)
+    found = {
+        "capture_and_compile_s": first_capture_seconds, "captures": engine.stats.captures,
+        "compile_error": engine.stats.compile_error, "prefill_s": last["prefill_seconds"],
+        "decode_ms_per_step": 1000 * last["decode_seconds"] / steps,
+        "host_issue_ms_per_step_in_loop": 1000 * last["host_seconds"] / steps,
+    }  # fmt: skip
+    if engine.stats.captures == 0:  # no CUDA graph (CPU smoke run)
+        engine.release_cache, engine._kv = True, None
+        return found
+    found.update(engine.time_replays(8))
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as profiler:
+            engine.time_replays(2)
+        steps = 2 * engine.steps_per_graph
+        kernels = sorted(profiler.key_averages(), key=lambda event: -event.device_time_total)
+        found["kernels_per_step"] = sum(event.count for event in kernels) / steps
+        found["top_kernels"] = [
+            (event.key[:70], round(event.device_time_total / steps, 1), event.count // steps) for event in kernels[:14]
+        ]  # (name, microseconds per step, launches per step)
+    engine.release_cache = True
+    engine._kv = None
+    print(f"    engine: {found}", flush=True)
+    return found
 
 
 def render(meta: dict, rows: list[dict]) -> str:
@@ -279,6 +348,17 @@ def render(meta: dict, rows: list[dict]) -> str:
         )
     limits = sorted({(r["shape"], r["model"], round(r["decode_limit_tokens_per_s"])) for r in rows if "error" not in r})
     lines += ["", "Decode limit (tokens/s): " + "; ".join(f"{s} {m}: {lim:,}" for s, m, lim in limits)]
+    for r in rows:
+        if r.get("engine"):
+            e = r["engine"]
+            lines.append(
+                f"rollout_engine {r['shape']} {r['model']}: capture+compile {e['capture_and_compile_s']:.1f} s, "
+                f"prefill {e['prefill_s']:.2f} s, decode {e['decode_ms_per_step']:.3f} ms/step in the loop"
+                + (f"; graph replays: GPU {e['gpu_ms_per_step']:.3f} ms/step, host {e['host_ms_per_step']:.4f} ms/step"
+                   if "gpu_ms_per_step" in e else "; no CUDA graph")
+                + (f", {e['kernels_per_step']:.0f} kernels/step" if "kernels_per_step" in e else "")
+                + (f"; compile error: {e['compile_error']}" if e.get("compile_error") else "")
+            )
     return "\n".join(lines)
 
 
@@ -301,6 +381,10 @@ def main(argv: list[str] | None = None) -> dict:
                         help="methods run at shapes after the first (continuous batching is slow)")
     parser.add_argument("--models", default="base,lora", help="base and/or lora (LoRA r=--lora-rank on q,k)")
     parser.add_argument("--lora-rank", type=int, default=32)
+    parser.add_argument("--lora-targets", default="q_proj,k_proj", help="comma-separated modules, or all-linear")
+    parser.add_argument("--warmup-tokens", type=int, default=0,
+                        help="new tokens of the warm-up call of the compiled generate paths (0: the full shape)")
+    parser.add_argument("--profile", action="store_true", help="rollout_engine rows: top kernels of a graph replay")
     parser.add_argument("--num-prompts", type=int, default=2, help="distinct prompts; sequences / this = group size")
     parser.add_argument("--prompt-length", type=int, default=128, help="padded prompt tokens")
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -356,7 +440,7 @@ def main(argv: list[str] | None = None) -> dict:
     start, rows = time.perf_counter(), []
     for model_kind in [m.strip() for m in args.models.split(",") if m.strip()]:
         args.lora_rank_now = args.lora_rank if model_kind == "lora" else 0
-        model, eos, pad = build_model(args.smoke, device, dtype, args.lora_rank_now)
+        model, eos, pad = build_model(args.smoke, device, dtype, args.lora_rank_now, args.lora_targets)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         kv_bytes = kv_cache_bytes_per_token(model.config, dtype)
         jobs = [

@@ -15,7 +15,7 @@ def test_smoke_run_measures_every_method_and_renders_the_table(bench, tmp_path, 
     result = bench.main(["--smoke", "--json", str(tmp_path / "r.json"), "--out", str(tmp_path / "r.md")])
     rows = result["rows"]
     expected = {(model, method) for model in ("base", "lora") for method in
-                ("trl_default", "static_compile", "static_compile_gqa", "static_compile_top_p1")}
+                ("trl_default", "static_compile", "static_compile_gqa", "static_compile_top_p1", "rollout_engine")}
     assert {(row["model"], row["method"]) for row in rows} == expected
     for row in rows:
         assert "error" not in row, row
@@ -26,6 +26,9 @@ def test_smoke_run_measures_every_method_and_renders_the_table(bench, tmp_path, 
     assert table.count("| 4x6 |") == len(rows)
     assert "x TRL default" in table and "% of decode limit" in table and "Decode limit" in table
     assert table.strip() in capsys.readouterr().out
+    engine_rows = [row for row in rows if row["method"] == "rollout_engine"]
+    assert all(row["engine"]["decode_ms_per_step"] > 0 and row["engine"]["captures"] == 0 for row in engine_rows)
+    assert "rollout_engine 4x6 lora: capture+compile" in table
 
     merged = bench.main(["--from-json", str(tmp_path / "r.json"), str(tmp_path / "r.json")])
     assert len(merged["rows"]) == 2 * len(rows)
@@ -33,9 +36,9 @@ def test_smoke_run_measures_every_method_and_renders_the_table(bench, tmp_path, 
 
 
 def test_cache_len_sizes_the_static_cache_and_gqa_rows_run_beside_plain_ones(bench, tmp_path):
-    methods = "static_compile_gqa,static_compile,trl_default"
-    result = bench.main(["--smoke", "--models", "lora", "--methods", methods, "--cache-len", "40",
-                         "--out", str(tmp_path / "r.md")])  # fmt: skip
+    methods = "static_compile_gqa,static_compile,trl_default,rollout_engine"
+    result = bench.main(["--smoke", "--models", "lora", "--methods", methods, "--cache-len", "40", "--warmup-tokens", "2",
+                         "--lora-targets", "all-linear", "--out", str(tmp_path / "r.md")])  # fmt: skip
     assert [row["method"] for row in result["rows"]] == methods.split(",")
     assert all("error" not in row for row in result["rows"]) and result["meta"]["cache_len"] == 40
     assert "static cache length 40" in (tmp_path / "r.md").read_text()

@@ -97,7 +97,7 @@ def decoder_parts(model: Any) -> DecoderParts:
 
 def _cache_keyword(model: torch.nn.Module) -> str:
     """transformers 5.24 renamed the forward's `past_key_values` to `cache` (5.17 has the old name)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
 
 def prefill(parts: DecoderParts, input_ids: torch.Tensor, attention_mask: torch.Tensor):

@@ -206,6 +206,8 @@ class RolloutEngine:
             eager step (recorded in `stats.compile_error`, logged).
         prompt_budget: prompt tokens reserved in the KV cache (the trainer's `generation_max_prompt_length`), so prompt
             widths up to it share one capture. A wider batch grows the budget (one more capture).
+        release_cache: free the KV buffers after each generation (default), so training gets the memory back; False
+            keeps them (and the graph replayable, as benchmarks/generation.py's profile does).
     """
 
     def __init__(
@@ -214,6 +216,7 @@ class RolloutEngine:
         cuda_graphs: bool | None = None,
         compile: bool | None = None,
         prompt_budget: int | None = None,
+        release_cache: bool = True,
     ):
         if steps_per_graph < 1:
             raise ValueError(f"steps_per_graph must be >= 1, got {steps_per_graph}.")
@@ -221,6 +224,7 @@ class RolloutEngine:
         self.cuda_graphs = cuda_graphs
         self.compile = compile
         self.prompt_budget = prompt_budget or 0
+        self.release_cache = release_cache
         self.stats = EngineStats()
         self._capture_record: CaptureRecord | None = None
         self._kv: torch.Tensor | None = None
@@ -283,8 +287,29 @@ class RolloutEngine:
             decode_steps=executed - 1, generated=output.tokens.shape[1], prefill_seconds=prefill_seconds,
             decode_seconds=decode_seconds, host_seconds=host_seconds, cuda_graphs=use_graphs,
         )  # fmt: skip
-        self._kv = None  # give the KV memory back (training needs it); the graph is re-checked next call
+        if self.release_cache:
+            self._kv = None  # give the KV memory back (training needs it); the graph is re-checked next call
         return output
+
+    def time_replays(self, replays: int = 8) -> dict[str, float]:
+        """Diagnostics (benchmarks): replay the last graph `replays` times back to back (needs `release_cache=False`;
+        it overwrites the last generation's buffers). Returns GPU milliseconds per decode step (CUDA events) and the
+        host milliseconds per step spent issuing replays."""
+        if self._graph is None or self._kv is None:
+            raise RuntimeError("time_replays needs a captured graph and kept KV buffers (release_cache=False).")
+        self._state.step.fill_(1)
+        self._state.width.fill_(self.prompt_budget)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        issued = time.perf_counter()
+        begin.record()
+        for _ in range(replays):
+            self._graph.replay()
+        end.record()
+        host = time.perf_counter() - issued
+        end.synchronize()
+        steps = replays * self.steps_per_graph
+        return {"gpu_ms_per_step": begin.elapsed_time(end) / steps, "host_ms_per_step": 1000 * host / steps}
 
     # ------------------------------------------------------------------------------------------------ internals
     def _decoder_parts(self, model: Any) -> DecoderParts:
@@ -305,7 +330,9 @@ class RolloutEngine:
             model=id(parts.model), cuda_graphs=use_graphs,
         )  # fmt: skip
         kv_shape = (2, len(parts.layers), batch, parts.num_kv_heads, key.cache_len, parts.head_dim)
-        self._kv = torch.zeros(kv_shape, dtype=key.kv_dtype, device=device)
+        if self._kv is None or self._kv.shape != kv_shape or self._kv.dtype != key.kv_dtype:
+            self._kv = None
+            self._kv = torch.zeros(kv_shape, dtype=key.kv_dtype, device=device)
         if self._capture_record is None or key != self._capture_record.key:
             self._state = DecodeState(
                 token=torch.zeros(batch, dtype=torch.long, device=device),
@@ -333,7 +360,9 @@ class RolloutEngine:
             step = build_step(parts, layout, ways=16 if compile_step else 2)  # 16: fused passes; 2: no big temporaries
             if compile_step:
                 raise_recompile_limit()
-                step = torch.compile(step, fullgraph=True, dynamic=False)
+                # Graph breaks (if a PEFT or transformers version has one) only split the compiled code: the CUDA
+                # graph records every kernel either way, and the Python between the pieces runs at capture only.
+                step = torch.compile(step, dynamic=False)
             self._steps[cache_key] = step
         return self._steps[cache_key]
 

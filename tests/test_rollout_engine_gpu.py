@@ -1,0 +1,144 @@
+"""On CUDA only: the rollout engine's CUDA graphs (compiled step) against `generate`, and what they must see.
+
+A graph replays fixed addresses: it must follow in-place optimizer steps without a recapture, and recapture (not
+replay stale memory) after a `.data` swap or a LoRA merge. Also: the Triton split-K attention against the reference
+at the recipe's shapes, same seed -> same tokens (graph vs graph, graph vs the same compiled step without a graph), and
+the compiled sampler's distribution (16-way top-p search) against the exact warped distribution. Skipped without a GPU
+(CI); on the device machine: `python -m pytest -q tests/test_rollout_engine_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from transformers import GenerationConfig
+
+from prorl_trl.rollout.decode_attention import gqa_decode_attention_reference, kernel_supports
+from prorl_trl.rollout.engine import RolloutEngine
+from prorl_trl.tiny import build_tiny
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA graphs)")
+
+
+@pytest.fixture(scope="module")
+def lora_model():
+    from peft import LoraConfig, get_peft_model
+
+    model, tokenizer = build_tiny(seed=0)
+    model = get_peft_model(model.cuda(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "up_proj"]))
+    model.train()  # as inside GRPOTrainer.training_step; no dropout, so the engine may run it in eval mode
+    return model, tokenizer
+
+
+def inputs(pad: int, batch: int = 6, width: int = 10):
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, 250, (batch, width), generator=generator)
+    mask = torch.ones_like(input_ids)
+    for row in range(batch):
+        mask[row, : row % 3] = 0
+        input_ids[row, : row % 3] = pad
+    return input_ids.cuda(), mask.cuda()
+
+
+def greedy_config(tokenizer, new_tokens: int = 20) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+
+
+def reference(model, input_ids, mask, config):
+    with torch.no_grad():
+        return model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)[:, input_ids.shape[1]:]
+
+
+def test_graphs_follow_weights_like_generate(lora_model):
+    """Greedy tokens equal `generate` (float32) after capture, after in-place AdamW steps (no recapture), after a
+    `.data` swap and a merge (recaptured), and each change changed the output (else the test proves nothing)."""
+    model, tokenizer = lora_model
+    input_ids, mask = inputs(tokenizer.pad_token_id)
+    config = greedy_config(tokenizer)
+    engine = RolloutEngine(steps_per_graph=8)
+    before = engine.generate(model, input_ids, mask, config).tokens
+    assert engine.stats.captures == 1 and engine.stats.compile_error is None, engine.stats
+    assert torch.equal(before, reference(model, input_ids, mask, config))
+    assert torch.equal(engine.generate(model, input_ids, mask, config).tokens, before)
+
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    for _ in range(3):
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    updated = engine.generate(model, input_ids, mask, config).tokens
+    assert engine.stats.last["capture_reasons"] in ([], ["KV buffers moved"]), engine.stats.last
+    assert torch.equal(updated, reference(model, input_ids, mask, config)) and not torch.equal(updated, before)
+
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    for name, weight in model.named_parameters():
+        if "lora_B" in name:
+            weight.data = torch.randn(weight.shape, device="cuda", generator=generator) * 0.5
+    swapped = engine.generate(model, input_ids, mask, config).tokens
+    assert "parameter storage (shapes, dtypes or addresses)" in engine.stats.last["capture_reasons"]
+    assert torch.equal(swapped, reference(model, input_ids, mask, config)) and not torch.equal(swapped, updated)
+    model.merge_adapter()
+    assert torch.equal(engine.generate(model, input_ids, mask, config).tokens, reference(model, input_ids, mask, config))
+    model.unmerge_adapter()
+    assert torch.equal(engine.generate(model, input_ids, mask, config).tokens, swapped)
+
+
+def test_same_seed_same_tokens_with_and_without_graphs(lora_model):
+    model, tokenizer = lora_model
+    input_ids, mask = inputs(tokenizer.pad_token_id)
+    config = GenerationConfig(max_new_tokens=24, do_sample=True, top_p=0.8, top_k=0, temperature=1.0,
+                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    graphs = RolloutEngine(steps_per_graph=8)
+    first = graphs.generate(model, input_ids, mask, config, seed=5).tokens
+    assert torch.equal(graphs.generate(model, input_ids, mask, config, seed=5).tokens, first)
+    assert not torch.equal(graphs.generate(model, input_ids, mask, config, seed=6).tokens, first)
+    no_graphs = RolloutEngine(steps_per_graph=8, cuda_graphs=False)  # the same compiled step, launched eagerly
+    assert torch.equal(no_graphs.generate(model, input_ids, mask, config, seed=5).tokens, first)
+
+
+def test_compiled_sampler_distribution_matches_exact(lora_model):
+    """20k first tokens through the compiled step (16-way top-p search) against transformers' warped softmax."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+    model, tokenizer = lora_model
+    draws = 20_000
+    prompt = torch.randint(3, 250, (1, 6), generator=torch.Generator().manual_seed(2)).cuda()
+    config = GenerationConfig(max_new_tokens=3, do_sample=True, top_p=0.7, top_k=0, temperature=1.2,
+                              pad_token_id=tokenizer.pad_token_id, eos_token_id=0)  # fmt: skip
+    tokens = RolloutEngine(steps_per_graph=2).generate(
+        model, prompt.expand(draws, -1).contiguous(), torch.ones(draws, 6, dtype=torch.long, device="cuda"), config, seed=3
+    ).tokens
+    with torch.no_grad():
+        logits = model(input_ids=prompt).logits[:, -1].float()
+        # The second token: condition on the most frequent first token, exact distribution from one forward pass.
+        first = int(tokens[:, 0].mode().values)
+        follow = model(input_ids=torch.cat([prompt, torch.tensor([[first]], device="cuda")], 1)).logits[:, -1].float()
+    for position, scores, rows in ((0, logits, slice(None)), (1, follow, tokens[:, 0] == first)):
+        exact = torch.softmax(TopPLogitsWarper(0.7)(None, TemperatureLogitsWarper(1.2)(None, scores)), -1)[0]
+        observed = np.bincount(tokens[rows, position].cpu().numpy(), minlength=exact.numel()).astype(float)
+        expected = exact.double().cpu().numpy() * observed.sum()
+        assert observed[expected == 0].sum() == 0, "a filtered-out token was drawn"
+        big = expected >= 5
+        table_obs = np.append(observed[big], observed[~big].sum())
+        table_exp = np.append(expected[big], expected[~big].sum())
+        keep = table_exp > 0
+        assert stats.chisquare(table_obs[keep], table_exp[keep]).pvalue > 1e-3, position
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_attention_matches_reference(dtype):
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    batch, kv_heads, groups, cache_len, head_dim = 32, 2, 7, 4352, 64
+    query = torch.randn(batch, kv_heads * groups, 1, head_dim, device="cuda", generator=generator, dtype=dtype)
+    keys, values = torch.randn(2, batch, kv_heads, cache_len, head_dim, device="cuda", generator=generator, dtype=dtype)
+    assert kernel_supports(query, keys)
+    for end in (5, 700, cache_len - 1):
+        start = torch.randint(0, min(end, 200) + 1, (batch,), device="cuda", generator=generator)
+        stop = torch.tensor([end], device="cuda")
+        got = torch.ops.prorl_rollout.gqa_decode_attention(query, keys, values, start, stop, 0.125)
+        want = gqa_decode_attention_reference(query, keys, values, start, stop, 0.125)
+        error = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        assert error < (1e-2 if dtype == torch.bfloat16 else 1e-5), (end, error)
