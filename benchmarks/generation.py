@@ -155,7 +155,7 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
         from prorl_trl.rollout.engine import RolloutEngine
 
         cache_len = max(args.cache_len or 0, args.prompt_length + max_new_tokens)
-        engine = RolloutEngine(prompt_budget=cache_len - max_new_tokens)
+        engine = RolloutEngine(prompt_budget=cache_len - max_new_tokens, require_compile=True)
 
         def run_engine() -> int:
             output = engine.generate(model, input_ids, attention_mask, config)
@@ -257,6 +257,7 @@ def measure(method, model, args, shape, eos, pad, device, weight_bytes, kv_bytes
             raise RuntimeError("--repeats must be >= 1")
     except Exception as error:  # one failing path must not hide the others' numbers
         row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+        print(f"  {method} failed in full:\n{str(error)[-6000:]}", file=sys.stderr, flush=True)
         print(f"  {row['shape']} {row['model']} {method}: FAILED {row['error']}", flush=True)
         return row
     steady_seconds = statistics.median(seconds for seconds, _ in steady)

@@ -96,3 +96,18 @@ def test_fixed_shape_static_cache_path_gives_the_same_completions(tiny):
     assert [(key(c), c.text, c.num_tokens) for c in sorted(got, key=key)] == [
         (key(c), c.text, c.num_tokens) for c in sorted(expected, key=key)
     ]
+
+
+def test_rollout_engine_sampling_gives_generates_completions(tiny):
+    """`rollout_engine=True` (what `prorl-trl eval` and validation use on GPU) draws the same greedy completions as
+    `generate` (text, lengths, finished flags), through fixed batch shapes."""
+    model, tokenizer = tiny
+    model.eval()
+    prompts = [encode_prompt(text, tokenizer) for text in ["1+1=", "a longer prompt, 3*3=", "x"]]
+    plain = SamplingSettings(num_samples=2, top_p=1e-9, max_completion_length=7, batch_size=4)
+    engine = SamplingSettings(num_samples=2, top_p=1e-9, max_completion_length=7, batch_size=4, rollout_engine=True)
+    expected, _ = sample_transformers(model, tokenizer, prompts, plain)
+    got, stats = sample_transformers(model, tokenizer, prompts, engine)
+    key = lambda c: (c.prompt_index, c.sample_index)  # noqa: E731
+    as_tuples = lambda cs: [(key(c), c.text, c.num_tokens, c.finished) for c in sorted(cs, key=key)]  # noqa: E731
+    assert stats["completions"] == 6 and as_tuples(got) == as_tuples(expected)

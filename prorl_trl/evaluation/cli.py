@@ -61,6 +61,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     p.add_argument("--compile", action="store_true",
                    help="transformers backend on GPU: static KV cache + compiled decode step (several times faster "
                         "for small models; the first batch pays the compilation).")
+    p.add_argument("--rollout-engine", default="auto", choices=["auto", "on", "off"],
+                   help="transformers backend: sample with prorl_trl.rollout's CUDA-graph decode loop (auto: on CUDA); "
+                        "settings it does not implement fall back to generate.")
     p.add_argument("--num-threads", type=int, default=None,
                    help="CPU threads for torch (default: torch's choice; 1 is fastest for small models on a busy machine).")
     p.add_argument("--trust-remote-code", action="store_true", help="Allow model repos' own code (off by default).")
@@ -106,14 +109,14 @@ def _parse(args: argparse.Namespace) -> dict[str, Any]:
     options = {k: _number(v) for k, v in _pairs(args.data_option, "--data-option").items()}
     if args.backend == "vllm" and not vllm_available():
         raise ValueError("--backend vllm: vLLM is not importable here; install the `vllm` extra or use --backend transformers.")
-    batch_size = args.batch_size
-    if batch_size is None:
-        import torch
+    import torch
 
-        batch_size = 256 if (args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())) else 32
+    on_cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
+    batch_size = args.batch_size if args.batch_size is not None else 256 if on_cuda else 32
     settings = SamplingSettings(
         num_samples=args.n, temperature=args.temperature, top_p=args.top_p,
         max_completion_length=args.max_new_tokens, batch_size=batch_size, seed=args.seed, compile=args.compile,
+        rollout_engine=args.rollout_engine == "on" or (args.rollout_engine == "auto" and on_cuda),
     )
     reward = resolve_reward(args.reward or DEFAULT_REWARDS[args.dataset])
     breakdown = [f.strip() for f in args.breakdown.split(",") if f.strip()]

@@ -1,12 +1,14 @@
 """Sampling n completions per prompt, the same way for `prorl-trl eval` and for validation during training.
 
 Throughput comes from batching: every (prompt, sample) pair is one row, rows are sorted by prompt length (little
-padding) and `batch_size` rows go through one left-padded `generate` call. vLLM is used by `prorl-trl eval` when it
+padding) and `batch_size` rows go through one left-padded `generate` call, or through `prorl_trl.rollout`'s CUDA-graph
+decode loop with `rollout_engine` (same distribution, several times faster on GPU). vLLM is used by `prorl-trl eval` when it
 is importable (one call, `SamplingParams(n=...)`); that path cannot run on our CPU CI and is kept deliberately small.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -14,6 +16,7 @@ from typing import Any
 
 import torch
 
+logger = logging.getLogger("prorl_trl")
 
 @dataclass
 class SamplingSettings:
@@ -29,6 +32,11 @@ class SamplingSettings:
         default=False,
         metadata={"help": "Static KV cache + torch.compile'd decode step with fixed batch shapes (GPU; ~5x on small "
                   "models, one compilation per run)."},
+    )
+    rollout_engine: bool = field(
+        default=False,
+        metadata={"help": "Sample with prorl_trl.rollout's decode loop (CUDA graphs on GPU, fixed batch shapes, one "
+                  "capture per run) instead of generate; settings it does not implement fall back to generate."},
     )
 
     def __post_init__(self):
@@ -139,21 +147,35 @@ def sample_transformers(
     on_batch: Callable[[list[Completion]], None] | None = None,
     progress: bool = False,
     desc: str = "sampling",
+    engine: Any = None,
 ) -> tuple[list[Completion], dict[str, float]]:
     """Sample completions with `model.generate`; returns the completions and throughput stats.
 
     `prompt_ids` are tokenised prompts (`encode_prompt`). `jobs` lists the (prompt index, sample index) rows to draw
     (default: every prompt x `num_samples`); a resumed run passes only the missing ones. `on_batch` receives each finished batch (used to append to a samples file). The
-    caller chooses the model's mode; this function only adds `torch.no_grad()`.
+    caller chooses the model's mode; this function only adds `torch.no_grad()`. With `settings.rollout_engine`, batches
+    go through `engine` (a `prorl_trl.rollout.engine.RolloutEngine`; a new one if None), seeded like `generate` from
+    torch's generator (`seed + batch index`).
     """
     if jobs is None:
         jobs = [(p, s) for p in range(len(prompt_ids)) for s in range(settings.num_samples)]
     encoded = [list(ids) for ids in prompt_ids]
     order = sorted(jobs, key=lambda job: (-len(encoded[job[0]]), job))
     config = generation_config_for(model, tokenizer, settings)
-    # Compiled decoding recompiles for every new shape, so every batch gets the same width and row count.
-    fixed_width = max((len(encoded[p]) for p, _ in order), default=0) if settings.compile else None
-    if settings.compile:
+    if settings.rollout_engine:
+        from prorl_trl.rollout.engine import RolloutEngine
+
+        engine = engine or RolloutEngine()
+        reason = engine.unsupported_reason(model, config)
+        if reason is not None:
+            logger.warning("rollout_engine: sampling with generate instead (%s).", reason)
+            engine = None
+    else:
+        engine = None
+    fixed_shapes = settings.compile or engine is not None
+    # Compiled decoding recompiles (the engine recaptures) for every new shape: one width and row count for all.
+    fixed_width = max((len(encoded[p]) for p, _ in order), default=0) if fixed_shapes else None
+    if settings.compile and engine is None:
         from prorl_trl.rollout.compiled import enable_compiled_generation
 
         enable_compiled_generation(config, max_cache_len=fixed_width + settings.max_completion_length)
@@ -169,7 +191,7 @@ def sample_transformers(
         bar = tqdm(total=len(order), desc=desc, unit="completion")
     for batch_index, batch in enumerate(batches):
         rows = [encoded[p] for p, _ in batch]
-        if settings.compile:  # pad the last batch with copies of its last row; their outputs are dropped
+        if fixed_shapes:  # pad the last batch with copies of its last row; their outputs are dropped
             rows += [rows[-1]] * (min(settings.batch_size, len(order)) - len(rows))
         width = fixed_width or max(len(r) for r in rows)
         input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
@@ -181,13 +203,16 @@ def sample_transformers(
         torch.manual_seed(settings.seed + batch_index)
         start = time.perf_counter()
         with torch.no_grad():
-            output = model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention_mask.to(device),
-                generation_config=config,
-            )
+            if engine is not None:
+                output = engine.generate(model, input_ids.to(device), attention_mask.to(device), config).tokens
+            else:
+                output = model.generate(
+                    input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
+                )[:, width:]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         stats["seconds"] += time.perf_counter() - start
-        new_tokens = output[:, width:].tolist()
+        new_tokens = output.tolist()
         finished_batch = []
         for (prompt_index, sample_index), tokens in zip(batch, new_tokens[: len(batch)]):
             cut = next((i for i, t in enumerate(tokens) if t in eos), None)

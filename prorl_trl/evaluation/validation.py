@@ -98,6 +98,7 @@ class ValidationCallback(TrainerCallback):
         self.trainer = trainer
         self.last_metrics: dict[str, float] | None = None
         self._started = False
+        self._engine = None  # validation's own RolloutEngine (its shapes differ from training's)
 
     def bind(self, trainer: Trainer) -> None:
         self.trainer = trainer
@@ -111,10 +112,12 @@ class ValidationCallback(TrainerCallback):
         return self.trainer
 
     def _settings(self, trainer: Trainer) -> SamplingSettings:
+        """Validation's sampling; the rollout engine exactly when the trainer generates with one (ProRLConfig)."""
         cap = self.max_completion_length or getattr(trainer, "max_completion_length", None)
         if cap is None:
             raise ValueError("ValidationCallback: set max_completion_length (the trainer has none to inherit).")
-        return SamplingSettings(**{**self.settings.to_dict(), "max_completion_length": int(cap)})
+        engine = getattr(trainer, "rollout_engine", None) is not None
+        return SamplingSettings(**{**self.settings.to_dict(), "max_completion_length": int(cap), "rollout_engine": engine})
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -128,6 +131,10 @@ class ValidationCallback(TrainerCallback):
         rows = self.rows[accelerator.process_index :: accelerator.num_processes]
         encoded = [encode_prompt(row["prompt"], tokenizer) for row in rows]
         settings = self._settings(trainer)
+        if settings.rollout_engine and self._engine is None:
+            from prorl_trl.rollout.engine import RolloutEngine
+
+            self._engine = RolloutEngine(cuda_graphs=trainer.rollout_engine.cuda_graphs, compile=trainer.rollout_engine.compile)
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         was_training = trainer.model.training
         with unwrap_model_for_generation(
@@ -138,7 +145,9 @@ class ValidationCallback(TrainerCallback):
             model.eval()
             try:
                 with accelerator.autocast():
-                    completions, _ = sample_transformers(model, tokenizer, encoded, settings) if rows else ([], {})
+                    completions, _ = (
+                        sample_transformers(model, tokenizer, encoded, settings, engine=self._engine) if rows else ([], {})
+                    )
             finally:
                 model.train(was_training)
         rewards, correct = grade(

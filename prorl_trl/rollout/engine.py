@@ -178,12 +178,20 @@ def is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
     return (tokens[..., None] == eos).any(-1)
 
 
-def build_step(parts: DecoderParts, layout: SamplerLayout, ways: int):
-    """The decode step: one token for every row, all state updated in place on device (no host reads)."""
+def forward_half(parts: DecoderParts):
+    """First half of a decode step: the model's logits for each row's last token (its keys/values written)."""
 
-    def step(state: DecodeState, keys: tuple, values: tuple, sampler: SamplerTensors) -> None:
+    def forward(state: DecodeState, keys: tuple, values: tuple) -> torch.Tensor:
         write_index = state.width + state.step - 1
-        logits = decode_logits(parts, state.token, state.start, write_index, list(keys), list(values))
+        return decode_logits(parts, state.token, state.start, write_index, list(keys), list(values))
+
+    return forward
+
+
+def select_half(layout: SamplerLayout, ways: int):
+    """Second half: choose the tokens, then per-row EOS/padding bookkeeping, all in place on device (no host reads)."""
+
+    def select(logits: torch.Tensor, state: DecodeState, sampler: SamplerTensors) -> None:
         tokens = next_tokens(logits, layout, sampler, state.step, ways)
         tokens = torch.where(state.finished, sampler.pad, tokens)
         state.finished.logical_or_(is_eos(tokens, sampler.eos))
@@ -192,7 +200,53 @@ def build_step(parts: DecoderParts, layout: SamplerLayout, ways: int):
         state.step.add_(1)
         state.done.copy_(state.finished.all())
 
-    return step
+    return select
+
+
+class DecodeStep:
+    """One decode step as two separately compiled halves (`forward_half`, `select_half`).
+
+    Each half compiles on its own, so a compiler failure in one (recorded in `errors`, full text) leaves the other
+    compiled and the step still correct: the failing half runs uncompiled (the sampler then searches top-p 2-way).
+    Graph breaks only split the compiled code: a CUDA graph records every kernel either way.
+    """
+
+    def __init__(self, parts: DecoderParts, layout: SamplerLayout, compile: bool, require_compile: bool = False):
+        self.parts, self.layout, self.require_compile = parts, layout, require_compile
+        self.errors: dict[str, str] = {}
+        self.forward = forward_half(parts)
+        self.select = select_half(layout, ways=16 if compile else 2)  # 16: fused passes; 2: no big temporaries
+        self.compiled = compile
+        if compile:
+            raise_recompile_limit()
+            self.forward = torch.compile(self.forward, dynamic=False)
+            self.select = torch.compile(self.select, dynamic=False)
+
+    def __call__(self, state: DecodeState, keys: tuple, values: tuple, sampler: SamplerTensors) -> None:
+        self.select(self.forward(state, keys, values), state, sampler)
+
+    def warm_up(self, state: DecodeState, keys: tuple, values: tuple, sampler: SamplerTensors) -> None:
+        """Run once (compiling); a half that fails to compile is replaced by its eager version."""
+        try:
+            logits = self.forward(state, keys, values)
+        except Exception as error:  # noqa: BLE001 - any compiler failure
+            self._fall_back("forward", error)
+            self.forward = forward_half(self.parts)
+            logits = self.forward(state, keys, values)
+        try:
+            self.select(logits, state, sampler)
+        except Exception as error:  # noqa: BLE001
+            self._fall_back("select", error)
+            self.select = select_half(self.layout, ways=2)
+            self.select(logits, state, sampler)
+
+    def _fall_back(self, half: str, error: Exception) -> None:
+        text = f"{type(error).__name__}: {error}"
+        self.errors[half] = text[-4000:]
+        if self.require_compile:
+            raise RuntimeError(f"torch.compile of the decode step's {half} half failed: {text[-4000:]}") from error
+        logger.warning("Rollout engine: torch.compile of the decode step's %s half failed; it runs uncompiled. %s",
+                       half, text[-4000:])  # fmt: skip
 
 
 class RolloutEngine:
@@ -208,6 +262,7 @@ class RolloutEngine:
             widths up to it share one capture. A wider batch grows the budget (one more capture).
         release_cache: free the KV buffers after each generation (default), so training gets the memory back; False
             keeps them (and the graph replayable, as benchmarks/generation.py's profile does).
+        require_compile: raise instead of running a half of the step uncompiled when compilation fails (benchmarks).
     """
 
     def __init__(
@@ -217,6 +272,7 @@ class RolloutEngine:
         compile: bool | None = None,
         prompt_budget: int | None = None,
         release_cache: bool = True,
+        require_compile: bool = False,
     ):
         if steps_per_graph < 1:
             raise ValueError(f"steps_per_graph must be >= 1, got {steps_per_graph}.")
@@ -225,6 +281,7 @@ class RolloutEngine:
         self.compile = compile
         self.prompt_budget = prompt_budget or 0
         self.release_cache = release_cache
+        self.require_compile = require_compile
         self.stats = EngineStats()
         self._capture_record: CaptureRecord | None = None
         self._kv: torch.Tensor | None = None
@@ -352,18 +409,12 @@ class RolloutEngine:
         self._capture_record = record
         return key
 
-    def _step_function(self, parts: DecoderParts, layout: SamplerLayout, device: torch.device):
+    def _step_function(self, parts: DecoderParts, layout: SamplerLayout, device: torch.device) -> DecodeStep:
         """The (compiled) step for this model and sampler layout, built once and reused by later captures."""
         compile_step = (device.type == "cuda") if self.compile is None else self.compile
         cache_key = (id(parts.model), layout, compile_step)
         if cache_key not in self._steps:
-            step = build_step(parts, layout, ways=16 if compile_step else 2)  # 16: fused passes; 2: no big temporaries
-            if compile_step:
-                raise_recompile_limit()
-                # Graph breaks (if a PEFT or transformers version has one) only split the compiled code: the CUDA
-                # graph records every kernel either way, and the Python between the pieces runs at capture only.
-                step = torch.compile(step, dynamic=False)
-            self._steps[cache_key] = step
+            self._steps[cache_key] = DecodeStep(parts, layout, compile_step, self.require_compile)
         return self._steps[cache_key]
 
     def _caches(self) -> tuple[tuple, tuple]:
@@ -381,18 +432,11 @@ class RolloutEngine:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            try:
-                for _ in range(2):  # compiles on the first call; the second settles allocations
-                    self._state.step.fill_(1)
-                    step(self._state, keys, values, self._sampler)
-            except Exception as error:  # noqa: BLE001 - any compiler failure: run the same step uncompiled
-                self.stats.compile_error = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
-                logger.warning("Rollout engine: torch.compile of the decode step failed (%s); using the eager step.",
-                               self.stats.compile_error)  # fmt: skip
-                step = build_step(parts, settings.layout, ways=2)
-                self._steps[(id(parts.model), settings.layout, True)] = step
+            for _ in range(2):  # compiles on the first call; the second settles allocations
                 self._state.step.fill_(1)
-                step(self._state, keys, values, self._sampler)
+                step.warm_up(self._state, keys, values, self._sampler)
+        if step.errors:
+            self.stats.compile_error = "; ".join(f"{half}: {text}" for half, text in step.errors.items())
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
@@ -436,8 +480,8 @@ class RolloutEngine:
             step = self._step_function(parts, settings.layout, self._kv.device)
             keys, values = self._caches()
             for chunk in range(chunks):
-                for _ in range(self.steps_per_graph):
-                    step(self._state, keys, values, self._sampler)
+                for index in range(self.steps_per_graph):
+                    (step.warm_up if chunk == index == 0 else step)(self._state, keys, values, self._sampler)
                 if bool(self._state.done):
                     return 1 + (chunk + 1) * self.steps_per_graph, host
             return 1 + chunks * self.steps_per_graph, host
