@@ -155,7 +155,7 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
         from prorl_trl.rollout.engine import RolloutEngine
 
         cache_len = max(args.cache_len or 0, args.prompt_length + max_new_tokens)
-        engine = RolloutEngine(prompt_budget=cache_len - max_new_tokens, require_compile=True)
+        engine = RolloutEngine(prompt_budget=cache_len - max_new_tokens)
 
         def run_engine() -> int:
             output = engine.generate(model, input_ids, attention_mask, config)

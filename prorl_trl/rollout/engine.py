@@ -286,7 +286,6 @@ class RolloutEngine:
         self._capture_record: CaptureRecord | None = None
         self._kv: torch.Tensor | None = None
         self._graph: torch.cuda.CUDAGraph | None = None
-        self._pool = None
         self._state: DecodeState | None = None
         self._sampler: SamplerTensors | None = None
         self._parts: tuple[int, DecoderParts] | None = None
@@ -422,9 +421,7 @@ class RolloutEngine:
 
     def _capture(self, parts: DecoderParts, settings: SamplerSettings, key: CaptureKey, reasons: list[str]) -> None:
         started = time.perf_counter()
-        self._graph = None  # frees the previous graph's memory back to the shared pool first
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        self._graph = None  # frees the previous graph and its private memory pool first
         step = self._step_function(parts, settings.layout, self._kv.device)
         keys, values = self._caches()
         self._state.step.fill_(1)
@@ -439,7 +436,7 @@ class RolloutEngine:
             self.stats.compile_error = "; ".join(f"{half}: {text}" for half, text in step.errors.items())
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph):  # a private pool per graph (a pool shared with a deleted graph trips an assert)
             for _ in range(self.steps_per_graph):
                 step(self._state, keys, values, self._sampler)
         torch.cuda.synchronize()

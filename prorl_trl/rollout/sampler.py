@@ -193,12 +193,16 @@ def _mix64(z: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_noise(seed: torch.Tensor, step: torch.Tensor, rows: int, vocab: int) -> torch.Tensor:
-    """`(rows, vocab)` float32 uniforms in (0, 1), a pure function of (seed, step, row, token id)."""
+    """`(rows, vocab)` float32 uniforms in (0, 1), a pure function of (seed, step, row, token id).
+
+    Row and token ids enter by addition only (compiled kernels index in int32: a 64-bit constant times an index
+    does not compile), each followed by the SplitMix64 finaliser; the last value is mixed twice.
+    """
     device = seed.device
-    row_ids = torch.arange(1, rows + 1, device=device, dtype=torch.long)
-    token_ids = torch.arange(1, vocab + 1, device=device, dtype=torch.long)
-    row_keys = _mix64(_mix64(seed + step * _SPLITMIX_GAMMA) + row_ids * _SPLITMIX_GAMMA)
-    bits = _shift_right(_mix64(row_keys[:, None] + token_ids[None, :] * _SPLITMIX_GAMMA), 41)  # 23 random bits
+    row_ids = torch.arange(rows, device=device, dtype=torch.long)
+    token_ids = torch.arange(vocab, device=device, dtype=torch.long)
+    row_keys = _mix64(_mix64(seed + step * _SPLITMIX_GAMMA) + row_ids) * _SPLITMIX_GAMMA  # distinct odd-spaced keys
+    bits = _shift_right(_mix64(_mix64(row_keys[:, None] + token_ids[None, :])), 41)  # 23 random bits
     return (bits.to(torch.float32) * 2 + 1) * 2.0**-24  # odd multiples of 2^-24: exact in float32, never 0 or 1
 
 
