@@ -125,6 +125,8 @@ def test_compiled_sampler_distribution_matches_exact(lora_model):
         table_obs = np.append(observed[big], observed[~big].sum())
         table_exp = np.append(expected[big], expected[~big].sum())
         keep = table_exp > 0
+        if keep.sum() < 2:  # a peaked conditional: every draw in a one-cell support is all there is to check
+            continue
         table_exp = table_exp[keep] * table_obs[keep].sum() / table_exp[keep].sum()
         assert stats.chisquare(table_obs[keep], table_exp).pvalue > 1e-3, position
 
