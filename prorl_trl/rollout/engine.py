@@ -14,8 +14,9 @@ longest completion (so at most the cap).
 What makes a new capture (`capture_reasons`, logged with its time): the batch size, cache length (prompt budget +
 cap), the sampler's static layout, the autocast dtype, the model's parameter storage (data pointers, shapes, dtypes:
 a LoRA rank/target change, `.data` swaps) or LoRA state (merged, disabled, active adapter, scaling), and the KV
-buffers' address, which are freed after every generation (so training gets the memory back, as with `generate`) and
-usually come back at the same address. Optimizer steps update parameters in place: the graph reads the live storage,
+buffers' address: they are freed after every generation (so training gets the memory back, as with `generate`), and
+when the allocator hands them back elsewhere the graph is recaptured (no recompilation; how often that happens inside
+the trainer is not measured yet). Optimizer steps update parameters in place: the graph reads the live storage,
 no recapture. Values that change between calls (temperature, top_p, min_p, min_new_tokens, the seed, the prompts and
 their padding) are copied into tensors the graph reads.
 
