@@ -3,9 +3,9 @@
 A hard reset (ProRL) is: `merge_lora_in_place` + `reinit_adapter` (LoRA; `adapter_needs_rebuild` says beforehand
 whether the fresh adapter needs new Parameters), `broadcast_adapter` (DDP replicas stay identical),
 `reset_optimizer_state` (fresh Adam moments), `sync_reference` (full fine-tuning) / `reset_reference_adapter` (TRL's
-"ref" adapter) for the KL anchor, and a merged save (`save_merged`, `save_merged_model`). `check_reset_support`
-refuses, before training, what a reset cannot do correctly. `checkpoint` holds what a ProRL checkpoint adds to
-TRL's (phase, reset count, merged base) and how a resume reads it.
+"ref" adapter) for the KL anchor, and a merged save (`save_merged`, `save_merged_model`; both atomic through
+`write_dir_atomically`). `check_reset_support` refuses, before training, what a reset cannot do correctly.
+`checkpoint` holds what a ProRL checkpoint adds to TRL's (phase, reset count, merged base) and how a resume reads it.
 
 Modules: `support` (what is supported; shared lookups), `lora`, `distributed`, `optimizer`, `reference`, `save`,
 `checkpoint`. Nothing here imports the trainer.
@@ -15,7 +15,7 @@ from .distributed import broadcast_adapter
 from .lora import adapter_needs_rebuild, lora_parameters, merge_lora_in_place, reinit_adapter, targeted_module_names
 from .optimizer import reset_optimizer_state
 from .reference import reset_reference_adapter, sync_reference
-from .save import merged_state_dict, recover_interrupted_save, save_merged, save_merged_model
+from .save import merged_state_dict, recover_interrupted_save, save_merged, save_merged_model, write_dir_atomically
 from .support import (
     ADAPTER_NAME,
     ResetNotSupportedError,
@@ -49,4 +49,5 @@ __all__ = [
     "sync_reference",
     "targeted_module_names",
     "unwrap_model",
+    "write_dir_atomically",
 ]

@@ -22,7 +22,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from .support import unwrap_model
 
 PRORL_STATE_NAME = "prorl_state.json"
+SUPERSEDED_STATE_NAME = "prorl_state.superseded.json"
 LOG_HISTORY_NAME = "prorl_log_history.json"
+FINAL_DIR_NAME = "final"
 _CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
@@ -32,12 +34,22 @@ def phase_dir_name(index: int) -> str:
 
 
 def write_json(path: str | os.PathLike, data: Any) -> None:
-    """Write JSON atomically (temporary file + rename), so a crash never leaves a truncated state file."""
+    """Write JSON atomically (`write_text_atomically`), so a crash never leaves a truncated state file."""
+    write_text_atomically(path, json.dumps(data, indent=2, default=str))
+
+
+def write_text_atomically(path: str | os.PathLike, text: str) -> None:
+    """Temporary file + rename: a kill or a full disk leaves the previous file (or none), never a truncated one; the
+    temporary file of a failed write is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_prorl_state(checkpoint: str | os.PathLike) -> dict[str, Any]:
@@ -50,19 +62,66 @@ def read_prorl_state(checkpoint: str | os.PathLike) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    """The most advanced ProRL checkpoint under `<output_dir>/phase-*/checkpoint-*` (by phase, then step)."""
-    best, best_key = None, None
+def complete_checkpoints(output_dir: str | os.PathLike) -> list[tuple[Path, dict[str, Any]]]:
+    """Every complete ProRL checkpoint under `<output_dir>/phase-*/checkpoint-*`, oldest first (by phase, then step).
+
+    `prorl_state.json` is the commit record: it is written last (after HF's files and the log history), so a
+    checkpoint folder without it was interrupted mid-save and is not a checkpoint.
+    """
+    found = []
     for phase_dir in Path(output_dir).glob(phase_dir_name("*")):
         for checkpoint in phase_dir.iterdir() if phase_dir.is_dir() else []:
             match = _CHECKPOINT_RE.match(checkpoint.name)
-            if not match or not (checkpoint / PRORL_STATE_NAME).is_file():
-                continue
-            state = read_prorl_state(checkpoint)
-            key = (state["phase_index"], int(match.group(1)))
-            if best_key is None or key > best_key:
-                best, best_key = checkpoint, key
-    return best
+            if match and (checkpoint / PRORL_STATE_NAME).is_file():
+                state = read_prorl_state(checkpoint)
+                found.append(((state["phase_index"], int(match.group(1))), checkpoint, state))
+    return [(checkpoint, state) for _, checkpoint, state in sorted(found, key=lambda item: item[0])]
+
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    """The most advanced complete ProRL checkpoint under `<output_dir>/phase-*/checkpoint-*` (by phase, then step)."""
+    checkpoints = complete_checkpoints(output_dir)
+    return checkpoints[-1][0] if checkpoints else None
+
+
+def finished_state(output_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The state saved with `<output_dir>/final/` when the run finished (every phase done), else None.
+
+    `final/` is written atomically with its `prorl_state.json` inside, so the file exists only for a finished run.
+    """
+    path = Path(output_dir) / FINAL_DIR_NAME / PRORL_STATE_NAME
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def supersede_after(output_dir: str | os.PathLike, checkpoint: str | os.PathLike) -> list[Path]:
+    """Resuming from an older `checkpoint` than the latest abandons what came after it: un-commit those checkpoints
+    (and a finished run's `final/` marker) by renaming their `prorl_state.json`, so a later "resume from the latest"
+    cannot pick a state of the abandoned continuation. Nothing is deleted. Returns the folders changed."""
+    checkpoint = Path(checkpoint).resolve()
+    ordered = [path for path, _ in complete_checkpoints(output_dir)]
+    if checkpoint not in [path.resolve() for path in ordered]:
+        return []
+    later = ordered[[path.resolve() for path in ordered].index(checkpoint) + 1 :]
+    final = Path(output_dir) / FINAL_DIR_NAME
+    if (final / PRORL_STATE_NAME).is_file():
+        later.append(final)
+    for folder in later:
+        os.replace(folder / PRORL_STATE_NAME, folder / SUPERSEDED_STATE_NAME)
+    return later
+
+
+def uncommit(checkpoint: str | os.PathLike) -> None:
+    """Remove a checkpoint's commit record before its files are rewritten in place (HF saves into the same folder),
+    so a kill during the rewrite cannot leave a mix of two saves that looks complete."""
+    Path(checkpoint, PRORL_STATE_NAME).unlink(missing_ok=True)
+
+
+def load_optimizer_state(optimizer: Any, checkpoint: str | os.PathLike) -> None:
+    """Load `optimizer.pt` of an HF checkpoint into `optimizer`, as HF's resume does for single-device/DDP runs (read
+    on the CPU; `load_state_dict` moves the state to the parameters' device)."""
+    from transformers.trainer import OPTIMIZER_NAME
+
+    optimizer.load_state_dict(torch.load(Path(checkpoint) / OPTIMIZER_NAME, map_location="cpu", weights_only=True))
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -1,19 +1,24 @@
 """Merged saves: the policy as a plain `from_pretrained` model (base + LoRA delta), written atomically.
 
-Saved at every hard reset (`merged/reset-<k>/`, the base a resumed run reloads) and at the end (`final/`).
+Saved at every hard reset (`merged/reset-<k>/`, the base a resumed run reloads) and at the end (`final/`). Atomic
+means: written into a temporary sibling folder and renamed into place (`write_dir_atomically`), for LoRA and full
+fine-tuning alike, so a kill or a full disk never leaves a half-written model where a loadable one was expected.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from .checkpoint import PRORL_STATE_NAME
 from .support import ADAPTER_NAME, check_lora_supported, lora_layers, peft_model_of
 
 
@@ -54,29 +59,51 @@ def merged_state_dict(model: nn.Module, device: str | torch.device | None = "cpu
     return state
 
 
-def save_merged_model(model: nn.Module, tokenizer: Any, path: str | os.PathLike) -> Path:
+def save_merged_model(model: nn.Module, tokenizer: Any, path: str | os.PathLike, state: dict | None = None) -> Path:
     """Save base + all LoRA deltas as a plain model (no LoRA tensors) and the tokenizer; return the final path.
 
     Loadable with `AutoModelForCausalLM.from_pretrained(path)` and equal in function to the live PeftModel, which is
-    left untouched (no merge/unload of the live object). Atomic: written into a temporary sibling directory and
-    renamed into place, so an interrupted save leaves any previous save at `path` intact.
+    left untouched (no merge/unload of the live object). Atomic (`write_dir_atomically`). `state`, if given, is
+    written beside the weights as `prorl_state.json` (what the run had done when it saved).
     Call it on the main process only (it does not synchronise ranks).
+    """
+    base = peft_model_of(model).get_base_model()
+    merged = merged_state_dict(model)
+
+    def write(folder: Path) -> None:
+        base.save_pretrained(folder, state_dict=merged)
+        _write_extras(folder, tokenizer, state)
+
+    return write_dir_atomically(path, write)
+
+
+def write_dir_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """Write a whole folder at once: `write(tmp)` fills a temporary sibling of `path`, which is then renamed into
+    place (a previous `path` is moved aside first and deleted only after the rename).
+
+    Whatever stops the process (SIGKILL, a full disk, an exception inside `write`), `path` is either the previous
+    complete version or the new complete one, never a mix; an exception removes the temporary folder (freeing the
+    space) and propagates. Leftovers of a killed call are cleaned by the next call (`recover_interrupted_save`).
+    Every folder ProRL writes for `from_pretrained` (`merged/reset-<k>/`, `final/`) goes through here.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     recover_interrupted_save(path)
-    base = peft_model_of(model).get_base_model()
-    state = merged_state_dict(model)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        base.save_pretrained(tmp, state_dict=state)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        write(tmp)
         _replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def _write_extras(folder: Path, tokenizer: Any, state: dict | None) -> None:
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    if state is not None:
+        (folder / PRORL_STATE_NAME).write_text(json.dumps(state, indent=2, default=str))
 
 
 def recover_interrupted_save(path: str | os.PathLike) -> None:
@@ -105,13 +132,14 @@ def _replace_dir(src: Path, dst: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-
-def save_merged(model: nn.Module, tokenizer: Any, path: str | os.PathLike) -> Path:
+def save_merged(model: nn.Module, tokenizer: Any, path: str | os.PathLike, state: dict | None = None) -> Path:
     """The live policy as a plain model at `path`: base + LoRA delta for a PeftModel, the weights as they are for full
-    fine-tuning. Call it on the main process only."""
-    path = Path(path)
+    fine-tuning. Atomic either way (`write_dir_atomically`); `state` as in `save_merged_model`. Main process only."""
     if hasattr(model, "peft_config"):
-        return save_merged_model(model, tokenizer, path)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+        return save_merged_model(model, tokenizer, path, state)
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder)
+        _write_extras(folder, tokenizer, state)
+
+    return write_dir_atomically(path, write)
