@@ -157,6 +157,10 @@ class ResolvedPhase:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def to_phase_config(self) -> PhaseConfig:
+        """This phase with every setting explicit; resolving a list of these gives the same phases back."""
+        return PhaseConfig(**{k: v for k, v in self.to_dict().items() if k != "index"})
+
     @property
     def lora_shape(self) -> tuple:
         """What decides whether a new adapter is needed: rank, alpha, targets."""
@@ -221,6 +225,11 @@ class ProRLConfig(GRPOConfig):
         plateau_mode (`str`, defaults to `"max"`): `"max"` (higher is better) or `"min"`.
         plateau_patience (`int`, defaults to `0`): Base patience for phases that do not set one (0: off).
         plateau_min_delta (`float`, defaults to `0.0`): Base minimum improvement.
+
+        > Resume
+
+        resume_from_checkpoint (`str` or `bool`, *optional*): A checkpoint folder, or `True` for the latest complete
+            checkpoint of `output_dir`; used by `ProRLTrainer.train()` when it is called without one.
     """
 
     phases: list[Any] | None = field(
@@ -296,6 +305,14 @@ class ProRLConfig(GRPOConfig):
         default=0, metadata={"help": "Evaluations without improvement that end a phase (0: never)."}
     )
     plateau_min_delta: float = field(default=0.0, metadata={"help": "Smallest improvement of the plateau metric."})
+    resume_from_checkpoint: str | bool | None = field(
+        default=None,
+        metadata={
+            "help": "Continue a run: a checkpoint folder, or true for the latest complete checkpoint in output_dir. "
+            "Unlike TrainingArguments (where it is informational), ProRLTrainer.train() uses it when called without "
+            "`resume_from_checkpoint`, and `prorl-trl train` reads it like `--resume`."
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -309,6 +326,15 @@ class ProRLConfig(GRPOConfig):
             raise ValueError(f"overlong_buffer must be >= 0, got {self.overlong_buffer}.")
         if self.dynamic_sampling_max_rounds < 0:
             raise ValueError(f"dynamic_sampling_max_rounds must be >= 0, got {self.dynamic_sampling_max_rounds}.")
+
+    def to_dict(self) -> dict[str, Any]:
+        """`TrainingArguments.to_dict` with `phases` as plain dicts, so `to_json_string()` and the trackers (which
+        record the arguments as the run's config) can serialise it. `ProRLTrainer` resolves its copy's phases, so the
+        trackers get the phase table as it runs (every setting explicit)."""
+        data = super().to_dict()
+        if self.phases is not None:
+            data["phases"] = [dataclasses.asdict(p) if isinstance(p, PhaseConfig) else dict(p) for p in self.phases]
+        return data
 
 
 def _lora_value(peft_config: Any, attribute: str) -> Any:

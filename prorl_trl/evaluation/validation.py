@@ -183,7 +183,9 @@ class ValidationCallback(TrainerCallback):
         trainer.control.should_log = should_log
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if self.at_start and not self._started and state.global_step == 0:
+        # A ProRL run calls train() per phase and may resume in a new process: "at start" means step 0 of the run.
+        run_step = getattr(self.trainer, "prorl_global_step", state.global_step)
+        if self.at_start and not self._started and state.global_step == 0 and run_step == 0:
             self._validate_and_log()
         self._started = True
 

@@ -1,5 +1,5 @@
-"""The trainer's own callback: pending resets at step start, the phase plateau rule, and `prorl_state.json` in every
-checkpoint (what a resume needs beyond TRL's checkpoint).
+"""The trainer's own callback: the phase-start log entry, pending resets at step start, stop requests at step end, the
+phase plateau rule, and `prorl_state.json` in every checkpoint (what a resume needs beyond TRL's checkpoint).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from .callbacks import HardResetCallback, PlateauTracker
 
 
 class ProRLStateCallback(TrainerCallback):
-    """Internal: pending resets at step start, the phase plateau rule, and `prorl_state.json` in each checkpoint."""
+    """Internal: phase-start entry, pending resets, stop requests, the phase plateau rule, `prorl_state.json`."""
 
     def __init__(self, trainer: Any):
         self.trainer = trainer
@@ -29,9 +29,20 @@ class ProRLStateCallback(TrainerCallback):
             else None
         )
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not self.trainer._resumed_inner_call:
+            self.trainer.log_phase_start()
+        return control
+
     def on_step_begin(self, args, state, control, **kwargs):
         if self.trainer._pending_reset:
             self.trainer.hard_reset(reason=self.trainer._pending_reset)
+        return control
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.trainer._agree_on_stop():  # a signal: finish this step with a checkpoint, then stop
+            control.should_save = True
+            control.should_training_stop = True
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -45,7 +56,10 @@ class ProRLStateCallback(TrainerCallback):
         return control
 
     def on_save(self, args, state, control, **kwargs):
+        """Commit the checkpoint HF just wrote: the run's log history first, then `prorl_state.json` (the commit record
+        `latest_checkpoint` looks for), so a checkpoint that has one is complete."""
         trainer = self.trainer
+        trainer._save_log_history()
         if not trainer.accelerator.is_main_process:
             return control
         checkpoint = os.path.join(trainer._get_output_dir(None), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")  # as HF
@@ -55,6 +69,9 @@ class ProRLStateCallback(TrainerCallback):
                 "phase_index": trainer.current_phase.index,
                 "phase_name": trainer.current_phase.name,
                 "phase_global_step": state.global_step,
+                # The phase ends with this step (its last step, or a plateau stop): a resume goes to the next phase.
+                "phase_complete": state.global_step >= state.max_steps or trainer._phase_end_reason != "max_steps",
+                "phase_end_reason": trainer._phase_end_reason,
                 "global_step_offset": trainer._global_step_offset,
                 "global_step": trainer.prorl_global_step,
                 "resets": trainer.prorl_resets,
@@ -65,7 +82,6 @@ class ProRLStateCallback(TrainerCallback):
                 "callbacks": self.state_dict(),
             },
         )
-        trainer._save_log_history()
         return control
 
     def _reset_callbacks(self) -> list[HardResetCallback]:

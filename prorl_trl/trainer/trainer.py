@@ -15,6 +15,7 @@ tests/test_trainer_internals.py):
 * `train`: runs the phases; the HF loop itself is untouched.
 * `log`: adds `prorl/*` keys and keeps `prorl_log_history` across phases (HF recreates `state.log_history` per call).
 * `_get_output_dir`: checkpoints go to `<output_dir>/phase-<i>/` because HF names them by the per-call step.
+* `_save_checkpoint`: un-commits a checkpoint folder before HF rewrites it in place (see `reset.checkpoint`).
 * `create_scheduler`: keeps the LR-schedule horizon of an in-loop reset across a resume.
 * `_calculate_rewards` / `_generate_and_score_completions`: dynamic sampling (`DynamicSamplingMixin`; no hook exists
   in TRL).
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers.trainer_utils import TrainOutput
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 from trl import GRPOTrainer
 
 import rewards
@@ -44,11 +45,16 @@ from .. import reset as reset_ops
 from ..console import announce, quiet_console
 from ..config import ProRLConfig, ResolvedPhase, resolve_phases
 from ..reset.checkpoint import (
+    FINAL_DIR_NAME,
     LOG_HISTORY_NAME,
+    finished_state,
     latest_checkpoint,
     load_merged_base,
+    load_optimizer_state,
     phase_dir_name,
     read_prorl_state,
+    supersede_after,
+    uncommit,
     write_json,
 )
 from ..rollout.compiled import configure_trainer_generation
@@ -57,13 +63,14 @@ from ..rollout.vllm_sync import apply_vllm_sampling, force_weight_sync
 from .checks import check_before_init, resets_possible
 from .dynamic_sampling import DynamicSamplingMixin
 from .early_stop import MinibatchEarlyStopMixin
+from .interrupt import RunInterrupted
 from .overlong import OverlongPenalty
 from .progress import use_run_progress
 from .sampling import GENERATION_CONFIG_NAMES, SAMPLING_KEYS, patch_fused_log_prob_heads
 from .state import ProRLStateCallback
+from .trackers import TrackerSpan
 
 logger = logging.getLogger("prorl_trl")
-
 
 
 class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
@@ -90,6 +97,7 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         args = copy.copy(args)  # phases rewrite max_steps, seed, num_generations, ...: keep the caller's object intact
         peft_config = kwargs.get("peft_config")
         self.phases: list[ResolvedPhase] = resolve_phases(args, peft_config, world_size=args.world_size)
+        args.phases = [phase.to_phase_config() for phase in self.phases]  # trackers record the table as it runs
         reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs] if reward_funcs else []
         self._num_user_rewards = len(reward_funcs)
         check_before_init(args, self.phases, model, peft_config, reward_funcs, list(kwargs.get("callbacks") or []))
@@ -122,6 +130,10 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         self._phase_end_reason = "max_steps"
         self._scheduler_horizon: int | None = None
         self._compiled_generation = False
+        self._stop_requested: str | None = None
+        self._resumed_phase_step = 0
+        self._resumed_phase_complete = False
+        self._resumed_inner_call = False
 
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
         use_run_progress(self)  # one bar (or line per log) over all phases with rate and ETA, not a dict per log
@@ -131,6 +143,7 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         self.sampling: dict[str, Any] = {key: getattr(self, key) for key in SAMPLING_KEYS}
         self._state_callback = ProRLStateCallback(self)
         self.add_callback(self._state_callback)
+        self._trackers = TrackerSpan(self)
         self._bind_callbacks()
 
     # ----------------------------------------------------------------------------------------------- validation
@@ -153,6 +166,7 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         for callback in self.callback_handler.callbacks:
             if hasattr(callback, "bind") and callback is not self._state_callback:
                 callback.bind(self)
+        self._trackers.attach(self.callback_handler.callbacks)
 
     # ------------------------------------------------------------------------------------------------- sampling
     def apply_sampling(self, **settings: Any) -> None:
@@ -293,8 +307,13 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
     # ------------------------------------------------------------------------------------------- resume and saves
 
     def _prepare_resume(self, resume_from_checkpoint: str | bool | None) -> Path | None:
-        """Restore the ProRL side of a checkpoint (phase, merged base, adapter shape, counters) before TRL's part."""
+        """Restore the ProRL side of a checkpoint (phase, merged base, adapter shape, counters) before TRL's part.
+
+        `True` means the latest complete checkpoint of `output_dir`. Resuming from an older one un-commits the later
+        checkpoints (`supersede_after`), so a later "resume from the latest" cannot jump back onto the abandoned path.
+        """
         self._resumed_phase_step = 0
+        self._resumed_phase_complete = False
         if not resume_from_checkpoint:
             return None
         if resume_from_checkpoint is True:
@@ -304,6 +323,9 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         else:
             checkpoint = Path(resume_from_checkpoint)
         state = read_prorl_state(checkpoint)
+        if self.accelerator.is_main_process and self.args.should_save:
+            supersede_after(self.args.output_dir, checkpoint)
+        self.accelerator.wait_for_everyone()
         phase = self.phases[state["phase_index"]]
         if state.get("merged_base"):
             load_merged_base(self.model, state["merged_base"])
@@ -313,6 +335,9 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         self.prorl_merged_path = state.get("merged_base")
         self._global_step_offset = state["global_step_offset"]
         self._resumed_phase_step = state["phase_global_step"]
+        # A checkpoint written by the phase's last step (or a plateau stop): the phase is over, nothing to train.
+        self._resumed_phase_complete = state.get("phase_complete", self._resumed_phase_step >= phase.max_steps)
+        self._phase_end_reason = state.get("phase_end_reason", "max_steps")
         self._pending_reset = state.get("pending_reset")
         if self._adapter_differs(phase):
             self._reinit_adapter(phase)
@@ -321,11 +346,25 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         self._state_callback.load_state_dict(state.get("callbacks", {}))
         history = Path(self.args.output_dir) / LOG_HISTORY_NAME
         if history.is_file():
-            entries = json.loads(history.read_text())
             step = self._global_step_offset + self._resumed_phase_step
-            self.prorl_log_history = [e for e in entries if e.get("prorl/global_step", 0) <= step]
+            self.prorl_log_history = [
+                entry
+                for entry in json.loads(history.read_text())
+                if (entry.get("prorl/phase", 0), entry.get("prorl/global_step", 0)) <= (phase.index, step)
+            ]
+        self._trackers.resumed_at = self._global_step_offset + self._resumed_phase_step
         self._announce_phase(phase)
         return checkpoint
+
+    def _restore_finished_phase(self, checkpoint: Path) -> None:
+        """Resume from the checkpoint of a phase's last step: load what HF's resume would (weights, optimizer state,
+        RNG), but do not call HF's `train()`, which checks `max_steps` only after a step and so would train one step
+        more than the phase has (and than the uninterrupted run did)."""
+        self._load_from_checkpoint(str(checkpoint))  # HF private: the adapter (LoRA) or all weights
+        if self.optimizer is None:
+            self.create_optimizer()
+        load_optimizer_state(self.optimizer, checkpoint)
+        self._load_rng_state(str(checkpoint))  # HF private: python, numpy, torch (and CUDA) RNG of this process
 
     def _fresh_adapter(self, phase: ResolvedPhase) -> bool:
         """A fresh adapter of `phase`'s shape, identical on every rank; True when its Parameters are new objects."""
@@ -349,9 +388,20 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
             write_json(Path(self.args.output_dir) / LOG_HISTORY_NAME, self.prorl_log_history)
 
     def _save_final(self) -> None:
-        """`<output_dir>/final/`: the merged model + tokenizer, loadable with `from_pretrained`."""
-        if self.accelerator.is_main_process and self.args.should_save:
-            reset_ops.save_merged(reset_ops.unwrap_model(self.model), self.processing_class, Path(self.args.output_dir) / "final")
+        """`<output_dir>/final/`: the merged model + tokenizer, loadable with `from_pretrained`, and `prorl_state.json`
+        (what was trained). Written atomically, and not rewritten when it already holds this very state (resuming a
+        finished run changes nothing)."""
+        done = {
+            "finished": True,
+            "global_step": self._global_step_offset,
+            "resets": self.prorl_resets,
+            "phases": len(self.phases),
+            "last_phase": self.current_phase.name,
+        }
+        output_dir = Path(self.args.output_dir)
+        if self.accelerator.is_main_process and self.args.should_save and finished_state(output_dir) != done:
+            model = reset_ops.unwrap_model(self.model)
+            reset_ops.save_merged(model, self.processing_class, output_dir / FINAL_DIR_NAME, state=done)
         self.accelerator.wait_for_everyone()
 
     # --------------------------------------------------------------------------------------------------- reset
@@ -440,33 +490,37 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
     # ----------------------------------------------------------------------------------------------------- train
     @quiet_console()  # each warning once (TRL re-raises some at every save and validation), no save progress bars
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, ignore_keys_for_eval: Any = None, **kwargs: Any) -> TrainOutput:
-        """Run every phase (from the checkpoint's phase when resuming), hard-resetting at phase boundaries."""
+        """Run every phase (from the checkpoint's phase when resuming), hard-resetting at phase boundaries.
+
+        `resume_from_checkpoint` defaults to `args.resume_from_checkpoint` (a path, or True for the latest complete
+        checkpoint). Raises `RunInterrupted` after `request_stop` (a signal under `stop_on_signals`): the current step
+        was finished and checkpointed, and resuming from that checkpoint continues exactly.
+        """
+        if resume_from_checkpoint is None:
+            resume_from_checkpoint = self.args.resume_from_checkpoint
         self._bind_callbacks()
         checkpoint = self._prepare_resume(resume_from_checkpoint)
         start = self.current_phase.index if checkpoint else 0
         losses, outputs = [], []
-        for phase in self.phases[start:]:
-            resumed = checkpoint is not None and phase.index == start
-            if not resumed:
-                self._enter_phase(phase)
-            self._phase_end_reason = "max_steps"
-            self._in_training_loop = True
-            try:
-                output = super().train(
-                    resume_from_checkpoint=str(checkpoint) if resumed else None,
-                    trial=trial,
-                    ignore_keys_for_eval=ignore_keys_for_eval,
-                    **kwargs,
-                )
-            finally:
-                self._in_training_loop = False
-            steps = self.state.global_step - (self._resumed_phase_step if resumed else 0)
-            losses.append((output.training_loss, max(steps, 0)))
-            outputs.append(output)
-            self._global_step_offset += self.state.global_step
-            self.announce(f"ProRL phase '{phase.name}' ended after {self.state.global_step} steps ({self._phase_end_reason}).")
-            self._save_log_history()
-        self._save_final()
+        try:
+            for phase in self.phases[start:]:
+                resumed = checkpoint is not None and phase.index == start
+                if resumed and self._resumed_phase_complete:
+                    self._restore_finished_phase(checkpoint)
+                    phase_steps = self._resumed_phase_step
+                else:
+                    output, phase_steps = self._train_phase(phase, checkpoint if resumed else None, trial, ignore_keys_for_eval, **kwargs)
+                    losses.append((output.training_loss, phase_steps - (self._resumed_phase_step if resumed else 0)))
+                    outputs.append(output)
+                self._global_step_offset += phase_steps
+                self.announce(f"ProRL phase '{phase.name}' ended after {phase_steps} steps ({self._phase_end_reason}).")
+                self._save_log_history()
+                phase_done = phase_steps >= phase.max_steps or self._phase_end_reason != "max_steps"
+                if self._stop_requested is not None and (not phase_done or phase.index < len(self.phases) - 1):
+                    raise RunInterrupted(self._stop_requested, self._stop_checkpoint, self._global_step_offset)
+            self._save_final()
+        finally:
+            self._trackers.end(self.args, self.state, self.control, model=self.model, processing_class=self.processing_class)
         # HF recreates `state.log_history` per inner call; after the run it holds the whole run again.
         self.state.log_history = [dict(entry) for entry in self.prorl_log_history]
         total = sum(n for _, n in losses)
@@ -475,16 +529,87 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         metrics.update({"prorl/resets": self.prorl_resets, "prorl/global_step": self._global_step_offset})
         return TrainOutput(global_step=self._global_step_offset, training_loss=loss, metrics=metrics)
 
+    def _train_phase(self, phase: ResolvedPhase, checkpoint: Path | None, trial: Any, ignore_keys_for_eval: Any, **kwargs: Any):
+        """One inner `GRPOTrainer.train()` call: the phase from its start, or from `checkpoint` (resume)."""
+        if checkpoint is None:
+            self._enter_phase(phase)
+            self._phase_end_reason = "max_steps"
+        self._resumed_inner_call = checkpoint is not None
+        self._in_training_loop = True
+        try:
+            output = super().train(
+                resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None,
+                trial=trial,
+                ignore_keys_for_eval=ignore_keys_for_eval,
+                **kwargs,
+            )
+        finally:
+            self._in_training_loop = False
+        return output, self.state.global_step
+
+    def request_stop(self, reason: str = "requested") -> None:
+        """Stop after the current optimizer step: write a checkpoint, then `train()` raises `RunInterrupted`.
+
+        Safe to call from a signal handler (it only sets a flag). Under several processes, a request on any rank
+        stops every rank at the same step.
+        """
+        self._stop_requested = reason
+
+    @property
+    def stop_requested(self) -> str | None:
+        """The reason given to `request_stop`, or None."""
+        return self._stop_requested
+
+    def _agree_on_stop(self) -> bool:
+        """Whether any process asked to stop (a collective: every rank calls it at every step end)."""
+        wanted = self._stop_requested is not None
+        if self.accelerator.num_processes > 1:
+            flag = torch.tensor([1.0 if wanted else 0.0], device=self.accelerator.device)
+            wanted = bool(self.accelerator.reduce(flag, reduction="sum").item() > 0)
+            if wanted and self._stop_requested is None:
+                self._stop_requested = "stop requested on another process"
+        return wanted
+
+    @property
+    def _stop_checkpoint(self) -> Path:
+        return Path(self._get_output_dir(None)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """HF's, after removing the folder's commit record: HF writes into `checkpoint-<step>` in place, and that folder
+        may hold a complete save from before a resume (see `reset.checkpoint.uncommit`)."""
+        if self.args.should_save:
+            uncommit(Path(self._get_output_dir(trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        super()._save_checkpoint(model, trial)
+
     # ------------------------------------------------------------------------------------------------- logging
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """TRL's log plus the `prorl/*` keys; every entry is also kept in `prorl_log_history` (whole run)."""
-        logs["prorl/phase"] = self.current_phase.index
-        logs["prorl/resets"] = self.prorl_resets
-        logs["prorl/global_step"] = self.prorl_global_step
+        self._add_prorl_keys(logs)
         if self.args.early_stop_importance_ratio is not None and self.model.training:
             logs["prorl/early_stopped"] = self._early_stopped
             self._early_stopped = 0
         super().log(logs, start_time)
+        self._keep_last_log_entry()
+
+    def log_phase_start(self) -> None:
+        """One log entry where a phase starts: `prorl/phase_start` (its index) and, after a reset, the merged base's
+        folder (`prorl/merged_checkpoint`), so trackers and `prorl_log_history.json` show the boundaries.
+
+        Goes through HF's `Trainer.log`, not TRL's, which would flush TRL's metric buffers and completions table.
+        """
+        logs: dict[str, Any] = {"prorl/phase_start": self.current_phase.index}
+        if self.prorl_merged_path:
+            logs["prorl/merged_checkpoint"] = self.prorl_merged_path
+        self._add_prorl_keys(logs)
+        super(GRPOTrainer, self).log(logs)
+        self._keep_last_log_entry()
+
+    def _add_prorl_keys(self, logs: dict[str, Any]) -> None:
+        logs["prorl/phase"] = self.current_phase.index
+        logs["prorl/resets"] = self.prorl_resets
+        logs["prorl/global_step"] = self.prorl_global_step
+
+    def _keep_last_log_entry(self) -> None:
         if self.state.log_history:
             entry = dict(self.state.log_history[-1])
             entry["prorl/phase_name"] = self.current_phase.name
