@@ -1,6 +1,7 @@
 """`prorl-trl` (also `python -m prorl_trl`, and `accelerate launch -m prorl_trl ...`).
 
     prorl-trl train RECIPE [--key.path VALUE ...]     run a recipe (all phases), overrides read by the key's type
+                  [--resume [CHECKPOINT] | --overwrite]   continue the run in the output folder / start it again
     prorl-trl validate RECIPE [--key.path VALUE ...]  check a recipe, this machine and local data (exit 0 or 2)
     prorl-trl ablate GRID [--parallel N]              run the variants of a grid file and tabulate them
     prorl-trl demo [--out DIR]                        offline tiny-model demo
@@ -63,9 +64,9 @@ class BothSpellingsParser(argparse.ArgumentParser):
                 spellings = [name]
             spelled += [spelling for spelling in spellings if spelling not in spelled]
         action = super().add_argument(*spelled, **kwargs)
-        if not hasattr(self, "takes_value"):  # option spelling -> whether a value follows it (`split_options`)
-            self.takes_value: dict[str, bool] = {}
-        self.takes_value.update({spelling: action.nargs != 0 for spelling in action.option_strings})
+        if not hasattr(self, "takes_value"):  # option spelling -> its nargs: whether a value follows (`split_options`)
+            self.takes_value: dict[str, Any] = {}
+        self.takes_value.update({spelling: action.nargs for spelling in action.option_strings})
         return action
 
 
@@ -105,7 +106,8 @@ def split_options(tokens: list[str], parser: BothSpellingsParser) -> tuple[list[
     """(the subcommand's own options and RECIPE, the recipe overrides) of the tokens after `train`/`validate`.
 
     Options are recognised wherever they stand (`validate RECIPE --num-processes 3`); every other `--key [VALUE]`
-    and any word after RECIPE is an override (`parse_overrides` reports malformed ones).
+    and any word after RECIPE is an override (`parse_overrides` reports malformed ones). An option whose value is
+    optional (`train --resume [CHECKPOINT]`) takes the next word only after RECIPE and only if it is no option.
     """
     takes_value = parser.takes_value
     own, overrides, recipe_seen, index = [], [], False, 0
@@ -115,7 +117,10 @@ def split_options(tokens: list[str], parser: BothSpellingsParser) -> tuple[list[
         following = tokens[index + 1] if index + 1 < len(tokens) else None
         if name in takes_value:
             own.append(token)
-            if takes_value[name] and "=" not in token and following is not None:
+            optional = takes_value[name] == "?"
+            if optional and (not recipe_seen or following is None or following.startswith("-")):
+                following = None
+            if takes_value[name] != 0 and "=" not in token and following is not None:
                 own.append(following)
                 index += 1
         elif token.startswith("--") and len(token) > 2:
@@ -155,6 +160,14 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         "train", help="run a recipe (all phases)", description="Run a recipe. " + OVERRIDES_HELP
     )
     train.add_argument("recipe", help="recipe YAML file")
+    train.add_argument(
+        "--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
+        help="continue the run in the output folder from its latest complete checkpoint (from the start if it has "
+        "none yet; a finished run is left as it is), or from CHECKPOINT (give it after RECIPE)",
+    )  # fmt: skip
+    train.add_argument(
+        "--overwrite", action="store_true", help="delete the run outputs already in the output folder, then start"
+    )
     train.set_defaults(handler=_run_train)
 
     validate = commands.add_parser(
@@ -230,6 +243,7 @@ def _add_ablate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_validate(args: argparse.Namespace) -> int:
     from .recipe.load import load_recipe
+    from .recipe.output_folder import inspect_output_folder
     from .recipe.preflight import Launch, preflight, read_launch_config
     from .recipe.run import describe_recipe
 
@@ -243,6 +257,9 @@ def _run_validate(args: argparse.Namespace) -> int:
         raise RecipeError(args.recipe, problems)
     for warning in recipe.warnings:
         print(f"note: {warning}", file=sys.stderr)
+    folder = inspect_output_folder(recipe.output_dir)
+    if folder.used:
+        print(f"note: {folder.describe()}: `train` needs --resume or --overwrite", file=sys.stderr)
     print(describe_recipe(recipe, world_size=world_size))
     checked = "recipe only (--no-machine-checks)" if not machine else "recipe, this machine and local data"
     print(f"ok: {args.recipe} is valid for {world_size} process(es); checked: {checked} "
@@ -253,7 +270,7 @@ def _run_validate(args: argparse.Namespace) -> int:
 def _run_train(args: argparse.Namespace) -> int:
     from .recipe.run import run_train
 
-    return run_train(args.recipe, args.overrides)
+    return run_train(args.recipe, args.overrides, resume=args.resume, overwrite=args.overwrite)
 
 
 def _run_ablate(args: argparse.Namespace) -> int:

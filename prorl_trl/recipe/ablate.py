@@ -17,7 +17,8 @@ grid:                                   # optional: the cartesian product of axe
 
 Every variant is validated before any runs (exit 2 on a bad one). Each runs as its own process
 (`python -m prorl_trl train`, or `--launcher "accelerate launch ..."`), `--parallel N` at a time; a variant whose
-`run_summary.json` exists is skipped, and a failed variant is reported in the table without stopping the others.
+`run_summary.json` exists is skipped (`--force` re-runs it with `train --overwrite`), an interrupted one continues
+(`train --resume`), and a failed variant is reported in the table without stopping the others.
 """
 
 from __future__ import annotations
@@ -159,18 +160,20 @@ def write_variant_recipes(variants: list[Variant], out: Path) -> None:
         )
 
 
-def _launch_command(launcher: str | None, recipe: Path) -> list[str]:
+def _launch_command(launcher: str | None, recipe: Path, force: bool = False) -> list[str]:
+    """`train` for one variant: `--overwrite` when re-running it (`--force`), else `--resume`, which continues a
+    variant that was interrupted (and starts one that never ran)."""
     prefix = shlex.split(launcher) if launcher else [sys.executable]
-    return prefix + ["-m", "prorl_trl", "train", str(recipe)]
+    return prefix + ["-m", "prorl_trl", "train", str(recipe), "--overwrite" if force else "--resume"]
 
 
-def run_variant(variant: Variant, out: Path, launcher: str | None, env: dict[str, str]) -> None:
+def run_variant(variant: Variant, out: Path, launcher: str | None, env: dict[str, str], force: bool = False) -> None:
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     started = time.time()
     with open(logs / f"{variant.name}.log", "w") as log:
         result = subprocess.run(
-            _launch_command(launcher, out / "recipes" / f"{variant.name}.yaml"),
+            _launch_command(launcher, out / "recipes" / f"{variant.name}.yaml", force),
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -285,7 +288,7 @@ def run_ablate(args: Any) -> int:
             env["CUDA_VISIBLE_DEVICES"] = devices.split(",")[slot % len(devices.split(","))]
         variant.status = "running"
         print(f"  start  {variant.name}  (log: {out / 'logs' / (variant.name + '.log')})", flush=True)
-        run_variant(variant, out, args.launcher, env)
+        run_variant(variant, out, args.launcher, env, force=args.force)
         with lock:
             finished[0] += 1
             metric = pick_metric(variants, requested)

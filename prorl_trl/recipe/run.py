@@ -1,8 +1,10 @@
 """`prorl-trl train`: a validated recipe -> tokenizer, datasets, rewards, callbacks -> `ProRLTrainer.train()`.
 
-Everything that can be wrong with the recipe is caught by `load_recipe` first (exit 2, nothing written). Only then
-is anything loaded; the output folder is written by the trainer, plus `recipe.yaml` (the effective recipe, after
-overrides) and `run_summary.json` (final metrics and the log history, read by `prorl-trl ablate`).
+Everything that can be wrong with the recipe is caught by `load_recipe` first (exit 2, nothing written), and a
+folder that already holds a run is refused unless `--resume`/`--overwrite` say what to do with it
+(`output_folder`). Only then is anything loaded; the output folder is written by the trainer, plus `recipe.yaml`
+(the effective recipe, after overrides) and `run_summary.json` (final metrics and the log history of the whole run,
+read by `prorl-trl ablate`).
 """
 
 from __future__ import annotations
@@ -16,9 +18,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from transformers import TrainerCallback
-
 from .load import load_recipe
+from .output_folder import (
+    delete_run_outputs,
+    describe_checkpoint,
+    free_bytes,
+    inspect_output_folder,
+    is_disk_full,
+    plan_start,
+    resume_command,
+)
 from .preflight import require_preflight, require_readable_golds
 from .recipe import Recipe
 
@@ -95,17 +104,6 @@ def _validation_callback(recipe: Recipe, eval_dataset: Any, args: Any) -> Any:
     )
 
 
-class LogRecorder(TrainerCallback):
-    """Keeps every `on_log` entry of the run (all phases, validation included) for `run_summary.json`."""
-
-    def __init__(self):
-        self.entries: list[dict[str, Any]] = []
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs:
-            self.entries.append({"step": state.global_step, **logs})
-
-
 def summarize_log(log_history: list[dict[str, Any]]) -> dict[str, Any]:
     """Final validation metrics (last logged `eval_*`) and per-reward means over all logged training steps."""
     final_eval: dict[str, float] = {}
@@ -151,16 +149,42 @@ def write_final_card(final: Path, recipe: Recipe, base_model: str, summary: dict
     )
 
 
-def run_train(recipe_path: str, overrides: list[str]) -> int:
-    """Validate, load, train all phases, write the summary. Returns the exit status."""
+def run_train(
+    recipe_path: str, overrides: list[str], resume: str | bool | None = None, overwrite: bool = False
+) -> int:
+    """Validate, check the output folder, load, train all phases, write the summary. Returns the exit status.
+
+    `resume` (`--resume`; `training.resume_from_checkpoint` in the recipe means the same): True for the latest
+    complete checkpoint, or a checkpoint path; `overwrite` (`--overwrite`) deletes the folder's run outputs first.
+    A folder that holds a run needs one of the two (exit 2 before anything is loaded). SIGINT/SIGTERM finish the
+    step, write a checkpoint and print the command that resumes (exit 130/143); a full disk ends with one message.
+    """
     started = time.time()
     recipe = load_recipe(recipe_path, overrides, dry=False)
     require_preflight(recipe, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     base_model = recipe.model.name_or_path  # before a `distill:` section swaps in its student
     main = _is_main_process()
+    if resume is None:
+        resume = recipe.training.get("resume_from_checkpoint")
+    if isinstance(resume, str) and resume.lower() in ("true", "latest"):  # an override read as text
+        resume = True
+    plan = plan_start(recipe.output_dir, resume=resume, overwrite=overwrite)  # every process, before any writes
+    if plan.finished:
+        if main:
+            print(f"{plan.state.describe()}: nothing to do; nothing was changed.")
+        return 0
     if main:
         print(describe_recipe(recipe, world_size=int(os.environ.get("WORLD_SIZE", "1"))), flush=True)
     args = recipe.training_args()
+    args.resume_from_checkpoint = None  # decided above; the trainer gets it explicitly
+    from accelerate import PartialState
+
+    PartialState().wait_for_everyone()  # every process has read the folder's state before the first write
+    output_dir = Path(args.output_dir)
+    if main and plan.overwrite:
+        print(f"--overwrite: deleted {', '.join(delete_run_outputs(plan.state))} in {output_dir}/", flush=True)
+    if main and plan.note:
+        print(f"note: {plan.note}", flush=True)
     peft_config = recipe.peft_config()
     if recipe.distill is not None:  # distil a teacher into the model first; the phases start from the student
         from ..distill import run_distill_section
@@ -170,8 +194,6 @@ def run_train(recipe_path: str, overrides: list[str]) -> int:
         )
         recipe.model = dataclasses.replace(recipe.model, name_or_path=str(student), tokenizer_name_or_path=None)
     tokenizer = _load_tokenizer(recipe)
-    from accelerate import PartialState
-
     from ..data import build_dataset
 
     with PartialState().main_process_first():  # rank 0 fills the datasets cache, the others read it
@@ -180,8 +202,9 @@ def run_train(recipe_path: str, overrides: list[str]) -> int:
     require_readable_golds(recipe, train_dataset, eval_dataset)
     reward_funcs = recipe.reward_functions()
     callback = _validation_callback(recipe, eval_dataset, args)
-    recorder = LogRecorder()
+    from ..reset.checkpoint import write_text_atomically
     from ..trainer import ProRLTrainer
+    from ..trainer.interrupt import RunInterrupted, parent_command_line, stop_on_signals
 
     extra = {"quantization_config": recipe.quantization_config()} if recipe.model.quantization else {}
     trainer = ProRLTrainer(
@@ -191,21 +214,37 @@ def run_train(recipe_path: str, overrides: list[str]) -> int:
         args=args,
         train_dataset=train_dataset,
         peft_config=peft_config,
-        callbacks=[recorder] + ([callback] if callback is not None else []),
+        callbacks=[callback] if callback is not None else [],
         **extra,
     )
-    output_dir = Path(args.output_dir)
-    if main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "recipe.yaml").write_text(recipe.to_yaml())
-    trainer.train()
+    command = resume_command(parent_command_line())
+    try:
+        if main:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            write_text_atomically(output_dir / "recipe.yaml", recipe.to_yaml())
+        with stop_on_signals(trainer):
+            trainer.train(resume_from_checkpoint=plan.resume)
+    except RunInterrupted as stop:
+        if main:
+            print(
+                f"\nstopped by {stop.reason} at global step {stop.global_step}; checkpoint written: {stop.checkpoint}/\n"
+                f"resume with:\n  {command}",
+                flush=True,
+            )
+        return 130 if stop.reason == "SIGINT" else 143
+    except Exception as error:
+        if not is_disk_full(error, output_dir):
+            raise
+        if main:
+            print(_disk_full_message(output_dir, error, command), file=sys.stderr, flush=True)
+        return 1
     if not main:
         return 0
-    log_history = recorder.entries
+    log_history = trainer.prorl_log_history  # the whole run, also across a resume
     summary = summarize_log(log_history)
     summary.update(recipe=str(recipe_path), overrides=list(overrides), seconds=round(time.time() - started, 1))
-    (output_dir / "run_summary.json").write_text(
-        json.dumps({**summary, "log_history": log_history}, indent=1, default=str)
+    write_text_atomically(
+        output_dir / "run_summary.json", json.dumps({**summary, "log_history": log_history}, indent=1, default=str)
     )
     final = output_dir / "final"
     if (final / "config.json").is_file():
@@ -218,3 +257,18 @@ def run_train(recipe_path: str, overrides: list[str]) -> int:
     print(f"  recipe:       {output_dir / 'recipe.yaml'}")
     print(f"  summary:      {output_dir / 'run_summary.json'}")
     return 0
+
+
+def _disk_full_message(output_dir: Path, error: BaseException, command: str) -> str:
+    state = inspect_output_folder(output_dir)
+    cause = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+    where = (
+        f"The last complete checkpoint is {describe_checkpoint(state)}; the files of the save that failed are "
+        "ignored on resume."
+        if state.latest_checkpoint is not None
+        else "No checkpoint was completed yet: resuming starts from the beginning."
+    )
+    return (
+        f"error: the disk holding {output_dir}/ is full ({free_bytes(output_dir) / 2**20:.1f} MiB free; {cause}).\n"
+        f"{where}\nFree some space, then resume with:\n  {command}"
+    )

@@ -1,0 +1,103 @@
+"""Test-only launcher: `python tests/_kill_launcher.py train RECIPE ...` runs `prorl_trl.cli.main` with a fault
+injected at an exact point, named by the environment (production code has no test hooks):
+
+    PRORL_TEST_KILL_AT=EVENT:PHASE:STEP    SIGKILL this process at that point
+    PRORL_TEST_TERM_AT=EVENT:PHASE:STEP    SIGTERM the parent process (the `accelerate launch` launcher) there
+
+It also registers the reward `token_hash` (deterministic, varies inside every group on a random tiny model, so every
+step has a gradient and a resumed run that went wrong ends on other weights).
+
+EVENT is `on_step_begin` (STEP = the step about to run, counted within the phase from 1), `on_save` (HF has written
+checkpoint-STEP, ProRL has not committed it yet), `on_train_end` (the phase's loop is over, its last checkpoint is
+committed, the next phase has not started), or `save:NAME` (a merged save into a folder called NAME, e.g. `reset-1`
+or `final`, fully written but not yet renamed into place; PHASE and STEP are ignored).
+"""
+
+import os
+import signal
+import sys
+
+from transformers import TrainerCallback
+
+
+def _spec(name):
+    value = os.environ.get(name)
+    if not value:
+        return None
+    event, phase, step = value.rsplit(":", 2)
+    return event, int(phase), int(step)
+
+
+class FaultAt(TrainerCallback):
+    """Sends `signum` to `pid` when the trainer reaches (event, phase, step)."""
+
+    def __init__(self, event, phase, step, pid, signum):
+        self.event, self.phase, self.step, self.pid, self.signum = event, phase, step, pid, signum
+        self.trainer = None
+
+    def bind(self, trainer):
+        self.trainer = trainer
+
+    def _maybe_fire(self, event, step):
+        if event == self.event and self.trainer.current_phase.index == self.phase and step == self.step:
+            os.kill(self.pid, self.signum)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._maybe_fire("on_step_begin", state.global_step + 1)
+
+    def on_save(self, args, state, control, **kwargs):
+        self._maybe_fire("on_save", state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._maybe_fire("on_train_end", state.global_step)
+
+
+def token_hash(completions, **kwargs):
+    return [(sum(map(ord, str(text))) % 13) / 13 for text in completions]
+
+
+def install() -> None:
+    import rewards
+
+    import prorl_trl.reset.save as save
+    import prorl_trl.trainer as trainer_package
+
+    rewards.register("token_hash")(token_hash)
+
+    faults = []
+    for name, pid, signum in (
+        ("PRORL_TEST_KILL_AT", os.getpid(), signal.SIGKILL),
+        ("PRORL_TEST_TERM_AT", os.getppid(), signal.SIGTERM),
+    ):
+        spec = _spec(name)
+        if spec is None:
+            continue
+        event, phase, step = spec
+        if event.startswith("save:"):
+            folder_name, replace_dir = event.split(":", 1)[1], save._replace_dir
+
+            def killing_replace(src, dst, folder_name=folder_name, replace_dir=replace_dir, pid=pid, signum=signum):
+                if dst.name == folder_name:
+                    os.kill(pid, signum)
+                return replace_dir(src, dst)
+
+            save._replace_dir = killing_replace
+        else:
+            faults.append((event, phase, step, pid, signum))
+
+    base = trainer_package.ProRLTrainer
+
+    class FaultyTrainer(base):
+        def __init__(self, *args, callbacks=None, **kwargs):
+            # Passed at init, so they run before ProRL's own callback (its on_save commits the checkpoint).
+            callbacks = list(callbacks or []) + [FaultAt(*fault) for fault in faults]
+            super().__init__(*args, callbacks=callbacks, **kwargs)
+
+    trainer_package.ProRLTrainer = FaultyTrainer
+
+
+if __name__ == "__main__":
+    install()
+    from prorl_trl.cli import main
+
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,184 @@
+"""`prorl-trl train --resume` as users run it: CLI processes killed with SIGKILL at eight exact points, a SIGTERM under
+`accelerate launch`, a full disk, and a second `train` into a used folder.
+
+Every run goes through `tests/_kill_launcher.py` (the real CLI; the launcher only injects the fault named by an
+environment variable and registers the `token_hash` reward, which varies inside every group so every step moves the
+weights). The recipe is tests/recipes/tiny_gsm8k.yaml with two phases of 3 steps, a LoRA reshape and hard reset
+between them, validation every 2 steps and a checkpoint every step. One uninterrupted run is the reference for all.
+Cost: ~14 CLI processes of ~7 s each on 2 cores.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCHER = [sys.executable, str(REPO / "tests" / "_kill_launcher.py")]
+RECIPE = str(REPO / "tests" / "recipes" / "tiny_gsm8k.yaml")
+SHAPE = [
+    "--rewards", "[token_hash]", "--training.save_strategy", "steps", "--training.save_steps", "1",
+    "--phases.0.max_steps", "3", "--phases.1.max_steps", "3", "--validation.eval_steps", "2",
+]  # fmt: skip
+
+# The chain of kills, each followed by `--resume` (the next entry's run is that resume, killed at its own point).
+KILL_POINTS = [
+    ("on_step_begin:0:1", "before the first checkpoint"),
+    ("on_save:0:2", "during a checkpoint save (files written, not committed)"),
+    ("on_step_begin:0:3", "mid-phase"),
+    ("on_train_end:0:3", "at the last step of a phase (its checkpoint committed)"),
+    ("save:reset-1:0:0", "during the merged save of the reset (second kill in a row without a new checkpoint)"),
+    ("on_step_begin:1:1", "right after the reset"),
+    ("on_step_begin:1:3", "mid-phase after the reset"),
+    ("save:final:0:0", "during the save of final/"),
+]
+
+
+def cli(out: Path, tiny_dir: Path, shared_data: Path, *extra: str, env: dict | None = None, launcher=None):
+    command = (launcher or LAUNCHER) + [
+        "train", RECIPE, "--model.name_or_path", str(tiny_dir), "--training.output_dir", str(out), *SHAPE, *extra,
+    ]  # fmt: skip
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "PRORL_SHARED_DATA": str(shared_data), **(env or {})}
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=environment, timeout=300)
+
+
+def final_weights(out: Path) -> dict:
+    return load_file(out / "final" / "model.safetensors")
+
+
+def assert_same_weights(out: Path, reference: Path) -> None:
+    want, got = final_weights(reference), final_weights(out)
+    assert want.keys() == got.keys()
+    different = [name for name in want if not want[name].equal(got[name])]
+    assert not different, f"{len(different)} tensors differ from the uninterrupted run, e.g. {different[:3]}"
+
+
+def history(out: Path) -> list[tuple]:
+    """The run's log as (global step, phase, loss, reward, eval reward, phase start), HF's per-call summaries left out
+    (`train_runtime` etc.: wall-clock figures of one process)."""
+    entries = json.loads((out / "run_summary.json").read_text())["log_history"]
+    keys = ("prorl/global_step", "prorl/phase", "loss", "reward", "eval_reward", "prorl/phase_start")
+    return [tuple(entry.get(key) for key in keys) for entry in entries if "train_runtime" not in entry]
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    return {
+        str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest() + str(path.stat().st_mtime_ns)
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir, shared_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference") / "run"
+    result = cli(out, tiny_dir, shared_data)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def test_reference_run_trains(reference, tiny_dir):
+    from safetensors.torch import load_file as load
+
+    steps = [step for step, _, loss, *_ in history(reference) if loss is not None]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    start = load(tiny_dir / "model.safetensors")
+    moved = {k: (final_weights(reference)[k] - v).abs().max().item() for k, v in start.items()}
+    assert max(moved.values()) > 1e-4  # the comparison below is not between two untrained models
+
+
+def test_sigkill_at_eight_points_then_resume_is_bit_identical(reference, tiny_dir, shared_data, tmp_path):
+    out = tmp_path / "run"
+    for point, where in KILL_POINTS:
+        result = cli(out, tiny_dir, shared_data, "--resume", env={"PRORL_TEST_KILL_AT": point})
+        assert result.returncode == -9, f"kill {where} ({point}) did not happen: {result.stderr[-2000:]}"
+        assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    result = cli(out, tiny_dir, shared_data, "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming from" in result.stdout and "phase 2 'second', global step 6" in result.stdout
+    assert_same_weights(out, reference)
+    assert history(out) == history(reference)  # same steps (no extra one), losses, validations, phase starts
+    assert json.loads((out / "final" / "prorl_state.json").read_text())["global_step"] == 6
+
+    # Resuming the finished run says so and changes nothing (no model is loaded: no recipe table printed).
+    before = snapshot(out)
+    result = cli(out, tiny_dir, shared_data, "--resume")
+    assert result.returncode == 0 and "holds a finished run" in result.stdout and "nothing was changed" in result.stdout
+    assert "phase " not in result.stdout.split("holds a finished run")[0]
+    assert snapshot(out) == before
+
+
+def test_second_train_into_a_used_folder_exits_2_and_changes_nothing(reference, tiny_dir, shared_data):
+    before = snapshot(reference)
+    result = cli(reference, tiny_dir, shared_data)
+    assert result.returncode == 2
+    assert "holds a finished run" in result.stderr and "--resume" in result.stderr and "--overwrite" in result.stderr
+    assert "Traceback" not in result.stderr and "lora_r" not in result.stdout  # refused before the recipe table
+    assert snapshot(reference) == before
+
+
+def test_sigterm_under_accelerate_launch_checkpoints_and_prints_the_resume_command(
+    reference, tiny_dir, shared_data, tmp_path
+):
+    """SIGTERM goes to the `accelerate launch` process (as `kill <pid>` would): the launcher dies without forwarding
+    it, the training process gets it as its launcher's death signal, finishes its step, checkpoints and says how to
+    resume; the printed command, run as is, ends on the uninterrupted weights."""
+    out = tmp_path / "run"
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                  "recipes/accelerate/single_gpu.yaml", "--cpu", str(REPO / "tests" / "_kill_launcher.py")]  # fmt: skip
+    result = cli(out, tiny_dir, shared_data, env={"PRORL_TEST_TERM_AT": "on_step_begin:0:2"}, launcher=accelerate)
+    assert "SIGTERM received" in result.stderr, result.stderr[-3000:]
+    assert "stopped by SIGTERM at global step" in result.stdout, result.stdout[-2000:]
+    checkpoint = result.stdout.split("checkpoint written: ")[1].split()[0].rstrip("/")
+    assert Path(checkpoint, "prorl_state.json").is_file()
+    command = result.stdout.split("resume with:\n")[1].strip().splitlines()[0]
+    argv = shlex.split(command)
+    assert argv[:3] == [sys.executable, "-m", "accelerate.commands.launch"] and argv[-1] == "--resume"
+    assert not (out / "final").exists()
+
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "PRORL_SHARED_DATA": str(shared_data)}
+    resumed = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=environment, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_weights(out, reference)
+    assert history(out) == history(reference)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 600 KiB tmpfs: phase 1's checkpoints fit, the merged save of the reset does not."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_full_disk_gives_one_message_and_the_run_resumes_once_space_is_back(
+    reference, tiny_dir, shared_data, small_disk
+):
+    out = small_disk / "run"
+    result = cli(out, tiny_dir, shared_data)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    message = result.stderr[result.stderr.index("error: the disk holding"):]
+    assert f"{out}/ is full" in message
+    assert f"The last complete checkpoint is {out}/phase-0/checkpoint-3" in message and "--resume" in message
+    assert not any(path.name.startswith(".reset-1.tmp") for path in (out / "merged").iterdir())  # space given back
+
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    result = cli(out, tiny_dir, shared_data, "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_weights(out, reference)
+    assert history(out) == history(reference)
