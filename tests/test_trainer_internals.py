@@ -139,3 +139,37 @@ def test_lora_reference_is_the_base_or_the_ref_adapter(tmp_path):
     assert trainer.beta == 0.05 and trainer.ref_model is None
     source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
     assert 'use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None)' in source
+
+
+def test_resume_internals_a_finished_phase_restores_by_hand():
+    # ProRLTrainer._restore_finished_phase: HF's train() checks max_steps only after a step (DefaultFlowCallback), so a
+    # resume from a phase's last checkpoint calls these instead; _save_checkpoint is overridden to un-commit first.
+    from transformers.trainer import OPTIMIZER_NAME
+    from transformers.trainer_callback import DefaultFlowCallback
+
+    params = lambda f: list(inspect.signature(f).parameters)  # noqa: E731
+    assert params(Trainer._load_from_checkpoint)[:2] == ["self", "resume_from_checkpoint"]
+    assert params(Trainer._load_rng_state) == ["self", "checkpoint"]
+    assert params(Trainer._save_checkpoint) == ["self", "model", "trial"]
+    assert OPTIMIZER_NAME == "optimizer.pt"
+    assert "torch.save(self.optimizer.state_dict(), os.path.join(output_dir, OPTIMIZER_NAME))" in inspect.getsource(
+        Trainer._save_optimizer_and_scheduler
+    )
+    assert "state.global_step >= state.max_steps" in inspect.getsource(DefaultFlowCallback.on_step_end)
+
+
+def test_tracker_callbacks_internals_trackers_span_relies_on():
+    # prorl_trl.trainer.trackers: the run is opened in on_train_begin and closed in on_train_end (MLflow ends it,
+    # trackio finishes it), steps come from state.global_step; these private attributes continue a resumed run.
+    from transformers.integrations import INTEGRATION_TO_CALLBACK, MLflowCallback, TensorBoardCallback, TrackioCallback
+
+    assert {"tensorboard", "trackio", "wandb", "mlflow"} <= set(INTEGRATION_TO_CALLBACK)
+    assert "end_run()" in inspect.getsource(MLflowCallback.on_train_end)
+    assert "self._trackio.finish()" in inspect.getsource(TrackioCallback.on_train_end)
+    assert "self.tb_writer.close()" in inspect.getsource(TensorBoardCallback.on_train_end)
+    assert "state.global_step" in inspect.getsource(TensorBoardCallback.on_log)
+    callback = TensorBoardCallback()
+    assert hasattr(callback, "_SummaryWriter") and hasattr(callback, "logging_dir") and callback.tb_writer is None
+    assert "purge_step" in inspect.signature(callback._SummaryWriter).parameters
+    assert 'os.getenv("MLFLOW_RUN_ID"' in inspect.getsource(MLflowCallback.setup)
+    assert "self._ml_flow = mlflow" in inspect.getsource(MLflowCallback.__init__)

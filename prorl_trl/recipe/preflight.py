@@ -12,9 +12,9 @@ says ok only when `train` would start:
 * data (`validate` only; `train` runs the same checks while it builds its datasets): local files row by row, the
   built splits, and whether the rewards can read the golds (`prorl_trl.data.checks`).
 
-`train` runs it first (`preflight(recipe, data=False)` in `run.py`); `validate` runs all of it. The output folder's
-state and the trackers' installation are checked by the functions of the resume/tracker work when they exist (see
-`SEAM` below); nothing here duplicates them.
+`train` runs it first (`preflight(recipe, data=False)` in `run.py`); `validate` runs all of it. The trackers'
+installation is checked by `trackers.check_recipe_trackers` (see `SEAM` below); the output folder's state by `train`
+itself (`output_folder`), and `validate` notes it.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any
 from .checks import key_path_of
 from .recipe import Recipe
 from .schema import RecipeProblem
+from .trackers import check_recipe_trackers
 
 # Optional packages: import name -> how to install it.
 EXTRAS = {
@@ -41,8 +42,9 @@ EXTRAS = {
 MODEL_FILES = ("config.json", "adapter_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
-# Issue 12, items 1-2 (trackers, output-folder state) add their checks here: each is `(recipe) -> list[RecipeProblem]`.
-SEAM: list[Any] = []
+# Checks of other concerns, each `(recipe) -> list[RecipeProblem]`: trackers installed (`trackers.py`). The output
+# folder's state is checked by `train` itself (`output_folder.plan_start`: it depends on --resume/--overwrite).
+SEAM: list[Any] = [check_recipe_trackers]
 
 
 @dataclass

@@ -332,7 +332,13 @@ class ValidationSection:
 class LoggingSection:
     """`logging:` where metrics go. These are `ProRLConfig` fields; the section just groups them."""
 
-    report_to: list[str] | str = field(default="none", metadata={"help": "`none`, `tensorboard`, `wandb`, `trackio`."})
+    report_to: list[str] | str = field(
+        default="none",
+        metadata={
+            "help": "`none`, or trackers: `tensorboard`, `trackio`, `wandb`, `mlflow` (the `trackers` extra installs "
+            "them), or any other `report_to` of transformers."
+        },
+    )
     logging_steps: float = field(default=1, metadata={"help": "Log every N steps.", "min_exclusive": 0})
     run_name: str | None = field(default=None, metadata={"help": "Run name shown by trackers."})
     log_completions: bool = field(default=False, metadata={"help": "Log sampled completions (TRL)."})

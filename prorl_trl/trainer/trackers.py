@@ -11,7 +11,8 @@ killed process logged after its checkpoint (`purge_step`); trackio, W&B and MLfl
 `<output_dir>/prorl_trackers.json` by the first process.
 
 The callbacks keep their class (so `trainer.pop_callback(TensorBoardCallback)` still works): only three bound
-methods of each instance are wrapped.
+methods of each instance are wrapped. Text entries (the merged checkpoint's folder at a phase start) reach TensorBoard
+as text and W&B/trackio as values; MLflow, whose metrics are numbers, gets them as run tags.
 """
 
 from __future__ import annotations
@@ -64,10 +65,12 @@ class TrackerSpan:
         def on_train_end(args, state, control, **kwargs):
             return None  # the run ends in `end()`, not at the end of each phase
 
-        def on_log(args, state, control, **kwargs):
+        def on_log(args, state, control, logs=None, **kwargs):
             view = copy.copy(state)
             view.global_step = self.trainer.prorl_global_step
-            return log(args, view, control, **kwargs)
+            if logs and type(callback).__name__ == "MLflowCallback":
+                logs = _text_as_mlflow_tags(callback, logs, view.global_step)
+            return log(args, view, control, logs=logs, **kwargs)
 
         callback.on_train_begin, callback.on_train_end, callback.on_log = on_train_begin, on_train_end, on_log
 
@@ -142,3 +145,12 @@ def _reopen_tensorboard(callback: Any, args: Any, logging_dir: str | None, purge
         return
     callback.logging_dir = logging_dir
     callback.tb_writer = callback._SummaryWriter(log_dir=logging_dir, purge_step=purge_step)
+
+
+def _text_as_mlflow_tags(callback: Any, logs: dict[str, Any], step: int) -> dict[str, Any]:
+    """MLflow metrics are numbers (HF drops text with a warning): text values (the merged-checkpoint path) become run
+    tags `<key>@<step>` instead."""
+    text = {key: value for key, value in logs.items() if isinstance(value, str)}
+    if text and callback._ml_flow.active_run() is not None:
+        callback._ml_flow.set_tags({f"{key}/step-{step}": value for key, value in text.items()})
+    return {key: value for key, value in logs.items() if key not in text}
