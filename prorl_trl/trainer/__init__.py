@@ -2,9 +2,10 @@
 stop), when to hard-reset, and the overlong penalty.
 
 Modules: `trainer` (ProRLTrainer), `callbacks` (HardResetCallback, SamplingScheduleCallback, PlateauTracker),
-`state` (the trainer's own callback: pending resets, phase plateau, checkpoint state), `checks` (settings checked
-before init), `sampling` (where sampling settings live in TRL), `progress` (rate and ETA over the whole run),
-`dynamic_sampling`, `early_stop`, `overlong`.
+`state` (the trainer's own callback: pending resets, stop requests, phase plateau, checkpoint state), `checks`
+(settings checked before init), `sampling` (where sampling settings live in TRL), `progress` (rate and ETA over the
+whole run), `dynamic_sampling`, `early_stop`, `overlong`, `interrupt` (SIGINT/SIGTERM -> checkpoint and
+`RunInterrupted`), `trackers` (`report_to` trackers over a multi-phase run).
 
 Names are imported on first use, so `prorl_trl.trainer.checks` (run by `prorl-trl validate`) does not import
 `GRPOTrainer` and the model code behind it.
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     from .callbacks import HardResetCallback, PlateauTracker, SamplingScheduleCallback
+    from .interrupt import RunInterrupted, stop_on_signals
     from .trainer import ProRLTrainer
 
 _HOME = {
@@ -24,9 +26,11 @@ _HOME = {
     "PlateauTracker": "callbacks",
     "SamplingScheduleCallback": "callbacks",
     "ProRLTrainer": "trainer",
+    "RunInterrupted": "interrupt",
+    "stop_on_signals": "interrupt",
 }
 
-__all__ = ["HardResetCallback", "PlateauTracker", "ProRLTrainer", "SamplingScheduleCallback"]
+__all__ = sorted(_HOME)
 
 
 def __getattr__(name: str) -> Any:
