@@ -171,3 +171,40 @@ def test_missing_tracker_names_the_extra(monkeypatch, tmp_path, capsys):
     assert "training.report_to" in err and "`trackio`, which is not installed" in err and "[trackers]" in err
     assert main(["validate", recipe, "--training.report_to", "dvclive"]) == 2
     assert "pip install dvclive" in capsys.readouterr().err
+
+
+def test_a_resumed_run_continues_the_same_tracker_runs(tmp_path, monkeypatch):
+    """Interrupted in phase 2, resumed by a new trainer: still one run per tracker, steps 1..5 once each (W&B takes
+    the recorded id the same way, through WANDB_RUN_ID; its offline mode only shows it across processes)."""
+    import test_trainer_resume
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from test_trainer_resume import Interrupt, StopAt
+    from trackio.sqlite_storage import SQLiteStorage
+
+    pytest.importorskip("mlflow")
+    project = f"prorl-test-{uuid.uuid4().hex[:12]}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", str(tmp_path / "mlruns"))
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    plain = test_trainer_resume.tiny_args
+    monkeypatch.setattr(
+        test_trainer_resume, "tiny_args",
+        lambda path, **kw: plain(path, report_to=["tensorboard", "trackio", "mlflow"], project=project, **kw),
+    )  # fmt: skip
+    try:
+        with pytest.raises(Interrupt):
+            test_trainer_resume.run(tmp_path / "b", callbacks=[StopAt(3)])
+        test_trainer_resume.run(tmp_path / "b", resume=True)
+        [tensorboard] = {p.parent for p in (tmp_path / "b" / "run" / "runs").rglob("events.out.tfevents.*")}
+        events = EventAccumulator(str(tensorboard), size_guidance={"scalars": 0})
+        events.Reload()
+        assert sorted(e.step for e in events.Scalars("train/loss")) == [1, 2, 3, 4, 5]
+        client = MlflowClient(str(tmp_path / "mlruns"))
+        [run] = client.search_runs(["0"])
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3, 4, 5]
+        [name] = SQLiteStorage.get_runs(project)
+        assert [e["train/global_step"] for e in SQLiteStorage.get_logs(project, name) if "train/loss" in e] == [1, 2, 3, 4, 5]
+    finally:
+        store = SQLiteStorage.get_project_db_path(project)
+        for path in (store, store.with_suffix(".lock")):
+            path.unlink(missing_ok=True)

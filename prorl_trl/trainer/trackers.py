@@ -127,8 +127,8 @@ class TrackerSpan:
                 ids["wandb"] = callback._wandb.run.id
             elif name == "MLflowCallback" and callback._ml_flow.active_run() is not None:
                 ids["mlflow"] = callback._ml_flow.active_run().info.run_id
-            elif name == "TrackioCallback" and args.run_name:
-                ids["trackio"] = args.run_name
+            elif name == "TrackioCallback":  # the name trackio generated when `run_name` is not set
+                ids["trackio"] = callback._trackio.context_vars.current_run.get().name
         if ids:
             from ..reset.checkpoint import write_json
 
