@@ -129,7 +129,7 @@ def split_options(tokens: list[str], parser: BothSpellingsParser) -> tuple[list[
                 overrides.append(following)
                 index += 1
         elif not recipe_seen and not token.startswith("-"):
-            own.append(token)
+            own.insert(0, token)  # first, so argparse never reads it as the value of an optional-value option
             recipe_seen = True
         else:
             overrides.append(token)

@@ -97,3 +97,17 @@ def test_resume_command_repeats_the_launch_with_resume():
     assert own == ["prorl-trl", "train", "r y.yaml", "--resume"]
     module = shlex.split(resume_command(["/bin/bash"], argv=["/x/prorl_trl/__main__.py", "train", "r.yaml"]))
     assert module == [sys.executable, "-m", "prorl_trl", "train", "r.yaml", "--resume"]
+
+
+def test_train_takes_resume_and_overwrite_before_or_after_the_recipe():
+    from prorl_trl.cli import parse_command_line
+
+    def parsed(*argv):
+        _, args = parse_command_line(["train", *argv])
+        return args.recipe, args.resume, args.overwrite, args.overrides
+
+    assert parsed("r.yaml", "--resume") == ("r.yaml", True, False, [])
+    assert parsed("--resume", "r.yaml", "--x", "1") == ("r.yaml", True, False, ["--x", "1"])
+    assert parsed("r.yaml", "--resume", "p/checkpoint-2", "--x", "1") == ("r.yaml", "p/checkpoint-2", False, ["--x", "1"])
+    assert parsed("r.yaml", "--resume", "--x", "1") == ("r.yaml", True, False, ["--x", "1"])
+    assert parsed("--overwrite", "r.yaml", "--lr", "2") == ("r.yaml", None, True, ["--lr", "2"])
