@@ -9,6 +9,7 @@ from prorl_trl.reset import (
     ResetNotSupportedError,
     broadcast_adapter,
     check_reset_support,
+    engine_of,
     lora_layers,
     lora_parameters,
     merge_lora_in_place,
@@ -257,19 +258,26 @@ def test_supported_configurations_pass_the_check():
     check_reset_support(None, build_tiny()[0])  # full fine-tuning
 
 
-def test_fsdp_and_deepspeed_launches_are_refused(monkeypatch, tmp_path):
+def test_launch_engine_from_args_and_environment(monkeypatch, tmp_path):
+    """FSDP1 is refused before any model is loaded; FSDP2 and DeepSpeed ZeRO-2 (the defaults) are supported (the
+    whole matrix: tests/test_sharded_resets.py)."""
     from trl import GRPOConfig
 
-    args = GRPOConfig(output_dir=str(tmp_path), fsdp="full_shard", use_cpu=True, report_to=[])
-    with pytest.raises(ResetNotSupportedError, match="not supported under FSDP.*DDP"):
-        check_reset_support(args, lora_model())
-    with pytest.raises(ResetNotSupportedError, match="FSDP"):
-        check_reset_support(args, None)  # launch-only check, before any model is loaded
+    fsdp1 = GRPOConfig(output_dir=str(tmp_path), fsdp="full_shard", fsdp_config={"version": 1}, use_cpu=True, report_to=[])
+    with pytest.raises(ResetNotSupportedError, match="not supported under FSDP1: FSDP version 1 flattens.*Supported: single process"):
+        check_reset_support(fsdp1, lora_model())
+    with pytest.raises(ResetNotSupportedError, match="FSDP1"):
+        check_reset_support(fsdp1, None)  # launch-only check, before any model is loaded
+    fsdp2 = GRPOConfig(output_dir=str(tmp_path), fsdp="full_shard", use_cpu=True, report_to=[])
+    assert engine_of(fsdp2).kind == "fsdp2"
+    check_reset_support(fsdp2, lora_model())
     plain = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    assert engine_of(plain).kind == "replicated"
     check_reset_support(plain, lora_model())
-    check_reset_support(plain, None)
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what `accelerate launch --use_deepspeed` exports
-    with pytest.raises(ResetNotSupportedError, match="not supported under DeepSpeed"):
+    assert engine_of(plain).kind == "zero2"  # accelerate's default stage
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "cpu")
+    with pytest.raises(ResetNotSupportedError, match="not supported under DeepSpeed ZeRO-2: CPU/NVMe offload"):
         check_reset_support(plain, lora_model())
 
 

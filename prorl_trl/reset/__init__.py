@@ -7,18 +7,27 @@ whether the fresh adapter needs new Parameters), `broadcast_adapter` (DDP replic
 `write_dir_atomically`). `check_reset_support` refuses, before training, what a reset cannot do correctly.
 `checkpoint` holds what a ProRL checkpoint adds to TRL's (phase, reset count, merged base) and how a resume reads it.
 
-Modules: `support` (what is supported; shared lookups), `lora`, `distributed`, `optimizer`, `reference`, `save`,
-`checkpoint`. Nothing here imports the trainer.
+Under FSDP2 and DeepSpeed ZeRO-2/3 the same reset goes through `engine` (where each engine keeps weights, fp32
+masters and optimizer state; `engine_of` tells the launch's engine) and `sharded` (`merge_lora_sharded`,
+`fresh_adapter_sharded`, `sync_reference_sharded`, and the superset adapter that replaces a LoRA shape change);
+`gathered` brings whole weights out of (merged saves) and into (resume) a sharded model.
+
+Modules: `support` (what is supported; shared lookups), `engine`, `lora`, `sharded`, `distributed`, `optimizer`,
+`reference`, `gathered`, `save`, `checkpoint`. Nothing here imports the trainer.
 """
 
 from .distributed import broadcast_adapter
+from .engine import FSDP2, REPLICATED, ZERO2, ZERO3, Engine, engine_of, refresh_master_weights
+from .gathered import gathered_state_dict, load_state_
 from .lora import adapter_needs_rebuild, lora_parameters, merge_lora_in_place, reinit_adapter, targeted_module_names
-from .optimizer import reset_optimizer_state
+from .optimizer import reset_optimizer_state, restore_zero_optimizer, snapshot_zero_optimizer
 from .reference import reset_reference_adapter, sync_reference
 from .save import merged_state_dict, recover_interrupted_save, save_merged, save_merged_model, write_dir_atomically
+from .sharded import fresh_adapter_sharded, merge_lora_sharded, superset_lora_config, sync_reference_sharded
 from .support import (
     ADAPTER_NAME,
     ResetNotSupportedError,
+    check_engine_support,
     check_lora_supported,
     check_reset_support,
     lora_layers,
@@ -29,24 +38,40 @@ from .support import (
 
 __all__ = [
     "ADAPTER_NAME",
+    "FSDP2",
+    "REPLICATED",
+    "ZERO2",
+    "ZERO3",
+    "Engine",
     "ResetNotSupportedError",
     "adapter_needs_rebuild",
     "broadcast_adapter",
+    "check_engine_support",
     "check_lora_supported",
     "check_reset_support",
+    "engine_of",
+    "fresh_adapter_sharded",
+    "gathered_state_dict",
+    "load_state_",
     "lora_layers",
     "lora_parameters",
     "merge_lora_in_place",
+    "merge_lora_sharded",
     "merged_state_dict",
     "peft_model_of",
     "quantization_method",
     "recover_interrupted_save",
+    "refresh_master_weights",
     "reinit_adapter",
     "reset_optimizer_state",
     "reset_reference_adapter",
+    "restore_zero_optimizer",
     "save_merged",
     "save_merged_model",
+    "snapshot_zero_optimizer",
+    "superset_lora_config",
     "sync_reference",
+    "sync_reference_sharded",
     "targeted_module_names",
     "unwrap_model",
     "write_dir_atomically",

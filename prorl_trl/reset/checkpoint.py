@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from .gathered import load_state_
 from .support import unwrap_model
 
 PRORL_STATE_NAME = "prorl_state.json"
@@ -144,21 +145,12 @@ def load_merged_base(model: nn.Module, path: str | os.PathLike) -> None:
     """Copy the weights of a merged save (`save_merged_model`) into the live model's base weights, in place.
 
     Works on a PeftModel (LoRA tensors are left alone; `.base_layer.` names are mapped to plain ones) and on a plain
-    model. Every base tensor must be present: a partial load would silently mix two bases.
+    model, under every engine (FSDP2 shards, ZeRO-3 partitions: collective there, see `gathered.load_state_`).
+    Every base tensor must be present: a partial load would silently mix two bases.
     """
-    model = unwrap_model(model)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    saved = _read_weights(Path(path))
-    missing = []
-    for name, tensor in list(base.named_parameters()) + list(base.named_buffers()):
-        if "lora_" in name:
-            continue
-        key = name.replace(".base_layer.", ".")
-        if key not in saved:
-            if isinstance(tensor, nn.Parameter):
-                missing.append(key)
-            continue
-        tensor.copy_(saved[key].to(device=tensor.device, dtype=tensor.dtype))
+    base = unwrap_model(model)
+    base = base.get_base_model() if hasattr(base, "get_base_model") else base
+    missing = load_state_(base, _read_weights(Path(path)))
     tied = getattr(base.config, "tie_word_embeddings", False)
     missing = [k for k in missing if not (tied and k.endswith("lm_head.weight"))]
     if missing:

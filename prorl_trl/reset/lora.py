@@ -47,6 +47,20 @@ def _adapter_dtype_device(model: nn.Module) -> tuple[torch.dtype, torch.device]:
     return weight.dtype, weight.device
 
 
+def fresh_lora_a(shape: tuple[int, int], init_lora_weights: Any, r: int, generator: torch.Generator) -> torch.Tensor:
+    """A fresh fp32 LoRA A of `shape` (r x in) on the CPU, drawn from `generator` as PEFT initialises it.
+
+    `True`: kaiming-uniform with a=sqrt(5) (PEFT's default); `"gaussian"`: normal with std 1/r. Every rank that
+    draws from the same seeded generator gets the same numbers.
+    """
+    fresh = torch.empty(shape, dtype=torch.float32)
+    if init_lora_weights is True:
+        nn.init.kaiming_uniform_(fresh, a=math.sqrt(5), generator=generator)
+    else:  # "gaussian", as PEFT: std 1/r
+        nn.init.normal_(fresh, std=1 / r, generator=generator)
+    return fresh
+
+
 @torch.no_grad()
 def _init_adapter_weights(model: nn.Module, init_lora_weights: Any, seed: int | None) -> None:
     """PEFT's default LoRA init (kaiming-uniform A, zero B) on the existing tensors.
@@ -60,12 +74,7 @@ def _init_adapter_weights(model: nn.Module, init_lora_weights: Any, seed: int | 
             layer.reset_lora_parameters(ADAPTER_NAME, init_lora_weights=init_lora_weights)
             continue
         weight_a = layer.lora_A[ADAPTER_NAME].weight
-        fresh = torch.empty(weight_a.shape, dtype=torch.float32)
-        if init_lora_weights is True:
-            nn.init.kaiming_uniform_(fresh, a=math.sqrt(5), generator=generator)
-        else:  # "gaussian", as PEFT: std 1/r
-            nn.init.normal_(fresh, std=1 / layer.r[ADAPTER_NAME], generator=generator)
-        weight_a.copy_(fresh)
+        weight_a.copy_(fresh_lora_a(tuple(weight_a.shape), init_lora_weights, layer.r[ADAPTER_NAME], generator))
         layer.lora_B[ADAPTER_NAME].weight.zero_()
         if layer.lora_B[ADAPTER_NAME].bias is not None:
             layer.lora_B[ADAPTER_NAME].bias.zero_()

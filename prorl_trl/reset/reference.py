@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .engine import gathered, local_value
 from .support import lora_layers, unwrap_model
 
 
@@ -43,13 +44,15 @@ def reset_reference_adapter(model: nn.Module, adapter_name: str = "ref") -> bool
 
     TRL adds a "ref" adapter (a copy of "default") when it is given a ready PeftModel and `beta > 0`. After
     `merge_lora_in_place` that reference is "new base + old ref delta", i.e. neither the old nor the current policy;
-    zeroing its B makes it exactly the current policy (the hard reset of the KL anchor). Returns False if the model
-    has no such adapter (then the reference is the adapter-disabled base, which the merge already moved).
+    zeroing its B makes it exactly the current policy (the hard reset of the KL anchor). Works under every engine
+    (collective under FSDP2/ZeRO-3). Returns False if the model has no such adapter (then the reference is the adapter-disabled base, which the merge already moved).
     """
     layers = lora_layers(model, adapter_name)
     for _, layer in layers:
-        layer.lora_B[adapter_name].weight.zero_()
-        if layer.lora_B[adapter_name].bias is not None:
-            layer.lora_B[adapter_name].bias.zero_()
+        lora_b = layer.lora_B[adapter_name]
+        tensors = [t for t in (lora_b.weight, lora_b.bias) if t is not None]
+        with gathered(tensors, modifier_rank=0):  # ZeRO-3: edit the whole tensors; FSDP2: the local shards
+            for tensor in tensors:
+                local_value(tensor).zero_()
     return bool(layers)
 

@@ -59,16 +59,23 @@ def merged_state_dict(model: nn.Module, device: str | torch.device | None = "cpu
     return state
 
 
-def save_merged_model(model: nn.Module, tokenizer: Any, path: str | os.PathLike, state: dict | None = None) -> Path:
+def save_merged_model(
+    model: nn.Module,
+    tokenizer: Any,
+    path: str | os.PathLike,
+    state: dict | None = None,
+    weights: dict[str, torch.Tensor] | None = None,
+) -> Path:
     """Save base + all LoRA deltas as a plain model (no LoRA tensors) and the tokenizer; return the final path.
 
     Loadable with `AutoModelForCausalLM.from_pretrained(path)` and equal in function to the live PeftModel, which is
     left untouched (no merge/unload of the live object). Atomic (`write_dir_atomically`). `state`, if given, is
-    written beside the weights as `prorl_state.json` (what the run had done when it saved).
+    written beside the weights as `prorl_state.json` (what the run had done when it saved). `weights`: the merged
+    weights already gathered from a sharded model (`gathered.gathered_state_dict`; default `merged_state_dict`).
     Call it on the main process only (it does not synchronise ranks).
     """
     base = peft_model_of(model).get_base_model()
-    merged = merged_state_dict(model)
+    merged = merged_state_dict(model) if weights is None else weights
 
     def write(folder: Path) -> None:
         base.save_pretrained(folder, state_dict=merged)
@@ -132,14 +139,22 @@ def _replace_dir(src: Path, dst: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def save_merged(model: nn.Module, tokenizer: Any, path: str | os.PathLike, state: dict | None = None) -> Path:
+def save_merged(
+    model: nn.Module,
+    tokenizer: Any,
+    path: str | os.PathLike,
+    state: dict | None = None,
+    weights: dict[str, torch.Tensor] | None = None,
+) -> Path:
     """The live policy as a plain model at `path`: base + LoRA delta for a PeftModel, the weights as they are for full
-    fine-tuning. Atomic either way (`write_dir_atomically`); `state` as in `save_merged_model`. Main process only."""
+    fine-tuning. Atomic either way (`write_dir_atomically`); `state` as in `save_merged_model`; `weights` gathered
+    from a sharded model (FSDP2/ZeRO: `gathered.gathered_state_dict`, whose shards the model itself cannot save).
+    Main process only."""
     if hasattr(model, "peft_config"):
-        return save_merged_model(model, tokenizer, path, state)
+        return save_merged_model(model, tokenizer, path, state, weights=weights)
 
     def write(folder: Path) -> None:
-        model.save_pretrained(folder)
+        model.save_pretrained(folder, state_dict=weights)
         _write_extras(folder, tokenizer, state)
 
     return write_dir_atomically(path, write)

@@ -4,10 +4,11 @@ small lookups every reset function shares (`unwrap_model`, `peft_model_of`, `lor
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from torch import nn
+
+from .engine import Engine, engine_of
 
 ADAPTER_NAME = "default"
 SUPPORTED_INIT_LORA_WEIGHTS = (True, "gaussian")
@@ -18,9 +19,11 @@ class ResetNotSupportedError(ValueError):
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The PeftModel/PreTrainedModel under DDP (`.module`) or `torch.compile` (`._orig_mod`) wrappers."""
+    """The PeftModel/PreTrainedModel under DDP or DeepSpeed (`.module`) or `torch.compile` (`._orig_mod`) wrappers.
+
+    (FSDP2 wraps nothing: `fully_shard` changes the module's class in place.)"""
     while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
+        if isinstance(model, nn.parallel.DistributedDataParallel) or type(model).__name__ == "DeepSpeedEngine":
             model = model.module
         elif hasattr(model, "_orig_mod"):
             model = model._orig_mod
@@ -99,22 +102,6 @@ def check_lora_supported(model: nn.Module) -> None:
         raise ResetNotSupportedError("Hard reset is not supported for this adapter: " + "; ".join(problems) + f". {supported}")
 
 
-def _distributed_backend(args: Any, accelerator: Any) -> str | None:
-    """'DeepSpeed', 'FSDP' or 'Megatron-LM' when the run shards parameters/optimizer state, else None."""
-    kind = str(getattr(getattr(accelerator, "distributed_type", None), "value", "") or "")
-    if getattr(args, "deepspeed", None) or kind == "DEEPSPEED" or _env_flag("ACCELERATE_USE_DEEPSPEED"):
-        return "DeepSpeed"
-    if getattr(args, "fsdp", None) or kind == "FSDP" or _env_flag("ACCELERATE_USE_FSDP"):
-        return "FSDP"
-    if kind == "MEGATRON_LM" or _env_flag("ACCELERATE_USE_MEGATRON_LM"):
-        return "Megatron-LM"
-    return None
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "false").strip().lower() in ("1", "true", "yes", "on")
-
-
 def quantization_method(model: nn.Module) -> str | None:
     """The quantisation of the (base) model's weights, e.g. 'bitsandbytes 4-bit', or None for float weights.
 
@@ -145,12 +132,31 @@ def quantization_method(model: nn.Module) -> str | None:
     return None
 
 
+SUPPORTED_ENGINES = (
+    "single process (one GPU or CPU), DDP (`recipes/accelerate/multi_gpu.yaml`), FSDP2 without CPU offload "
+    "(`recipes/accelerate/fsdp.yaml`: fsdp_version 2) and DeepSpeed ZeRO-2/3 without offload "
+    "(`recipes/accelerate/zero2.yaml`, `zero3.yaml`)"
+)
+
+
+def check_engine_support(engine: Engine) -> None:
+    """Raise `ResetNotSupportedError` naming what works when `engine` (`engine_of`) cannot hard-reset."""
+    if engine.kind != "unsupported":
+        return
+    raise ResetNotSupportedError(
+        f"Hard resets are not supported under {engine.label}: " + "; ".join(engine.problems) + ". A reset edits "
+        f"weights, fp32 master copies and optimizer state in place, where the engine keeps them. Supported: "
+        f"{SUPPORTED_ENGINES}. Either launch with one of those, or disable resets (`hard_reset_between_phases: "
+        "false`, no phase with `hard_reset: true`, no HardResetCallback, the same LoRA shape in every phase)."
+    )
+
+
 def check_reset_support(args: Any, model: nn.Module | None, accelerator: Any = None) -> None:
     """Raise `ResetNotSupportedError` before training if a hard reset cannot be done correctly here.
 
     Call it once, before the first step, whenever the run will hard-reset. Refused:
-    * DeepSpeed ZeRO / FSDP / Megatron: parameters and fp32 master weights are sharded or flattened and owned by the
-      engine, so in-place edits are overwritten at the next step and the optimizer cannot be swapped.
+    * Engines whose weights a reset cannot edit in place (`check_engine_support`: FSDP1, CPU/NVMe offload, ZeRO++
+      hpZ, a DeepSpeed `scheduler` block, Megatron-LM). Single process, DDP, FSDP2 and ZeRO-2/3 are supported.
     * A quantised base (QLoRA, GPTQ, ...): merging re-quantises the base at every reset and the rounding error
       accumulates over a long run. We refuse rather than merge silently lossily; merging through full precision would
       need a float copy of the base, which is what QLoRA exists to avoid.
@@ -158,15 +164,7 @@ def check_reset_support(args: Any, model: nn.Module | None, accelerator: Any = N
     Full fine-tuning (no PeftModel) is supported: only the optimizer and the reference model are reset.
     `model=None` checks only the launch (args/accelerator/environment), e.g. before loading a model by name.
     """
-    backend = _distributed_backend(args, accelerator)
-    if backend is not None:
-        raise ResetNotSupportedError(
-            f"Hard resets are not supported under {backend}: it shards or flattens the parameters and keeps fp32 master "
-            "weights in its own optimizer, so an in-place LoRA merge/re-init would be overwritten at the next step. "
-            "Supported launches: single process (one GPU or CPU) and multi-GPU DDP (`accelerate launch "
-            "--multi_gpu` / `torchrun`). Either launch without DeepSpeed/FSDP (LoRA on a <=8B model fits one GPU per "
-            "replica), or disable resets (`hard_reset_between_phases: false` and no phase with `hard_reset: true`)."
-        )
+    check_engine_support(engine_of(args, accelerator))
     if model is None:  # launch-only check, usable before the model is loaded
         return
     method = quantization_method(model)
