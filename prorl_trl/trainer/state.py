@@ -30,6 +30,7 @@ class ProRLStateCallback(TrainerCallback):
         )
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._on_train_begin()  # after HF built this call's engine: a carried DeepSpeed optimizer goes in
         if not self.trainer._resumed_inner_call:
             self.trainer.log_phase_start()
         return control

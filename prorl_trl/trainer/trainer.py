@@ -101,6 +101,12 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs] if reward_funcs else []
         self._num_user_rewards = len(reward_funcs)
         check_before_init(args, self.phases, model, peft_config, reward_funcs, list(kwargs.get("callbacks") or []))
+        # The engine (DDP, FSDP2, ZeRO-2/3) from args and `accelerate launch`'s environment: checked before any model
+        # is loaded; `_check_after_init` re-reads it from the accelerator.
+        self._engine = reset_ops.engine_of(args)
+        self._superset = self._plan_sharded_adapter(args, model, peft_config, list(kwargs.get("callbacks") or []))
+        if self._superset is not None:
+            kwargs["peft_config"] = self._superset
         dataset_columns = getattr(kwargs.get("train_dataset"), "column_names", None)
         if dataset_columns is not None:  # a registry reward missing its gold column fails now, not after generation
             rewards.check_columns(reward_funcs, dataset_columns)
@@ -134,6 +140,8 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         self._resumed_phase_step = 0
         self._resumed_phase_complete = False
         self._resumed_inner_call = False
+        self._active_lora: dict[str, Any] | None = None  # the live part of a superset adapter (sharded engines)
+        self._zero_carry: dict[str, Any] | None = None  # DeepSpeed optimizer carried into the next phase's engine
 
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
         use_run_progress(self)  # one bar (or line per log) over all phases with rate and ETA, not a dict per log
@@ -147,7 +155,48 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         self._bind_callbacks()
 
     # ----------------------------------------------------------------------------------------------- validation
+    def _plan_sharded_adapter(self, args: ProRLConfig, model: Any, peft_config: Any, callbacks: list) -> Any:
+        """Refuse, before loading, a launch a reset cannot run under; under FSDP2/ZeRO return the superset LoraConfig
+        that holds every phase's adapter (None when no phase changes the rank or targets, or not sharded).
+
+        A sharded engine cannot take new Parameters after wrapping (`prorl_trl.reset.sharded`), so a LoRA shape
+        change there is the active part of one adapter allocated at the largest rank on the union of targets.
+        """
+        engine = self._engine
+        if resets_possible(self.phases, callbacks):
+            reset_ops.check_engine_support(engine)
+        if args.compiled_generation and engine.kind in (reset_ops.ZERO3, reset_ops.FSDP2):
+            raise ValueError(
+                f"compiled_generation is not supported under {engine.label}: its CUDA graphs read the weights at fixed "
+                "addresses, but ZeRO-3 and FSDP2 gather the parameters anew for every generation. Set "
+                "`compiled_generation: false` (TRL's generation path), or use DeepSpeed ZeRO-2 or DDP, where the "
+                "weights stay in place and compiled generation works."
+            )
+        fsdp_config = getattr(args, "fsdp_config", None) or {}
+        ram_efficient = fsdp_config.get("cpu_ram_efficient_loading", os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING"))
+        full_ft = peft_config is None and not hasattr(model, "peft_config")
+        if engine.kind == reset_ops.FSDP2 and full_ft and args.beta != 0.0 and str(ram_efficient).lower() == "true":
+            raise ValueError(
+                "Full fine-tuning with beta > 0 under FSDP2 with fsdp_cpu_ram_efficient_loading: true is refused: "
+                "transformers then loads the weights on rank 0 only (zeros elsewhere) and accelerate broadcasts them "
+                "to the policy, but TRL shards the reference model without that broadcast, so its shards on the other "
+                "ranks stay zero. Set `fsdp_cpu_ram_efficient_loading: false` (recipes/accelerate/fsdp.yaml does)."
+            )
+        if not engine.sharded:
+            return None
+        shapes = [phase.lora_shape for phase in self.phases]
+        if peft_config is None:
+            if hasattr(model, "peft_config") and len({(r, t) for r, _, t in shapes}) > 1:
+                raise reset_ops.ResetNotSupportedError(
+                    f"Phases change the LoRA rank or targets under {engine.label}, but the model is a ready PeftModel. "
+                    "Pass the base model with `peft_config=LoraConfig(...)` instead: the adapter must be allocated "
+                    "for every phase (largest rank, union of targets) before the engine wraps the model."
+                )
+            return None
+        return reset_ops.superset_lora_config(peft_config, shapes)
+
     def _check_after_init(self) -> None:
+        self._engine = reset_ops.engine_of(self.args, self.accelerator)
         self._reset_support_checked = resets_possible(self.phases, self.callback_handler.callbacks)
         if self._reset_support_checked:
             reset_ops.check_reset_support(self.args, self.model, self.accelerator)
@@ -253,9 +302,21 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         self._state_callback.start_phase(phase)
         if self.optimizer is not None:
             self._keep_optimizer_for_next_call(phase.learning_rate)
+        if self._engine.deepspeed:
+            # HF destroys the DeepSpeed engine at the start of every `train()` call (`accelerator.free_memory()`) but
+            # reuses `model_wrapped` when it is already wrapped: hand it the bare model so it builds a new engine.
+            self.model_wrapped = self.model
 
     def _keep_optimizer_for_next_call(self, learning_rate: float) -> None:
-        """Carry the optimizer into the next `train()` call (no reset): unwrap accelerate's wrapper, new phase lr."""
+        """Carry the optimizer into the next `train()` call (no reset): unwrap accelerate's wrapper, new phase lr.
+
+        DeepSpeed: HF builds a new engine and optimizer at every `train()` call (`deepspeed_init`), so the ZeRO
+        optimizer's fp32 masters and Adam state are snapshotted here and put into the new one in `_on_train_begin`.
+        """
+        if self._engine.deepspeed:
+            self._zero_carry = reset_ops.snapshot_zero_optimizer(self.optimizer)
+            self.optimizer, self.lr_scheduler = None, None
+            return
         inner = getattr(self.optimizer, "optimizer", self.optimizer)
         for group in inner.param_groups:
             group["lr"] = group["initial_lr"] = learning_rate
@@ -271,6 +332,8 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         model = reset_ops.unwrap_model(self.model)
         if phase.lora_r is None or not hasattr(model, "peft_config"):
             return False
+        if self._superset is not None:  # sharded engine: compare with the live part of the superset adapter
+            return self._active_lora is None or self._active_lora != self._superset_shape(phase)
         if reset_ops.adapter_needs_rebuild(model, r=phase.lora_r, target_modules=phase.lora_target_modules):
             return True
         return phase.lora_alpha is not None and phase.lora_alpha != model.peft_config["default"].lora_alpha
@@ -360,14 +423,46 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         """Resume from the checkpoint of a phase's last step: load what HF's resume would (weights, optimizer state,
         RNG), but do not call HF's `train()`, which checks `max_steps` only after a step and so would train one step
         more than the phase has (and than the uninterrupted run did)."""
+        if self._engine.sharded:  # HF loads FSDP/DeepSpeed checkpoints only inside `train()`, into a built engine
+            raise reset_ops.ResetNotSupportedError(
+                f"{checkpoint} was written at the last step of phase {self.current_phase.index}; resuming from such a "
+                f"checkpoint is not supported under {self._engine.label} yet (its weights and optimizer state are in "
+                "the engine's own format, which HF loads only into the engine a training call builds). Resume from "
+                "an earlier checkpoint of that phase, or save at a step inside the phase."
+            )
         self._load_from_checkpoint(str(checkpoint))  # HF private: the adapter (LoRA) or all weights
         if self.optimizer is None:
             self.create_optimizer()
         load_optimizer_state(self.optimizer, checkpoint)
         self._load_rng_state(str(checkpoint))  # HF private: python, numpy, torch (and CUDA) RNG of this process
 
+    def _superset_shape(self, phase: ResolvedPhase) -> dict[str, Any]:
+        """`phase`'s adapter as the active part of the superset adapter: rank, alpha and wrapped module names."""
+        model = reset_ops.unwrap_model(self.model)
+        alpha = phase.lora_alpha if phase.lora_alpha is not None else self._superset.lora_alpha
+        return {
+            "r": phase.lora_r,
+            "lora_alpha": alpha,
+            "target_names": reset_ops.targeted_module_names(model, phase.lora_target_modules),
+        }
+
     def _fresh_adapter(self, phase: ResolvedPhase) -> bool:
-        """A fresh adapter of `phase`'s shape, identical on every rank; True when its Parameters are new objects."""
+        """A fresh adapter of `phase`'s shape, identical on every rank; True when its Parameters are new objects.
+
+        Under FSDP2/ZeRO the existing (sharded) Parameters are rewritten, never replaced: a shape change activates
+        another part of the superset adapter (`prorl_trl.reset.sharded`).
+        """
+        if self._engine.sharded:
+            shape = self._superset_shape(phase) if self._superset is not None else {}
+            self._active_lora = reset_ops.fresh_adapter_sharded(
+                self.model,
+                self._engine.kind,
+                seed=self._reset_seed(),
+                rank=shape.get("r"),
+                lora_alpha=shape.get("lora_alpha", phase.lora_alpha),
+                target_names=shape.get("target_names"),
+            )
+            return False
         new_params = reset_ops.reinit_adapter(
             self.model, r=phase.lora_r, lora_alpha=phase.lora_alpha, target_modules=phase.lora_target_modules, seed=self._reset_seed()
         )
@@ -399,10 +494,26 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
             "last_phase": self.current_phase.name,
         }
         output_dir = Path(self.args.output_dir)
-        if self.accelerator.is_main_process and self.args.should_save and finished_state(output_dir) != done:
-            model = reset_ops.unwrap_model(self.model)
-            reset_ops.save_merged(model, self.processing_class, output_dir / FINAL_DIR_NAME, state=done)
+        if finished_state(output_dir) != done:  # the same file on every rank: all of them take part in a gather
+            self._save_merged(output_dir / FINAL_DIR_NAME, state=done)
+        else:
+            self.accelerator.wait_for_everyone()
+
+    def _save_merged(self, path: Path, state: dict[str, Any] | None = None) -> None:
+        """The live policy as a plain `from_pretrained` model at `path` (rank 0 writes; all ranks wait).
+
+        Under FSDP2/ZeRO the weights are first gathered to rank 0's CPU one module at a time (collective)."""
+        model = reset_ops.unwrap_model(self.model)
+        weights = reset_ops.gathered_state_dict(model) if self._engine.sharded else None  # every rank takes part
+        if self.accelerator.is_main_process and self.args.should_save:
+            reset_ops.save_merged(model, self.processing_class, path, state=state, weights=weights)
         self.accelerator.wait_for_everyone()
+
+    def _on_train_begin(self) -> None:
+        """After HF built this `train()` call's engine: put a carried DeepSpeed optimizer into it."""
+        if self._zero_carry is not None:
+            reset_ops.restore_zero_optimizer(self.optimizer, self._zero_carry)
+            self._zero_carry = None
 
     # --------------------------------------------------------------------------------------------------- reset
     def create_scheduler(self, num_training_steps: int, optimizer=None):
@@ -431,23 +542,31 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
             self._reset_support_checked = True
         target = lora_phase or self.current_phase
         model = reset_ops.unwrap_model(self.model)
+        engine = self._engine
         new_params = False
         if hasattr(model, "peft_config"):
-            reset_ops.merge_lora_in_place(model)
+            if engine.sharded:  # in the engine's storage; idle parts of a superset adapter are zero and skipped
+                active = self._active_lora["target_names"] if self._active_lora else None
+                reset_ops.merge_lora_sharded(model, engine.kind, active)
+            else:
+                reset_ops.merge_lora_in_place(model)
             new_params = self._fresh_adapter(target)
             if self.args.reset_reference:  # a TRL "ref" adapter (PeftModel given with beta > 0) -> the merged base
                 reset_ops.reset_reference_adapter(model)
         elif self.args.reset_reference and self.ref_model is not None:
-            reset_ops.sync_reference(self.ref_model, model)
+            if engine.sharded:
+                reset_ops.sync_reference_sharded(self.ref_model, model, engine.kind)
+            else:
+                reset_ops.sync_reference(self.ref_model, model)
+        if engine.deepspeed:  # edited trainable weights (LoRA A/B) must reach ZeRO's fp32 masters before its next step
+            reset_ops.refresh_master_weights(self.optimizer)
         self._reset_optimizer(new_params)
         self.prorl_resets += 1
         self._pending_reset = None
         force_weight_sync(self)
         if self.args.save_merged_on_reset:
             path = Path(self.args.output_dir) / "merged" / f"reset-{self.prorl_resets}"
-            if self.accelerator.is_main_process:
-                reset_ops.save_merged(reset_ops.unwrap_model(self.model), self.processing_class, path)
-            self.accelerator.wait_for_everyone()
+            self._save_merged(path)
             self.prorl_merged_path = str(path)
         self.announce(f"ProRL hard reset #{self.prorl_resets} at global step {self.prorl_global_step} ({reason}).")
 
