@@ -34,11 +34,16 @@ def run_two_processes(script: str | Path, *script_args: str, timeout: int) -> No
     assert completed.returncode == 0, completed.stderr[-4000:]
 
 
+def two_process_results(tmp_path_factory, script: Path, name: str, timeout: int = 240) -> dict:
+    """Run a worker that writes its measurements to the JSON file given as its argument; return them."""
+    out = tmp_path_factory.mktemp(name) / "results.json"
+    run_two_processes(script, str(out), timeout=timeout)
+    return json.loads(out.read_text())
+
+
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp") / "results.json"
-    run_two_processes(WORKER, str(out), timeout=240)
-    return json.loads(out.read_text())
+    return two_process_results(tmp_path_factory, WORKER, "ddp")
 
 
 def test_replicas_identical_after_every_reset_and_phase(ddp_results):

@@ -1,0 +1,537 @@
+"""Hard resets under FSDP2 and DeepSpeed ZeRO-3 (and ZeRO-2) on 1, 2 and 4 GPUs: correctness, resume, speed, memory.
+
+    python benchmarks/scale_out.py --budget 560 --out benchmarks/results/scale_out.md   # GPU machine (4 GPUs)
+    python benchmarks/scale_out.py --smoke                                             # CPU: ZeRO-2/3 over gloo
+
+Every case is one `accelerate launch --config_file recipes/accelerate/<engine>.yaml --num_processes N` of this file
+(`--worker`), the way a recipe is launched (single process for the 1-GPU baseline). A worker runs its modes in turn:
+
+* `full` / `lora`: a 3-phase ProRLTrainer run with 3 hard resets (2 phase boundaries, 1 inside the last phase), on a Qwen2 model of Qwen2-0.5B's width with 8 of
+  its 24 layers and the tiny tokenizer (random init, bf16, loaded by path as a recipe loads it). `full` trains all
+  weights with a KL reference (beta 0.04), so each reset also sets reference := policy; `lora` changes the adapter
+  at each reset (r16 on q,v -> r32 on all linear layers -> r16 on q,k,v,o), which FSDP2/ZeRO run as one superset
+  adapter. The run is killed (an exception on every rank) right after a checkpoint in phase 1, i.e. after reset 1,
+  and a new trainer on a freshly loaded model resumes it from disk (`train(resume_from_checkpoint=True)`) and runs
+  to the end (reset 2, phase 2). At every reset the worker records (a) the gathered parameters: one hash per rank
+  (must agree) and equality with `merged/reset-<k>/` read back from disk; for full fine-tuning also reference ==
+  policy; under DeepSpeed, ZeRO's fp32 masters == the (edited) parameters; (b) max |logits after - logits before|
+  on a fixed batch; and (c) the phase, reset count and gathered-weight hash right after the resume vs at the
+  checkpoint. Throughput: completions per second over the steps that are not the first of a `train()` call.
+* `memory`: full fine-tuning of the Qwen2.5-1.5B architecture (DeepSeek-R1-Distill-Qwen-1.5B, the RLinf recipe's
+  model: hidden 1536, 28 layers, vocab 151,936, untied head), bf16, the RLinf recipe's micro-batch (8), optimizer
+  and gradient checkpointing, completions forced to `--memory-tokens` tokens; 2 steps. Peak per-GPU
+  `torch.cuda.max_memory_allocated` / `max_memory_reserved` (the largest rank).
+
+The driver runs the cases in priority order inside `--budget` seconds, writes every worker's JSON as it lands (and
+`--json-dir`), skips what no longer fits, and prints one table (with the skipped cases) at the end. `--smoke` runs
+ZeRO-2 and ZeRO-3 with 2 CPU processes on the tiny model (DeepSpeed over gloo; accelerate cannot run FSDP on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import hashlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+CONFIGS = {
+    "zero3": "zero3.yaml",
+    "zero2": "zero2.yaml",
+    "fsdp2": "fsdp.yaml",
+    "ddp": "multi_gpu.yaml",
+    "single": "single_gpu.yaml",
+}
+# (engine, processes, modes, rough seconds on an H100 host): the order is the priority.
+GPU_CASES = [
+    ("zero3", 2, ("full", "lora"), 100),
+    ("fsdp2", 2, ("full", "lora"), 100),
+    ("single", 1, ("full", "lora"), 80),
+    ("zero3", 4, ("memory", "full", "lora"), 150),  # memory first: a fresh process measures only itself
+    ("fsdp2", 4, ("memory", "full", "lora"), 150),
+    ("ddp", 4, ("memory",), 70),
+    ("zero2", 2, ("full", "lora"), 100),
+]
+SMOKE_CASES = [("zero3", 2, ("full", "lora"), 200), ("zero2", 2, ("full", "lora"), 200)]
+STEPS_PER_PHASE = 3  # smoke: 2
+EXPECTED_RESETS = 3  # two phase boundaries + one in-loop reset (HardResetCallback) in the last phase
+LORA_PHASES = [  # r, alpha, targets: the shape changes at both resets
+    (16, 32, ["q_proj", "v_proj"]),
+    (32, 64, "all-linear"),
+    (16, 32, ["q_proj", "k_proj", "v_proj", "o_proj"]),
+]
+
+
+class Killed(RuntimeError):
+    """Raised on every rank right after the phase-1 checkpoint: the run dies there and is resumed from disk."""
+
+
+# ------------------------------------------------------------------------------------------------------ worker
+def small_config(tokenizer, smoke: bool):
+    """Qwen2-0.5B's width with 8 of its 24 layers (the tiny test model in smoke mode); untied head."""
+    from transformers import Qwen2Config
+
+    from prorl_trl.tiny import tiny_config
+
+    if smoke:
+        return tiny_config(tokenizer)
+    return Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=896, intermediate_size=4864, num_hidden_layers=8,
+        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )  # fmt: skip
+
+
+def rlinf_15b_config(tokenizer):
+    """DeepSeek-R1-Distill-Qwen-1.5B's architecture (Qwen2.5-Math-1.5B), the RLinf recipe's model."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+        num_key_value_heads=2, max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )  # fmt: skip
+
+
+def save_model_once(config, tokenizer, path: Path, dtype) -> str:
+    """Rank 0 writes a random-init model + tokenizer to `path` (once per launch); every rank then loads it by path."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from prorl_trl.reset.gathered import barrier
+
+    if int(os.environ.get("RANK", 0)) == 0 and not (path / "config.json").exists():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = Qwen2ForCausalLM(config).to(dtype)
+        model.generation_config.pad_token_id, model.generation_config.eos_token_id = config.pad_token_id, config.eos_token_id
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        del model
+    barrier()
+    return str(path)
+
+
+def state_hash(state: dict) -> str:
+    digest = hashlib.sha256()
+    for key in sorted(state):
+        digest.update(key.encode())
+        digest.update(state[key].contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def all_ranks(value):
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    if set(a) != set(b):
+        return float("inf")
+    return max((float((a[k].float() - b[k].float()).abs().max()) if a[k].numel() else 0.0) for k in a)
+
+
+def probe_logits(trainer, probe) -> "torch.Tensor":
+    """Logits of the policy on a fixed batch (collective under FSDP2/ZeRO-3: every rank runs the same forward)."""
+    import torch
+
+    from prorl_trl.reset import unwrap_model
+
+    model = unwrap_model(trainer.model)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=probe.to(trainer.accelerator.device)).logits.float().cpu()
+    model.train(was_training)
+    return logits
+
+
+def masters_match(trainer) -> float | None:
+    """Under DeepSpeed: max |fp32 master - parameter| over trainable parameters (collective); None otherwise."""
+    if not trainer._engine.deepspeed or trainer.optimizer is None:
+        return None
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from prorl_trl.reset import unwrap_model
+    from prorl_trl.reset.engine import gathered
+
+    worst = 0.0
+    for _, param in unwrap_model(trainer.model).named_parameters():
+        if not param.requires_grad:
+            continue
+        master = safe_get_full_fp32_param(param)
+        if master is None:
+            continue
+        with gathered([param]):
+            worst = max(worst, float((master.float().cpu() - param.detach().float().cpu()).abs().max()))
+    return worst
+
+
+def run_mode(mode: str, engine: str, smoke: bool, workdir: Path, tokenizer) -> dict:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+    from transformers import TrainerCallback
+
+    from prorl_trl.config import ProRLConfig
+    from prorl_trl.reset import gathered_state_dict, unwrap_model
+    from prorl_trl.trainer import ProRLTrainer
+    from prorl_trl.trainer.callbacks import HardResetCallback
+
+    device_type = "cpu" if smoke else "cuda"
+    dtype = torch.float32 if smoke else torch.bfloat16
+    memory = mode == "memory"
+    config = rlinf_15b_config(tokenizer) if memory else small_config(tokenizer, smoke)
+    model_path = save_model_once(config, tokenizer, workdir / ("model-1.5b" if memory else "model-small"), dtype)
+    out_dir = workdir / f"run-{mode}"
+    probe = torch.tensor([tokenizer.encode("Question 7: add 7 and 10. Answer:")] * 2)
+    record: dict = {"mode": mode, "resets": [], "step_s": [], "resume": None, "errors": []}
+
+    class Probe(TrainerCallback):
+        def __init__(self, kill: bool):
+            self.kill, self.trainer, self._t, self.first = kill, None, None, True
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.first = True
+            trainer = self.trainer
+            if trainer._resumed_phase_step and record["resume"] is None:  # right after HF loaded the checkpoint
+                state_dict = gathered_state_dict(trainer.model, to_all_ranks=True)
+                record["resume"] = {"phase": trainer.current_phase.index, "resets": trainer.prorl_resets,
+                                    "phase_step": trainer._resumed_phase_step, "hash": all_ranks(state_hash(state_dict))}
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if self.kill and self.trainer.current_phase.index == 1 and state.global_step == 1:
+                raise Killed("killed after the phase-1 checkpoint")
+            if device_type == "cuda":
+                torch.cuda.synchronize()
+            self._t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if device_type == "cuda":
+                torch.cuda.synchronize()
+            if not self.first:
+                record["step_s"].append(time.perf_counter() - self._t)
+            self.first = False
+            if self.kill and self.trainer.current_phase.index == 1 and state.global_step == 1:
+                control.should_save = True
+            return control
+
+        def on_save(self, args, state, control, **kwargs):
+            if self.kill:
+                record["checkpoint_hash"] = all_ranks(state_hash(gathered_state_dict(self.trainer.model, to_all_ranks=True)))
+
+    class CheckedTrainer(ProRLTrainer):
+        def hard_reset(self, reason: str = "manual", lora_phase=None) -> None:
+            before = probe_logits(self, probe)
+            super().hard_reset(reason=reason, lora_phase=lora_phase)
+            after = probe_logits(self, probe)
+            policy = gathered_state_dict(self.model, to_all_ranks=True)
+            check = {"reset": self.prorl_resets, "phase": (lora_phase or self.current_phase).index,
+                     "logits_max_abs_diff": float((after - before).abs().max()),
+                     "rank_hashes": all_ranks(state_hash(policy)), "masters_max_abs_diff": masters_match(self)}
+            if self.prorl_merged_path and self.accelerator.is_main_process:
+                saved = load_file(str(Path(self.prorl_merged_path) / "model.safetensors"))
+                check["vs_merged_checkpoint"] = max_abs_diff(policy, saved)
+            if self.ref_model is not None:  # in the reference's dtype (FSDP2 keeps the policy's trainable weights in fp32)
+                reference = gathered_state_dict(self.ref_model, to_all_ranks=True)
+                check["reference_vs_policy"] = max_abs_diff(reference, {k: v.to(reference[k].dtype) for k, v in policy.items() if k in reference})
+            opt = self.optimizer
+            check["optimizer_state_entries"] = None if opt is None else len(reset_base(opt).state)
+            record["resets"].append(check)
+
+    def reset_base(optimizer):
+        from prorl_trl.reset.optimizer import base_optimizer
+
+        return base_optimizer(optimizer)
+
+    def reward(completion_ids, **kwargs):
+        return [(sum(ids) % 13) / 13 for ids in completion_ids]
+
+    per_device = 8 if (memory or not smoke) else 2
+    completion = (args_cli.memory_tokens if memory else 32) if not smoke else 6
+    steps = 2 if memory or smoke else STEPS_PER_PHASE
+    phases = [{"name": f"phase-{i}", "max_steps": steps} for i in range(1 if memory else 3)]
+    in_loop = [] if memory else [HardResetCallback(every_steps=3 * steps - 1)]  # the last phase's next-to-last step
+    if mode == "lora":
+        for phase, (r, alpha, targets) in zip(phases, LORA_PHASES):
+            phase.update(lora_r=r, lora_alpha=alpha, lora_target_modules=targets)
+
+    def make_trainer(kill: bool):
+        callback = Probe(kill)
+        if smoke:  # the configured gloo state is kept; the previous trainer's DeepSpeed plugin is not
+            from accelerate.state import AcceleratorState
+
+            AcceleratorState._reset_state()
+        args = ProRLConfig(
+            output_dir=str(out_dir), per_device_train_batch_size=per_device, num_generations=per_device,
+            max_completion_length=completion, generation_kwargs={"min_new_tokens": completion},
+            learning_rate=(2e-6 if memory else 1e-5) if mode != "lora" else 1e-4,
+            beta=0.0 if memory or mode == "lora" else 0.04, logging_steps=1, save_strategy="no", report_to=[],
+            bf16=not smoke, gradient_checkpointing=memory, disable_tqdm=True, seed=0, phases=phases,
+            model_init_kwargs={"dtype": dtype}, ddp_timeout=180,
+            accelerator_config={"use_configured_state": True} if smoke else None,
+            **({"weight_decay": 0.01, "adam_beta2": 0.95, "max_grad_norm": 1.0} if memory else {}),
+        )  # fmt: skip
+        trainer = CheckedTrainer(
+            model=model_path, reward_funcs=reward, args=args, processing_class=tokenizer,
+            train_dataset=Dataset.from_dict({"prompt": [f"Question {i}: add {i} and {i + 3}." for i in range(256)]}),
+            peft_config=LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+            if mode == "lora" else None,
+            callbacks=[callback, *in_loop],
+        )  # fmt: skip
+        callback.trainer = trainer
+        return trainer
+
+    if device_type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    trainer = make_trainer(kill=not memory)
+    record["engine_detected"] = trainer._engine.label
+    try:
+        trainer.train()
+    except Killed:
+        record["killed_in_phase"] = trainer.current_phase.index
+        record["killed_after_resets"] = trainer.prorl_resets
+        trainer.accelerator.free_memory()
+        del trainer
+        gc.collect()
+        trainer = make_trainer(kill=False)
+        trainer.train(resume_from_checkpoint=True)
+    record["final_resets"] = trainer.prorl_resets
+    record["final_phase"] = trainer.current_phase.index
+    record["completions_per_step"] = per_device * trainer.accelerator.num_processes * trainer.args.gradient_accumulation_steps
+    steady = record["step_s"]
+    record["median_step_s"] = max(all_ranks(statistics.median(steady))) if steady else None
+    record["completions_per_s"] = record["completions_per_step"] / record["median_step_s"] if steady else None
+    if device_type == "cuda":
+        record["peak_allocated_gb"] = max(all_ranks(torch.cuda.max_memory_allocated() / 1e9))
+        record["peak_reserved_gb"] = max(all_ranks(torch.cuda.max_memory_reserved() / 1e9))
+    record["final_dir"] = str(out_dir / "final")  # the driver loads it (a load here would enter ZeRO-3's zero.Init)
+    trainer.accelerator.free_memory()
+    return record
+
+
+def worker(args) -> None:
+    import torch
+
+    if args.smoke:
+        torch.set_num_threads(1)
+        from accelerate import PartialState
+
+        PartialState(backend="gloo")  # accelerate picks NCCL from a GPU; on CPU DeepSpeed needs gloo handed to it
+    from prorl_trl.tiny import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    workdir = Path(args.workdir)
+    rank = int(os.environ.get("RANK", 0))
+    for mode in args.modes.split(","):
+        result = {"engine": args.engine, "processes": int(os.environ.get("WORLD_SIZE", 1)), "mode": mode}
+        started = time.time()
+        try:
+            result.update(run_mode(mode, args.engine, args.smoke, workdir, tokenizer))
+        except Exception as error:  # keep the other modes; the table shows the error
+            import traceback
+
+            result["error"] = f"{type(error).__name__}: {error}"[:600]
+            traceback.print_exc()
+        if torch.cuda.is_available():
+            result["device"] = torch.cuda.get_device_name(0)
+        result["wall_s"] = round(time.time() - started, 1)
+        if rank == 0:
+            print(f"[scale_out] {args.engine} x{result['processes']} {mode}: {result['wall_s']} s, "
+                  f"{'error: ' + result['error'] if 'error' in result else 'done'}", flush=True)
+            with open(args.worker, "a") as handle:
+                handle.write(json.dumps(result) + "\n")
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------------------ driver
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(engine: str, processes: int, modes: tuple, smoke: bool, out: Path, workdir: Path, timeout: float,
+           memory_tokens: int) -> str | None:
+    """One `accelerate launch` of the worker; returns None, or why it failed."""
+    script = str(Path(__file__).resolve())
+    tail = [script, "--worker", str(out), "--engine", engine, "--modes", ",".join(modes), "--workdir", str(workdir),
+            "--memory-tokens", str(memory_tokens)] + (["--smoke"] if smoke else [])  # fmt: skip
+    config = ROOT / "recipes" / "accelerate" / CONFIGS[engine]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+               "--num_processes", str(processes), "--main_process_port", str(free_port())]  # fmt: skip
+    command += ["--mixed_precision", "no"] if smoke else []
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    if not smoke:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(processes))
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    print(f"$ [{engine} x{processes} {','.join(modes)}]", " ".join(command + tail), flush=True)
+    try:
+        completed = subprocess.run(command + tail, env=env, timeout=timeout, start_new_session=True)
+    except subprocess.TimeoutExpired:
+        return f"timed out after {timeout:.0f} s"
+    return None if completed.returncode == 0 else f"exit status {completed.returncode}"
+
+
+def load_final(path: Path) -> str:
+    """`<output_dir>/final` through `AutoModelForCausalLM.from_pretrained` (in this process: no engine state)."""
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path)
+        with torch.no_grad():
+            finite = bool(torch.isfinite(model(input_ids=torch.tensor([[5, 6, 7]])).logits).all())
+        return f"{type(model).__name__}{'' if finite else ' (non-finite logits)'}"
+    except Exception as error:  # reported in the table
+        return f"NO: {type(error).__name__}: {error}"[:200]
+
+
+def fmt(value, spec: str = ".2f", none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def verdicts(result: dict, smoke: bool) -> dict:
+    """(a), (b), (c) per mode: yes/NO with the numbers behind them."""
+    resets = result.get("resets", [])
+    tol = 1e-5 if smoke else 1e-2
+    ranks_equal = all(len(set(c["rank_hashes"])) == 1 for c in resets)
+    vs_saved = max((c.get("vs_merged_checkpoint", 0.0) for c in resets), default=None)
+    ref = max((c.get("reference_vs_policy", 0.0) for c in resets), default=None)
+    masters = [c["masters_max_abs_diff"] for c in resets if c.get("masters_max_abs_diff") is not None]
+    logits = max((c["logits_max_abs_diff"] for c in resets), default=None)
+    resume = result.get("resume") or {}
+    resumed_ok = (
+        bool(resume) and resume.get("phase") == 1 and resume.get("resets") == 1
+        and resume.get("hash") == result.get("checkpoint_hash") and len(set(resume.get("hash", [None]))) == 1
+    )  # fmt: skip
+    return {
+        "a": bool(resets) and ranks_equal and vs_saved == 0.0 and (ref in (None, 0.0)) and all(m == 0.0 for m in masters),
+        "b": logits is not None and logits <= tol,
+        "c": resumed_ok and result.get("final_phase") == 2 and result.get("final_resets") == EXPECTED_RESETS,
+        "logits": logits, "vs_saved": vs_saved, "ref": ref, "masters": max(masters) if masters else None,
+        "n_resets": len(resets),
+    }  # fmt: skip
+
+
+def table(results: list[dict], skipped: list[str], smoke: bool, started: float) -> str:
+    devices = sorted({r.get("device", "CPU") for r in results}) or ["(none)"]
+    lines = [
+        f"Device: {', '.join(devices)} | date (UTC): {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} | "
+        f"{time.time() - started:.0f} s",
+        "",
+        "| engine | GPUs | mode | resets checked | (a) ranks equal, = merged save, ref = policy, masters | (b) max abs dlogits "
+        "| (c) kill + resume | median step (s) | completions/s | scaling eff. | peak alloc / reserved GB |",
+        "|---|---:|---|---:|---|---:|---|---:|---:|---:|---:|",
+    ]
+    baseline = {r["mode"]: r.get("completions_per_s") for r in results if r["engine"] == "single"}
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['engine']} | {r['processes']} | {r['mode']} | ERROR: {r['error'][:160]} |||||||")
+            continue
+        if r["mode"] == "memory":
+            lines.append(
+                f"| {r['engine']} | {r['processes']} | memory 1.5B full FT | - | - | - | - | {fmt(r.get('median_step_s'))} | "
+                f"{fmt(r.get('completions_per_s'), '.1f')} | - | {fmt(r.get('peak_allocated_gb'), '.1f')} / "
+                f"{fmt(r.get('peak_reserved_gb'), '.1f')} |"
+            )
+            continue
+        v = verdicts(r, smoke)
+        base = baseline.get(r["mode"])
+        cps = r.get("completions_per_s")
+        eff = cps / (r["processes"] * base) if (cps and base) else None
+        a_detail = f"saved {fmt(v['vs_saved'], '.1e')}, ref {fmt(v['ref'], '.1e')}, masters {fmt(v['masters'], '.1e')}"
+        lines.append(
+            f"| {r['engine']} | {r['processes']} | {r['mode']} | {v['n_resets']} | {'yes' if v['a'] else 'NO'} ({a_detail}) | "
+            f"{fmt(v['logits'], '.1e')} {'ok' if v['b'] else 'NO'} | {'yes' if v['c'] else 'NO'} | "
+            f"{fmt(r.get('median_step_s'))} | {fmt(cps, '.1f')} | {fmt(eff)} | "
+            f"{fmt(r.get('peak_allocated_gb'), '.1f')} / {fmt(r.get('peak_reserved_gb'), '.1f')} |"
+        )
+    if skipped:
+        lines += ["", "Skipped (budget): " + "; ".join(skipped)]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    global args_cli
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, ZeRO-2/3 over gloo, 2 processes.")
+    parser.add_argument("--budget", type=float, default=560.0, help="Seconds for the whole matrix (cases that no "
+                        "longer fit are skipped and listed).")  # fmt: skip
+    parser.add_argument("--cases", default=None, help="Comma list of engine:processes (default: the whole matrix).")
+    parser.add_argument("--memory-tokens", type=int, default=128, help="Completion tokens in the 1.5B memory runs.")
+    parser.add_argument("--out", type=Path, default=None, help="Also write the table (and raw JSON) here.")
+    parser.add_argument("--json-dir", type=Path, default=None, help="Copy every worker's JSON lines here.")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--engine", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--modes", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
+    args_cli = parser.parse_args(argv)
+    if args_cli.worker:
+        worker(args_cli)
+        return 0
+    started = time.time()
+    cases = SMOKE_CASES if args_cli.smoke else GPU_CASES
+    if args_cli.cases:
+        wanted = args_cli.cases.split(",")
+        cases = [c for c in cases if f"{c[0]}:{c[1]}" in wanted]
+    results, skipped = [], []
+    with tempfile.TemporaryDirectory(prefix="scale_out_") as tmp:
+        for engine, processes, modes, estimate in cases:
+            left = args_cli.budget - (time.time() - started)
+            if left < min(estimate, 60) or (not args_cli.smoke and left < 0.6 * estimate):
+                skipped.append(f"{engine} x{processes} ({','.join(modes)})")
+                continue
+            out = Path(tmp) / f"{engine}-{processes}.jsonl"
+            timeout = min(left - 5, 2.5 * estimate)  # a hung collective must not eat the rest of the budget
+            failure = launch(engine, processes, modes, args_cli.smoke, out, Path(tmp) / f"work-{engine}-{processes}",
+                             timeout, args_cli.memory_tokens)  # fmt: skip
+            landed = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+            for mode in modes:
+                if not any(r["mode"] == mode for r in landed):
+                    landed.append({"engine": engine, "processes": processes, "mode": mode,
+                                   "error": f"no result ({failure or 'worker wrote nothing'})"})  # fmt: skip
+            for result in landed:
+                if result.get("final_dir"):
+                    result["final_loads"] = load_final(Path(result.pop("final_dir")))
+            results += landed
+            if args_cli.json_dir:
+                args_cli.json_dir.mkdir(parents=True, exist_ok=True)
+                (args_cli.json_dir / "scale_out.json").write_text(json.dumps(results, indent=1))
+            print(table(results, skipped, args_cli.smoke, started), flush=True)
+    text = table(results, skipped, args_cli.smoke, started)
+    print(text)
+    if args_cli.out:
+        args_cli.out.parent.mkdir(parents=True, exist_ok=True)
+        args_cli.out.write_text(text + "\n\nRaw:\n\n```json\n" + json.dumps(results, indent=1) + "\n```\n")
+    ok = [verdicts(r, args_cli.smoke) for r in results if "error" not in r and r["mode"] != "memory"]
+    return 0 if ok and all(v["a"] and v["b"] and v["c"] for v in ok) and not any("error" in r for r in results) else 1
+
+
+args_cli = None
+
+if __name__ == "__main__":
+    raise SystemExit(main())

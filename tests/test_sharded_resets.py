@@ -1,0 +1,219 @@
+"""Hard resets under FSDP2 and DeepSpeed ZeRO-2/3 on CPU (2 gloo processes), and the launches that are refused.
+
+* FSDP2 (tests/_fsdp2_worker.py): the mechanics on a model sharded with `fully_shard` as accelerate shards it,
+  against the same operations in one process (accelerate runs FSDP only on accelerators; the trainer-level FSDP2
+  runs are GPU runs: benchmarks/scale_out.py, tests/test_scale_out_gpu.py).
+* ZeRO-2/3: whole ProRLTrainer runs under `accelerate launch --config_file recipes/accelerate/zero{2,3}.yaml`
+  (benchmarks/scale_out.py --smoke: full fine-tuning and LoRA with a shape change at each phase boundary, an in-loop
+  reset, a kill after reset 1 and a resume from disk). About 20 s (FSDP2) + 100 s (ZeRO) on 2 idle cores.
+"""
+
+import json
+import os
+
+import pytest
+from _benchmarks import load_benchmark
+from test_ddp import WORKER as DDP_WORKER
+from test_ddp import two_process_results
+
+from prorl_trl.reset import (
+    FSDP2,
+    ZERO2,
+    ZERO3,
+    ResetNotSupportedError,
+    check_reset_support,
+    engine_of,
+    superset_lora_config,
+)
+
+FSDP2_WORKER = DDP_WORKER.with_name("_fsdp2_worker.py")
+
+
+@pytest.fixture(scope="module")
+def fsdp2(tmp_path_factory):
+    return two_process_results(tmp_path_factory, FSDP2_WORKER, "fsdp2")
+
+
+def test_fsdp2_weights_are_sharded_unevenly(fsdp2):
+    assert fsdp2["weights_are_dtensors"]
+    assert fsdp2["embedding_rows_per_rank"] == [133, 132]  # 265 rows over 2 ranks
+
+
+def test_fsdp2_merge_and_fresh_adapter_match_one_process(fsdp2):
+    assert fsdp2["gathered_vs_single_merged"] == 0.0  # gathered + folded delta == merged_state_dict of the replica
+    assert fsdp2["merged_base_vs_single"] == 0.0  # merged shards == PEFT's merge in one process (fp32)
+    assert fsdp2["fresh_adapter_vs_single_bitwise"] == 0.0  # same seeded A as reinit_adapter(seed=...), B = 0
+    assert fsdp2["fresh_b_all_zero"]
+    assert len(set(fsdp2["adapter_hash_per_rank"])) == 1
+    assert fsdp2["reset_logits_max_abs_diff"] <= 1e-5  # fp32: the reset leaves the outputs unchanged
+    assert fsdp2["load_state_roundtrip"] == 0.0
+
+
+def test_fsdp2_superset_adapter_is_the_smaller_adapter(fsdp2):
+    # active rows == a plain rank-4 q,v adapter drawn with the same seed; everything else zero, and after an AdamW
+    # step with weight decay the active part equals the plain adapter's and the rest is still exactly zero
+    assert fsdp2["superset_active_vs_plain_bitwise"] == 0.0
+    assert fsdp2["superset_inactive_max_abs"] == 0.0
+    assert fsdp2["superset_after_step_active_vs_plain"] <= 1e-6
+    assert fsdp2["superset_after_step_inactive_max_abs"] == 0.0
+    assert fsdp2["optimizer_state_entries_before_after_reset"][0] > 0
+    assert fsdp2["optimizer_state_entries_before_after_reset"][1] == 0
+
+
+def test_fsdp2_reference_becomes_policy_and_resharding_matters(fsdp2):
+    assert fsdp2["reference_vs_policy_gathered"] == 0.0
+    assert fsdp2["reference_logits_vs_policy"] == 0.0
+    # the trap the reshard avoids: edits to a root unit's unsharded weights vanish at the next reshard
+    assert fsdp2["unsharded_after_forward"]
+    assert fsdp2["unsharded_copy_logits_vs_policy"] > 1e-2
+
+
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory):
+    pytest.importorskip("deepspeed", reason="DeepSpeed runs need `DS_BUILD_OPS=0 pip install deepspeed`")
+    out = tmp_path_factory.mktemp("zero")
+    scale_out = load_benchmark("scale_out")
+    code = scale_out.main(["--smoke", "--json-dir", str(out), "--budget", "900"])
+    results = json.loads((out / "scale_out.json").read_text())
+    return code, results, scale_out
+
+
+@pytest.mark.parametrize("engine", ["zero3", "zero2"])
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_deepspeed_resets_keep_ranks_equal_outputs_and_resume(zero_runs, engine, mode):
+    code, results, scale_out = zero_runs
+    (result,) = [r for r in results if r["engine"] == engine and r["mode"] == mode]
+    assert "error" not in result, result.get("error")
+    resets = result["resets"]
+    assert [c["reset"] for c in resets] == [1, 2, 3] and [c["phase"] for c in resets] == [1, 2, 2]
+    for check in resets:
+        assert len(set(check["rank_hashes"])) == 1, check  # (a) every rank gathers the same weights
+        assert check["vs_merged_checkpoint"] == 0.0, check  # (a) == merged/reset-<k> read back from disk
+        assert check["masters_max_abs_diff"] == 0.0, check  # ZeRO's fp32 masters hold the edited weights
+        assert check["logits_max_abs_diff"] <= 1e-5, check  # (b) fp32
+        assert check["optimizer_state_entries"] == 0, check  # fresh Adam state
+        if mode == "full":
+            assert check["reference_vs_policy"] == 0.0, check  # reference := policy
+    resume = result["resume"]
+    assert result["killed_in_phase"] == 1 and result["killed_after_resets"] == 1
+    assert (resume["phase"], resume["resets"], resume["phase_step"]) == (1, 1, 1)  # (c) the right phase and step
+    assert resume["hash"] == result["checkpoint_hash"]  # ... and the weights the checkpoint was written from
+    assert (result["final_phase"], result["final_resets"]) == (2, 3)
+    assert result["final_loads"] == "Qwen2ForCausalLM"
+    assert scale_out.verdicts(result, smoke=True)["a"]
+
+
+def test_deepspeed_smoke_run_passes_as_a_whole(zero_runs):
+    code, results, _ = zero_runs
+    assert code == 0 and len(results) == 4
+
+
+# ---------------------------------------------------------------------------------------------- launch refusals
+LAUNCH_ENV = (
+    "ACCELERATE_USE_DEEPSPEED",
+    "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
+    "ACCELERATE_USE_FSDP",
+    "FSDP_VERSION",
+    "FSDP_OFFLOAD_PARAMS",
+)
+
+
+@pytest.fixture
+def launch_env(monkeypatch):
+    """Set what `accelerate launch --config_file ...` exports (the other launch variables cleared); undone after."""
+
+    def set_launch(**values):
+        for name in LAUNCH_ENV:
+            monkeypatch.delenv(name, raising=False)
+        for name, value in values.items():
+            monkeypatch.setenv(name, str(value))
+
+    set_launch()
+    return set_launch
+
+
+def test_shipped_sharded_configs_are_supported(launch_env):
+    import yaml
+
+    root = os.path.join(os.path.dirname(__file__), "..", "recipes", "accelerate")
+    for name, kind in (("zero2.yaml", ZERO2), ("zero3.yaml", ZERO3), ("fsdp.yaml", FSDP2)):
+        config = yaml.safe_load(open(os.path.join(root, name)))
+        if "deepspeed_config" in config:
+            ds = config["deepspeed_config"]
+            launch_env(
+                ACCELERATE_USE_DEEPSPEED="true",
+                ACCELERATE_DEEPSPEED_ZERO_STAGE=ds["zero_stage"],
+                ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE=ds["offload_optimizer_device"],
+                ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE=ds["offload_param_device"],
+            )
+        else:
+            fsdp = config["fsdp_config"]
+            launch_env(
+                ACCELERATE_USE_FSDP="true",
+                FSDP_VERSION=fsdp["fsdp_version"],
+                FSDP_OFFLOAD_PARAMS=str(fsdp["fsdp_offload_params"]).lower(),
+            )
+        assert engine_of(None).kind == kind, name
+        check_reset_support(None, None)
+
+
+@pytest.mark.parametrize(
+    "env, args_deepspeed, message",
+    [
+        ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, None, "under FSDP1: FSDP version 1 flattens"),
+        ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true"}, None, "under FSDP2: FSDP2 with CPU offload"),
+        (
+            {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+             "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"},
+            None,
+            "under DeepSpeed ZeRO-3: CPU/NVMe offload \\(offload_optimizer=cpu",
+        ),
+        ({}, {"zero_optimization": {"stage": 2}, "scheduler": {"type": "WarmupLR"}}, "a DeepSpeed `scheduler` block"),
+        ({}, {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "ZeRO\\+\\+ hierarchical"),
+    ],
+)  # fmt: skip
+def test_unsupported_launches_are_refused_naming_what_works(launch_env, tmp_path, env, args_deepspeed, message):
+    from trl import GRPOConfig
+
+    launch_env(**env)
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    args.deepspeed = args_deepspeed  # set after init: TrainingArguments would start DeepSpeed for a config
+    with pytest.raises(ResetNotSupportedError, match=message) as error:
+        check_reset_support(args, None)
+    assert "Supported: single process" in str(error.value) and "zero3.yaml" in str(error.value)
+    assert "fsdp.yaml" in str(error.value)
+
+
+def test_trainer_refuses_before_loading_the_model(launch_env, tmp_path):
+    """A refused launch fails in ProRLTrainer.__init__ before the model (here a path that does not exist) loads."""
+    from prorl_trl.config import ProRLConfig
+    from prorl_trl.trainer import ProRLTrainer
+
+    def trainer(**config):
+        args = ProRLConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=2,
+                           num_generations=2, phases=[{"max_steps": 1}, {"max_steps": 1}], **config)  # fmt: skip
+        return ProRLTrainer(model=str(tmp_path / "no-such-model"), reward_funcs=lambda **kw: [0.0], args=args)
+
+    launch_env(ACCELERATE_USE_FSDP="true", FSDP_VERSION="1")
+    with pytest.raises(ResetNotSupportedError, match="FSDP1"):
+        trainer()
+    launch_env(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")  # FSDP2: supported, but compiled generation is not
+    with pytest.raises(ValueError, match="compiled_generation is not supported under FSDP2"):
+        trainer(compiled_generation=True)
+    with pytest.raises(OSError):  # supported launch: the checks pass and only then does the (missing) model load
+        trainer()
+
+
+def test_superset_adapter_config():
+    from peft import LoraConfig
+
+    base = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"])
+    assert superset_lora_config(base, [(16, 32, ["v_proj", "q_proj"]), (16, 64, ["q_proj", "v_proj"])]) is None
+    grown = superset_lora_config(base, [(16, 32, ["q_proj", "v_proj"]), (32, 64, ["k_proj"]), (8, 16, None)])
+    assert (grown.r, set(grown.target_modules), grown.lora_alpha) == (32, {"q_proj", "k_proj", "v_proj"}, 32)
+    assert base.r == 16 and base.target_modules == {"q_proj", "v_proj"}  # the caller's config is left alone
+    assert superset_lora_config(base, [(16, 32, "all-linear")]).target_modules == "all-linear"
+    with pytest.raises(ResetNotSupportedError, match="regular expression"):
+        superset_lora_config(base, [(16, 32, r".*\.q_proj")])
