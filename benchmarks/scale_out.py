@@ -19,7 +19,7 @@ Every case is one `accelerate launch --config_file recipes/accelerate/<engine>.y
   checkpoint. Throughput: completions per second over the steps that are not the first of a `train()` call.
 * `memory`: full fine-tuning of the Qwen2.5-1.5B architecture (DeepSeek-R1-Distill-Qwen-1.5B, the RLinf recipe's
   model: hidden 1536, 28 layers, vocab 151,936, untied head), bf16, the RLinf recipe's micro-batch (8), optimizer
-  and gradient checkpointing, completions forced to `--memory-tokens` tokens; 2 steps. Peak per-GPU
+  and gradient checkpointing, completions forced to `--memory-tokens` tokens; 2 steps, no final merged save. Peak per-GPU
   `torch.cuda.max_memory_allocated` / `max_memory_reserved` (the largest rank).
 
 The driver runs the cases in priority order inside `--budget` seconds, writes every worker's JSON as it lands (and
@@ -201,7 +201,7 @@ def run_mode(mode: str, engine: str, smoke: bool, workdir: Path, tokenizer) -> d
     device_type = "cpu" if smoke else "cuda"
     dtype = torch.float32 if smoke else torch.bfloat16
     memory = mode == "memory"
-    config = rlinf_15b_config(tokenizer) if memory else small_config(tokenizer, smoke)
+    config = rlinf_15b_config(tokenizer) if memory and not smoke else small_config(tokenizer, smoke)
     model_path = save_model_once(config, tokenizer, workdir / ("model-1.5b" if memory else "model-small"), dtype)
     out_dir = workdir / f"run-{mode}"
     probe = torch.tensor([tokenizer.encode("Question 7: add 7 and 10. Answer:")] * 2)
@@ -241,6 +241,10 @@ def run_mode(mode: str, engine: str, smoke: bool, workdir: Path, tokenizer) -> d
                 record["checkpoint_hash"] = all_ranks(state_hash(gathered_state_dict(self.trainer.model, to_all_ranks=True)))
 
     class CheckedTrainer(ProRLTrainer):
+        def _save_final(self) -> None:
+            if not memory:  # the memory runs measure training; a 1.5B merged save would only cost device time
+                super()._save_final()
+
         def hard_reset(self, reason: str = "manual", lora_phase=None) -> None:
             before = probe_logits(self, probe)
             super().hard_reset(reason=reason, lora_phase=lora_phase)
@@ -248,6 +252,7 @@ def run_mode(mode: str, engine: str, smoke: bool, workdir: Path, tokenizer) -> d
             policy = gathered_state_dict(self.model, to_all_ranks=True)
             check = {"reset": self.prorl_resets, "phase": (lora_phase or self.current_phase).index,
                      "logits_max_abs_diff": float((after - before).abs().max()),
+                     "logits_max_abs": float(before.abs().max()),
                      "rank_hashes": all_ranks(state_hash(policy)), "masters_max_abs_diff": masters_match(self)}
             if self.prorl_merged_path and self.accelerator.is_main_process:
                 saved = load_file(str(Path(self.prorl_merged_path) / "model.safetensors"))
@@ -325,7 +330,8 @@ def run_mode(mode: str, engine: str, smoke: bool, workdir: Path, tokenizer) -> d
     if device_type == "cuda":
         record["peak_allocated_gb"] = max(all_ranks(torch.cuda.max_memory_allocated() / 1e9))
         record["peak_reserved_gb"] = max(all_ranks(torch.cuda.max_memory_reserved() / 1e9))
-    record["final_dir"] = str(out_dir / "final")  # the driver loads it (a load here would enter ZeRO-3's zero.Init)
+    if not memory:
+        record["final_dir"] = str(out_dir / "final")  # the driver loads it (a load here would enter ZeRO-3's zero.Init)
     trainer.accelerator.free_memory()
     return record
 
@@ -487,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json-dir", type=Path, default=None, help="Copy every worker's JSON lines here.")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--engine", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--modes", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--modes", default=None, help="Comma list of modes to keep (full, lora, memory).")
     parser.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
     args_cli = parser.parse_args(argv)
     if args_cli.worker:
@@ -498,6 +504,9 @@ def main(argv: list[str] | None = None) -> int:
     if args_cli.cases:
         wanted = args_cli.cases.split(",")
         cases = [c for c in cases if f"{c[0]}:{c[1]}" in wanted]
+    if args_cli.modes:  # e.g. only "lora" in a short call
+        cases = [(e, n, tuple(m for m in args_cli.modes.split(",") if m in modes), t) for e, n, modes, t in cases]
+        cases = [c for c in cases if c[2]]
     results, skipped = [], []
     with tempfile.TemporaryDirectory(prefix="scale_out_") as tmp:
         for engine, processes, modes, estimate in cases:

@@ -217,3 +217,20 @@ def test_superset_adapter_config():
     assert superset_lora_config(base, [(16, 32, "all-linear")]).target_modules == "all-linear"
     with pytest.raises(ResetNotSupportedError, match="regular expression"):
         superset_lora_config(base, [(16, 32, r".*\.q_proj")])
+
+
+def test_engine_from_the_accelerators_fsdp_plugin():
+    """accelerate's FSDP2 plugin holds an `OffloadPolicy()` (truthy) when nothing is offloaded: not an offload.
+
+    (A stand-in accelerator carries the real plugin: accelerate builds FSDP accelerators only on GPUs.)"""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    def accelerator(plugin):
+        return SimpleNamespace(distributed_type=DistributedType.FSDP, state=SimpleNamespace(fsdp_plugin=plugin))
+
+    assert engine_of(None, accelerator(FullyShardedDataParallelPlugin(fsdp_version=2))).kind == FSDP2
+    offloaded = engine_of(None, accelerator(FullyShardedDataParallelPlugin(fsdp_version=2, cpu_offload=True)))
+    assert offloaded.kind == "unsupported" and "CPU offload" in offloaded.problems[0]
+    assert engine_of(None, accelerator(FullyShardedDataParallelPlugin(fsdp_version=1))).label == "FSDP1"

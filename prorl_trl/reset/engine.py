@@ -124,7 +124,9 @@ def engine_of(args: Any = None, accelerator: Any = None) -> Engine:
         )
     if kind == "FSDP":
         plugin = state.fsdp_plugin
-        return _fsdp_engine(int(plugin.fsdp_version), bool(getattr(plugin, "cpu_offload", None)))
+        offload = getattr(plugin, "cpu_offload", None)  # FSDP2: an OffloadPolicy (truthy) that offloads only if CPU
+        offloaded = type(offload).__name__ == "CPUOffloadPolicy" or getattr(offload, "offload_params", False) is True
+        return _fsdp_engine(int(plugin.fsdp_version), offloaded)
     if kind == "MEGATRON_LM" or (accelerator is None and _env_flag("ACCELERATE_USE_MEGATRON_LM")):
         return Engine("unsupported", "Megatron-LM", ("Megatron-LM keeps tensor-parallel weight shards",))
     if accelerator is None:
