@@ -9,6 +9,10 @@ How it fits TRL 1.16 (see ../shared/notes/trl-internals.md):
 * A hard reset (`hard_reset`) merges the LoRA delta into the base in place, re-initialises the adapter, clears the
   optimizer state and moves the KL reference, without ever replacing the PeftModel. This class decides *when* and
   which switches apply; the mechanics are plain functions in `prorl_trl.reset`.
+* Under FSDP2 and DeepSpeed ZeRO-2/3 (`reset.engine_of`) the same reset edits the engine's storage
+  (`reset.sharded`), a LoRA shape change is the active part of a superset adapter allocated before TRL wraps the
+  model (`_plan_sharded_adapter`), merged saves gather to rank 0, and under DeepSpeed each phase's `train()` gets a
+  new engine (HF destroys the old one) with a kept optimizer carried into it (`_keep_optimizer_for_next_call`).
 
 TRL methods overridden, and why (each relies on the private attribute named; guard tests in
 tests/test_trainer_internals.py):
