@@ -164,8 +164,12 @@ BAD_RECIPES = {
                          "learning_rate": 1e-6, "num_generations": 8, "reward_funcs": ["accuracy"], "bf16": True}, [],
                         ["(1 problem)", "flat TRL / open-r1 config", "learning_rate: 1e-06",
                          "model_name_or_path -> model.name_or_path", "dataset_name -> data.source"]),
-    "deepspeed_launch_with_resets": (BASE, ["--launch-config", str(REPO / "recipes/accelerate/zero2.yaml")],
-                                     ["Hard resets are not supported under DeepSpeed"]),
+    "offloaded_zero3_launch_with_resets": (BASE, ["--launch-config", str(REPO / "tests/recipes/launch_zero3_offload.yaml")],
+                                           ["Hard resets are not supported under DeepSpeed ZeRO-3: CPU/NVMe offload",
+                                            "zero3.yaml"]),
+    "compiled_generation_under_fsdp2": (with_changes(training__compiled_generation=True),
+                                        ["--launch-config", str(REPO / "recipes/accelerate/fsdp.yaml")],
+                                        ["compiled_generation is not supported under FSDP2"]),
 }  # fmt: skip
 
 

@@ -234,3 +234,17 @@ def test_engine_from_the_accelerators_fsdp_plugin():
     offloaded = engine_of(None, accelerator(FullyShardedDataParallelPlugin(fsdp_version=2, cpu_offload=True)))
     assert offloaded.kind == "unsupported" and "CPU offload" in offloaded.problems[0]
     assert engine_of(None, accelerator(FullyShardedDataParallelPlugin(fsdp_version=1))).label == "FSDP1"
+
+
+def test_preflight_reads_the_engine_of_each_shipped_launch_config():
+    from pathlib import Path
+
+    from prorl_trl.recipe.preflight import read_launch_config
+
+    root = Path(__file__).resolve().parent.parent / "recipes" / "accelerate"
+    kinds = {name: read_launch_config(root / f"{name}.yaml").engine for name in
+             ("zero2", "zero3", "fsdp", "multi_gpu", "single_gpu")}  # fmt: skip
+    assert {name: engine.kind for name, engine in kinds.items()} == {
+        "zero2": ZERO2, "zero3": ZERO3, "fsdp": FSDP2, "multi_gpu": "replicated", "single_gpu": "replicated",
+    }  # fmt: skip
+    assert not kinds["fsdp"].ram_efficient_loading  # full fine-tuning with a KL reference works with fsdp.yaml

@@ -7,7 +7,8 @@ says ok only when `train` would start:
 * local paths: model and tokenizer folders (a file is not a model), data files, the distillation teacher;
   hub ids are allowed and reported as not checked (nothing here uses the network);
 * extras the recipe or launch needs (vLLM, bitsandbytes, DeepSpeed, Liger, flash-attn), with the install command;
-* the launch: hard resets refused under DeepSpeed/FSDP, and the trainer's own pre-init checks
+* the launch: engines a hard reset cannot run under (FSDP1, offload, ...), compiled generation under ZeRO-3/FSDP2,
+  and the trainer's own pre-init checks
   (`prorl_trl.trainer.checks.check_before_init`) for the number of processes;
 * data (`validate` only; `train` runs the same checks while it builds its datasets): local files row by row, the
   built splits, and whether the rewards can read the golds (`prorl_trl.data.checks`).
@@ -23,7 +24,6 @@ import importlib.util
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from .checks import key_path_of
@@ -53,6 +53,7 @@ class Launch:
 
     num_processes: int = 1
     distributed_type: str = "NO"  # accelerate's DistributedType value: NO, MULTI_GPU, DEEPSPEED, FSDP, ...
+    engine: Any = None  # `prorl_trl.reset.Engine`: how the launch holds weights (stage, FSDP version, offload)
 
 
 def read_launch_config(path: str | Path) -> Launch:
@@ -68,7 +69,11 @@ def read_launch_config(path: str | Path) -> Launch:
         raise RecipeError(str(path), [RecipeProblem("", f"cannot read the launch config: {error}")]) from None
     if not isinstance(raw, dict):
         raise RecipeError(str(path), [RecipeProblem("", "a launch config is a YAML mapping (accelerate config)")])
-    return Launch(int(raw.get("num_processes") or 1), str(raw.get("distributed_type") or "NO").upper())
+    from ..reset.engine import engine_of_accelerate_config
+
+    return Launch(
+        int(raw.get("num_processes") or 1), str(raw.get("distributed_type") or "NO").upper(), engine_of_accelerate_config(raw)
+    )
 
 
 def installed(module: str) -> bool:
@@ -187,9 +192,9 @@ def extras_problems(recipe: Recipe, launch: Launch | None) -> list[RecipeProblem
 
 
 def launch_problems(recipe: Recipe, world_size: int, launch: Launch | None) -> list[RecipeProblem]:
-    """The trainer's pre-init refusals (DeepSpeed/FSDP with resets, beta to/from 0, ...), before any model loads."""
-    from ..reset.support import ResetNotSupportedError, check_reset_support
-    from ..trainer.checks import check_before_init, resets_possible
+    """The trainer's pre-init refusals (engines a reset cannot run under, beta to/from 0, ...), before any model loads."""
+    from ..reset.engine import engine_of
+    from ..trainer.checks import check_before_init, check_launch, resets_possible
 
     with warnings.catch_warnings():  # the recipe checks reported the warnings about the recipe's own keys
         warnings.simplefilter("ignore")
@@ -201,14 +206,13 @@ def launch_problems(recipe: Recipe, world_size: int, launch: Launch | None) -> l
         check_before_init(args, phases, recipe.model.name_or_path, recipe.peft_config(), reward_funcs, [])
     except ValueError as error:
         problems.append(RecipeProblem(key_path_of(str(error), "training"), str(error)))
+    # The launch config's engine, else what `accelerate launch` exported (what `train` sees).
+    engine = launch.engine if launch is not None and launch.engine is not None else engine_of(args)
+    try:
+        check_launch(args, engine, phases, recipe.model.name_or_path, recipe.peft_config(), [])
+    except ValueError as error:  # ResetNotSupportedError included
+        problems.append(RecipeProblem("launch config" if launch else "training", str(error)))
     if resets_possible(phases, []):
-        # `check_reset_support` reads `accelerator.distributed_type.value` (and the ACCELERATE_USE_* variables `accelerate
-        # launch` sets, which is what `train` sees).
-        accelerator = None if launch is None else SimpleNamespace(distributed_type=SimpleNamespace(value=launch.distributed_type))
-        try:
-            check_reset_support(args, None, accelerator)
-        except ResetNotSupportedError as error:
-            problems.append(RecipeProblem("launch config" if launch else "training", str(error)))
         if recipe.model.quantization:
             problems.append(
                 RecipeProblem(

@@ -46,6 +46,7 @@ class Engine:
     kind: str
     label: str
     problems: tuple[str, ...] = ()
+    ram_efficient_loading: bool = False  # FSDP: transformers loads the weights on rank 0 only (zeros elsewhere)
 
     @property
     def sharded(self) -> bool:
@@ -91,7 +92,7 @@ def _zero_engine(stage: int, offload_optimizer: str, offload_param: str, config:
     return Engine("unsupported" if problems else kind, label, tuple(problems))
 
 
-def _fsdp_engine(version: int, offload: bool) -> Engine:
+def _fsdp_engine(version: int, offload: bool, ram_efficient_loading: bool = False) -> Engine:
     if version != 2:
         return Engine(
             "unsupported",
@@ -100,7 +101,36 @@ def _fsdp_engine(version: int, offload: bool) -> Engine:
         )
     if offload:
         return Engine("unsupported", "FSDP2", ("FSDP2 with CPU offload (fsdp_offload_params: true)",))
-    return Engine(FSDP2, "FSDP2")
+    return Engine(FSDP2, "FSDP2", ram_efficient_loading=ram_efficient_loading)
+
+
+def _true(value: Any) -> bool:
+    return str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+def engine_of_accelerate_config(config: dict[str, Any]) -> Engine:
+    """The engine an accelerate config file (`recipes/accelerate/*.yaml`) launches, read as `accelerate launch` does."""
+    kind = str(config.get("distributed_type") or "NO").upper()
+    if kind == "DEEPSPEED":
+        ds = config.get("deepspeed_config") or {}
+        file_config = {}
+        if ds.get("deepspeed_config_file") and os.path.isfile(ds["deepspeed_config_file"]):
+            file_config = json.loads(open(ds["deepspeed_config_file"]).read())
+        zero = file_config.get("zero_optimization", {})
+        return _zero_engine(
+            int(zero.get("stage", ds.get("zero_stage", 2))),
+            str(zero.get("offload_optimizer", {}).get("device", ds.get("offload_optimizer_device", "none"))).lower(),
+            str(zero.get("offload_param", {}).get("device", ds.get("offload_param_device", "none"))).lower(),
+            file_config,
+        )
+    if kind == "FSDP":
+        fsdp = config.get("fsdp_config") or {}
+        return _fsdp_engine(
+            int(fsdp.get("fsdp_version", 1)), _true(fsdp.get("fsdp_offload_params")), _true(fsdp.get("fsdp_cpu_ram_efficient_loading"))
+        )
+    if kind == "MEGATRON_LM":
+        return Engine("unsupported", "Megatron-LM", ("Megatron-LM keeps tensor-parallel weight shards",))
+    return Engine(REPLICATED, "DDP" if kind.startswith("MULTI_") else "single process")
 
 
 def engine_of(args: Any = None, accelerator: Any = None) -> Engine:
@@ -126,7 +156,7 @@ def engine_of(args: Any = None, accelerator: Any = None) -> Engine:
         plugin = state.fsdp_plugin
         offload = getattr(plugin, "cpu_offload", None)  # FSDP2: an OffloadPolicy (truthy) that offloads only if CPU
         offloaded = type(offload).__name__ == "CPUOffloadPolicy" or getattr(offload, "offload_params", False) is True
-        return _fsdp_engine(int(plugin.fsdp_version), offloaded)
+        return _fsdp_engine(int(plugin.fsdp_version), offloaded, bool(getattr(plugin, "cpu_ram_efficient_loading", False)))
     if kind == "MEGATRON_LM" or (accelerator is None and _env_flag("ACCELERATE_USE_MEGATRON_LM")):
         return Engine("unsupported", "Megatron-LM", ("Megatron-LM keeps tensor-parallel weight shards",))
     if accelerator is None:
@@ -146,9 +176,14 @@ def engine_of(args: Any = None, accelerator: Any = None) -> Engine:
         if fsdp:  # TrainingArguments(fsdp=..., fsdp_config=...): transformers defaults to FSDP2
             fsdp_config = getattr(args, "fsdp_config", None) or {}
             version = fsdp_config.get("version", fsdp_config.get("fsdp_version", 2))
-            return _fsdp_engine(int(version), "offload" in str(fsdp) or bool(fsdp_config.get("offload_params")))
+            offload = "offload" in str(fsdp) or _true(fsdp_config.get("offload_params"))
+            return _fsdp_engine(int(version), offload, _true(fsdp_config.get("cpu_ram_efficient_loading")))
         if _env_flag("ACCELERATE_USE_FSDP"):  # accelerate launch: its plugin defaults to FSDP1
-            return _fsdp_engine(int(os.environ.get("FSDP_VERSION", 1)), _env_flag("FSDP_OFFLOAD_PARAMS"))
+            return _fsdp_engine(
+                int(os.environ.get("FSDP_VERSION", 1)),
+                _env_flag("FSDP_OFFLOAD_PARAMS"),
+                _env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING"),
+            )
     multi = kind in ("MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_HPU")
     return Engine(REPLICATED, "DDP" if multi else "single process")
 

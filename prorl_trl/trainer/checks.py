@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import ProRLConfig, ResolvedPhase
+from ..reset import FSDP2, ZERO3, Engine, ResetNotSupportedError, check_engine_support
 from ..rollout.vllm_sync import shadowed_by_generation_kwargs
 from .callbacks import HardResetCallback
 from .sampling import SAMPLING_KEYS
@@ -68,3 +69,36 @@ def resets_possible(phases: list[ResolvedPhase], callbacks: list) -> bool:
     shapes = [p.lora_shape for p in phases]
     reshapes = any(p.lora_r is not None and p.lora_shape != q for p, q in zip(phases[1:], shapes))
     return any(p.hard_reset for p in phases) or reshapes or any(isinstance(c, HardResetCallback) for c in callbacks)
+
+
+def check_launch(args: ProRLConfig, engine: Engine, phases: list[ResolvedPhase], model: Any, peft_config: Any, callbacks: list) -> None:
+    """Refuse, before any model loads, what this run cannot do under `engine` (`prorl_trl.reset.engine_of`).
+
+    Raises `ResetNotSupportedError` (a `ValueError`) for an engine a planned reset cannot run under, and
+    `ValueError` for compiled generation under ZeRO-3/FSDP2, for TRL's reference under FSDP2's rank-0-only loading,
+    and for a ready PeftModel whose LoRA shape the phases change under a sharded engine.
+    """
+    if resets_possible(phases, callbacks):
+        check_engine_support(engine)
+    if args.compiled_generation and engine.kind in (ZERO3, FSDP2):
+        raise ValueError(
+            f"compiled_generation is not supported under {engine.label}: its CUDA graphs read the weights at fixed "
+            "addresses, but ZeRO-3 and FSDP2 gather the parameters anew for every generation. Set "
+            "`compiled_generation: false` (TRL's generation path), or use DeepSpeed ZeRO-2 or DDP, where the "
+            "weights stay in place and compiled generation works."
+        )
+    full_fine_tuning = peft_config is None and not hasattr(model, "peft_config")
+    if engine.kind == FSDP2 and engine.ram_efficient_loading and full_fine_tuning and args.beta != 0.0:
+        raise ValueError(
+            "Full fine-tuning with beta > 0 under FSDP2 with fsdp_cpu_ram_efficient_loading: true is refused: "
+            "transformers then loads the weights on rank 0 only (zeros elsewhere) and accelerate broadcasts them to "
+            "the policy, but TRL shards the reference model without that broadcast, so its shards on the other "
+            "ranks stay zero. Set `fsdp_cpu_ram_efficient_loading: false` (recipes/accelerate/fsdp.yaml does)."
+        )
+    shapes = {(phase.lora_r, phase.lora_shape[2]) for phase in phases}
+    if engine.sharded and peft_config is None and hasattr(model, "peft_config") and len(shapes) > 1:
+        raise ResetNotSupportedError(
+            f"Phases change the LoRA rank or targets under {engine.label}, but the model is a ready PeftModel. "
+            "Pass the base model with `peft_config=LoraConfig(...)` instead: the adapter must be allocated for "
+            "every phase (largest rank, union of targets) before the engine wraps the model."
+        )

@@ -64,7 +64,7 @@ from ..reset.checkpoint import (
 from ..rollout.compiled import configure_trainer_generation
 from ..rollout.trl_generation import attach_rollout_engine, generate_completions
 from ..rollout.vllm_sync import apply_vllm_sampling, force_weight_sync
-from .checks import check_before_init, resets_possible
+from .checks import check_before_init, check_launch, resets_possible
 from .dynamic_sampling import DynamicSamplingMixin
 from .early_stop import MinibatchEarlyStopMixin
 from .interrupt import RunInterrupted
@@ -167,36 +167,10 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         change there is the active part of one adapter allocated at the largest rank on the union of targets.
         """
         engine = self._engine
-        if resets_possible(self.phases, callbacks):
-            reset_ops.check_engine_support(engine)
-        if args.compiled_generation and engine.kind in (reset_ops.ZERO3, reset_ops.FSDP2):
-            raise ValueError(
-                f"compiled_generation is not supported under {engine.label}: its CUDA graphs read the weights at fixed "
-                "addresses, but ZeRO-3 and FSDP2 gather the parameters anew for every generation. Set "
-                "`compiled_generation: false` (TRL's generation path), or use DeepSpeed ZeRO-2 or DDP, where the "
-                "weights stay in place and compiled generation works."
-            )
-        fsdp_config = getattr(args, "fsdp_config", None) or {}
-        ram_efficient = fsdp_config.get("cpu_ram_efficient_loading", os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING"))
-        full_ft = peft_config is None and not hasattr(model, "peft_config")
-        if engine.kind == reset_ops.FSDP2 and full_ft and args.beta != 0.0 and str(ram_efficient).lower() == "true":
-            raise ValueError(
-                "Full fine-tuning with beta > 0 under FSDP2 with fsdp_cpu_ram_efficient_loading: true is refused: "
-                "transformers then loads the weights on rank 0 only (zeros elsewhere) and accelerate broadcasts them "
-                "to the policy, but TRL shards the reference model without that broadcast, so its shards on the other "
-                "ranks stay zero. Set `fsdp_cpu_ram_efficient_loading: false` (recipes/accelerate/fsdp.yaml does)."
-            )
-        if not engine.sharded:
+        check_launch(args, engine, self.phases, model, peft_config, callbacks)
+        if not engine.sharded or peft_config is None:
             return None
         shapes = [phase.lora_shape for phase in self.phases]
-        if peft_config is None:
-            if hasattr(model, "peft_config") and len({(r, t) for r, _, t in shapes}) > 1:
-                raise reset_ops.ResetNotSupportedError(
-                    f"Phases change the LoRA rank or targets under {engine.label}, but the model is a ready PeftModel. "
-                    "Pass the base model with `peft_config=LoraConfig(...)` instead: the adapter must be allocated "
-                    "for every phase (largest rank, union of targets) before the engine wraps the model."
-                )
-            return None
         return reset_ops.superset_lora_config(peft_config, shapes)
 
     def _check_after_init(self) -> None:
