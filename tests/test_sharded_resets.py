@@ -247,4 +247,24 @@ def test_preflight_reads_the_engine_of_each_shipped_launch_config():
     assert {name: engine.kind for name, engine in kinds.items()} == {
         "zero2": ZERO2, "zero3": ZERO3, "fsdp": FSDP2, "multi_gpu": "replicated", "single_gpu": "replicated",
     }  # fmt: skip
-    assert not kinds["fsdp"].ram_efficient_loading  # full fine-tuning with a KL reference works with fsdp.yaml
+    assert not kinds["fsdp"].ram_efficient_loading  # every rank loads the whole checkpoint
+
+
+def test_fsdp2_full_fine_tuning_with_a_reference_is_refused_before_loading(tmp_path):
+    """TRL's reference model failed under FSDP2 on 2 x H100; LoRA, or beta 0, or ZeRO-3 are the ways that run."""
+    from pathlib import Path
+
+    from prorl_trl import ProRLConfig, resolve_phases
+    from prorl_trl.recipe.preflight import read_launch_config
+    from prorl_trl.trainer.checks import check_launch
+
+    root = Path(__file__).resolve().parent.parent / "recipes" / "accelerate"
+    fsdp, zero3 = (read_launch_config(root / f"{name}.yaml").engine for name in ("fsdp", "zero3"))
+    args = ProRLConfig(output_dir=str(tmp_path), beta=0.04, use_cpu=True, report_to=[], compiled_generation=False)
+    phases = resolve_phases(args)
+    with pytest.raises(ValueError, match="Use DeepSpeed ZeRO-3"):
+        check_launch(args, fsdp, phases, model=None, peft_config=None, callbacks=[])
+    check_launch(args, zero3, phases, model=None, peft_config=None, callbacks=[])
+    check_launch(args, fsdp, phases, model=None, peft_config=object(), callbacks=[])  # LoRA
+    args.beta = 0.0
+    check_launch(args, fsdp, phases, model=None, peft_config=None, callbacks=[])
