@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from . import builtin  # noqa: F401  (fills BUILTIN_REWARDS)
 from ._base import CorrectnessReward, MissingColumnError, Reward, check_columns
-from ._text import as_rational, completion_text, extract_boxed, gold_number, gold_text, normalize_answer
+from ._numbers import as_rational
+from ._text import completion_text, extract_boxed, gold_number, gold_text, normalize_answer
 from .correctness import BoxedAnswer, MathEquivalence
 from .formatting import ReasoningSteps, TagCount, ThinkAnswerFormat
 from .length import CosineScaled, KimiLength, RepetitionPenalty, SoftOverlong

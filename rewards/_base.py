@@ -118,6 +118,7 @@ class CorrectnessReward(Reward):
     correct: float = 1.0
     incorrect: float = 0.0
     answer_key: str = "answer"
+    can_time_out: ClassVar[bool] = False
 
     def missing_columns(self, columns: Iterable[str]) -> MissingColumnError | None:
         columns = list(columns)
@@ -136,14 +137,26 @@ class CorrectnessReward(Reward):
     def _check(self, text: str, gold: Any) -> bool | None:
         raise NotImplementedError
 
-    def _check_batch(self, texts: list[str], golds: list[Any]) -> list[bool | None]:
+    def _check_batch(self, texts: list[str], golds: list[Any]) -> tuple[list[bool | None], int]:
+        """(verdict per completion, how many comparisons timed out). Only a reward that can time out counts them."""
         results: list[bool | None] = []
         for text, gold in zip(texts, golds):
             try:
                 results.append(self._check(text, gold))
             except Exception:
                 results.append(False)
-        return results
+        return results, 0
+
+    def judge(
+        self, prompts: list | None = None, completions: list | None = None, completion_ids: list | None = None, **kwargs
+    ) -> tuple[list[bool | None], int]:
+        """`is_correct`'s verdicts and the number of comparisons that timed out, without logging anything (a length
+        reward that asks this reward logs the timeouts under its own name)."""
+        completions = require_completions(self.__name__, completions, completion_ids)
+        golds = self._golds(kwargs)
+        if len(golds) != len(completions):
+            raise ValueError(f"reward '{self.__name__}': {len(completions)} completions but {len(golds)} gold answers")
+        return self._check_batch([completion_text(c) for c in completions], golds)
 
     def is_correct(
         self,
@@ -152,15 +165,23 @@ class CorrectnessReward(Reward):
         completion_ids: list | None = None,
         **kwargs,
     ) -> list[bool | None]:
-        completions = require_completions(self.__name__, completions, completion_ids)
-        golds = self._golds(kwargs)
-        if len(golds) != len(completions):
-            raise ValueError(f"reward '{self.__name__}': {len(completions)} completions but {len(golds)} gold answers")
-        return self._check_batch([completion_text(c) for c in completions], golds)
+        verdicts, timeouts = self.judge(
+            prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs
+        )
+        log_timeouts(self, self.__name__, timeouts, kwargs.get("log_metric"))
+        return verdicts
 
     def __call__(self, prompts=None, completions=None, completion_ids=None, **kwargs) -> list[float | None]:
         verdicts = self.is_correct(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
         return [None if verdict is None else (self.correct if verdict else self.incorrect) for verdict in verdicts]
+
+
+def log_timeouts(checker: Any, reward_name: str, timeouts: int, log_metric: Any) -> None:
+    """Report `rewards/<reward_name>/timeouts` (comparisons cut off in this call) through TRL's `log_metric` hook, for
+    every call of a reward whose checker can time out, so the logged mean is per call and 0 when nothing timed out.
+    GRPOTrainer averages it over the calls of a logging step and over processes."""
+    if callable(log_metric) and getattr(checker, "can_time_out", False):
+        log_metric(f"rewards/{reward_name}/timeouts", float(timeouts))
 
 
 def check_columns(reward_funcs: Any, column_names: Iterable[str]) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import re
-from fractions import Fraction
 from functools import lru_cache
 from typing import Any
 
@@ -73,36 +72,72 @@ def extract_boxed(text: str) -> str | None:
     start, tag = max((text.rfind(tag), tag) for tag in _BOX_TAGS)
     if start < 0:
         return None
+    return _box_at(text, start, tag)[0]
+
+
+_LIST_GAP = re.compile(r"(?:\s|,|\.|;|\$|\\[()\[\]]|\\q?quad|\\text\s*\{\s*(?:and|or)?\s*\}|\band\b|\bor\b)*")
+
+
+def _listed_boxes(text: str) -> list[str]:
+    """The boxes that end `text` as one list (`\\boxed{1} and \\boxed{-2}`); only the last box when other words
+    separate them (`\\boxed{1} no no \\boxed{2}`), as math-verify reads several boxes."""
+    spans = list(_box_spans(text))
+    listed = spans[-1:]
+    for previous, following in zip(reversed(spans[:-1]), reversed(spans[1:])):
+        if not _LIST_GAP.fullmatch(text[previous[1] : following[0]]):
+            break
+        listed.insert(0, previous)
+    return [content for _, _, content in listed]
+
+
+def _box_spans(text: str):
+    """(start, end, content) of every complete box, left to right; a box nested in another belongs to it."""
+    position = 0
+    while True:
+        start, tag = min(
+            ((found, tag) for tag in _BOX_TAGS if (found := text.find(tag, position)) >= 0), default=(-1, "")
+        )
+        if start < 0:
+            return
+        content, position = _box_at(text, start, tag)
+        if content is not None:
+            yield start, position, content
+
+
+def _box_at(text: str, start: int, tag: str) -> tuple[str | None, int]:
+    """(content of the box command at `start`, or None when it is not a complete box; where scanning resumes)."""
     position = start + len(tag)
     while position < len(text) and text[position] in " \t":
         position += 1
     if position >= len(text):
-        return None
+        return None, len(text)
     if text[position] != "{":
         if position == start + len(tag):  # `\boxedx`: not a box command
-            return None
+            return None, position
         end = min((i for i in (text.find("$", position), text.find("\n", position)) if i >= 0), default=len(text))
-        return text[position:end].strip()
-    depth, cursor = 0, position
-    while True:  # jump between braces with str.find: C speed even on 100 kB of nesting
-        next_open = text.find("{", cursor)
-        next_close = text.find("}", cursor)
+        return text[position:end].strip(), end
+    # Brace matching with str.find at C speed. Each search resumes where the previous one of its kind stopped, so the
+    # scan is linear in the length of the text even for 200k-deep nesting (re-searching for "{" after every "}" made
+    # it quadratic).
+    depth, next_open, next_close = 0, text.find("{", position), text.find("}", position)
+    while True:
         if next_close < 0:
-            return None
+            return None, len(text)
         if 0 <= next_open < next_close:
             depth += 1
-            cursor = next_open + 1
+            next_open = text.find("{", next_open + 1)
         else:
             depth -= 1
-            cursor = next_close + 1
             if depth == 0:
-                return text[position + 1 : next_close]
+                return text[position + 1 : next_close], next_close + 1
+            next_close = text.find("}", next_close + 1)
 
 
 @lru_cache(maxsize=65536)
 def gold_text(gold: Any) -> str | None:
     r"""The final answer inside a gold column value, as text: GSM8K `... #### 1,234` -> `1234`; a MATH solution with a
-    box -> the box content; anything else -> the value stripped of surrounding `$`. None for an empty/unusable gold.
+    box -> the box content (several boxes -> their contents joined by `, `: a list of answers); anything else -> the
+    value stripped of surrounding `$`. None for an empty/unusable gold.
     """
     if isinstance(gold, bool) or gold is None:
         return None
@@ -113,7 +148,7 @@ def gold_text(gold: Any) -> str | None:
     if "####" in gold:
         text = gold.rsplit("####", 1)[1].strip().replace(",", "")
     elif "\\boxed" in gold or "\\fbox" in gold:
-        text = extract_boxed(gold) or ""
+        text = ", ".join(_listed_boxes(gold))
     else:
         text = gold.strip().strip("$").strip()
     return text or None
@@ -147,33 +182,36 @@ def gold_number(gold: Any) -> float | None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Light LaTeX normalisation for answer comparison: the pieces math-verify lacks, plus a rational fast path.
+# Light LaTeX normalisation for answer comparison: the spellings math-verify lacks. Nothing here changes a value:
+# percent signs, units and words stay (`_numbers.read_quantity` decides what they mean).
 
 _NORMALIZE_RULES = [
-    (re.compile(r"\\[dt]frac"), r"\\frac"),
-    (re.compile(r"\\frac\s*(\d)\s*(\d)"), r"\\frac{\1}{\2}"),  # \frac12
+    (re.compile(r"\\[dtc]frac"), r"\\frac"),
+    (re.compile(r"\\frac\s*(\d)\s*(\d)"), r"\\frac{\1}{\2}"),  # \frac12 (LaTeX reads one token per argument)
     (re.compile(r"\\frac\s*(\d)\s*\{"), r"\\frac{\1}{"),  # \frac1{2}
     (re.compile(r"\\frac\s*(\{[^{}]*\})\s*(\d)"), r"\\frac\1{\2}"),  # \frac{1}2
     (re.compile(r"\\sqrt\s*(\d)"), r"\\sqrt{\1}"),  # \sqrt2
-    (re.compile(r"(\d)(?:\\[,;: ]|~|\\thinspace|\{,\})(?=\d{3}(?!\d))"), r"\1"),  # 1\,000 / 1{,}000 -> 1000
+    # thousands separators: 1\,000, 1{,}000, 1~000, 11,\! 111 and 11, \!111 (MATH's spellings) -> 1000, 11111
+    (re.compile(r"(\d)(?:\\[,;: ]|~|\\thinspace|\{,\}|,\s*\\!\s*)(?=\d{3}(?!\d))"), r"\1"),
+    # any other spacing command between two digits stays a space: `5\;6` is not 56 (nor 11, as math-verify reads it)
+    (re.compile(r"(?<=\d)\s*(?:\\[,;: !]|~|\\q?quad(?![A-Za-z]))+\s*(?=\d)"), " "),
     (re.compile(r"\\(?:left|right|displaystyle|!)|\\[,;:]"), ""),
-    (re.compile(r"\^\s*\{?\\circ\}?|°|\\%|%|\\\$|\$"), ""),
+    (re.compile(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|°|\\\$|\$"), ""),  # degrees and dollar signs
 ]
-_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|[-+]?\.\d+")
-_FRACTION = re.compile(r"([-+]?)\\frac\{([-+]?\d+)\}\{([-+]?\d+)\}|([-+]?\d+)\s*/\s*([-+]?\d+)")
-_UNIT_SUFFIX = re.compile(r"\s*(?:\\(?:text|mbox|mathrm)\{\s*[A-Za-z][A-Za-z .]*\}|[A-Za-z]+(?:\s+[A-Za-z]+)*)$")
-_ASSIGNMENT = re.compile(r"^[A-Za-z]\s*=\s*")
-_TEXT_NUMBER = re.compile(r"^\\(?:text|mbox|mathrm)\{([^{}]*)\}$")
+_SPACE_NOT_BETWEEN_DIGITS = re.compile(r"(?<!\d)\s+|\s+(?!\d)")
 
 
 def normalize_answer(answer: str) -> str:
     r"""Canonical LaTeX for comparison: `\dfrac`->`\frac`, `\frac12`->`\frac{1}{2}`, `\sqrt2`->`\sqrt{2}`,
-    `1\,000`->`1000`, and no `\left`/`\right`, spacing commands, degrees, `\%` or dollar signs.
+    thousands separators removed (`1\,000`, `11,\! 111`), and no `\left`/`\right`, spacing commands, degree or dollar
+    signs. Percent signs, units and words are kept.
 
     Example:
     ```python
     >>> normalize_answer(r"\$1\,000"), normalize_answer(r"\dfrac12"), normalize_answer(r"30^{\circ}")
     ('1000', '\\frac{1}{2}', '30')
+    >>> normalize_answer(r"11,\! 111,\! 100"), normalize_answer(r"5\;6")
+    ('11111100', '5 6')
     ```
     """
     text = answer.strip()
@@ -182,25 +220,54 @@ def normalize_answer(answer: str) -> str:
     return text.strip().rstrip(".").strip()
 
 
-def as_rational(answer: str) -> Fraction | None:
-    r"""A normalised answer as an exact rational when it is a plain number: `-1,234.50`, `\frac{3}{4}`, `3/4`,
-    `x = 5`, `72 \text{ apples}`, `\text{12}`. None for anything else (left to the symbolic checker).
-    """
-    if len(answer) > 80:
+def compact(text: str) -> str:
+    """`text` without whitespace, except between two digits (`5 6` is two numbers, not 56)."""
+    return _SPACE_NOT_BETWEEN_DIGITS.sub("", text)
+
+
+_LIST_WORDS = re.compile(r"\\text\s*\{\s*,?\s*(?:and|or)\s*,?\s*\}|(?<![A-Za-z\\])(?:and|or)(?![A-Za-z])")
+_OPENING, _CLOSING = "([{", ")]}"
+
+
+def top_level_parts(text: str) -> list[str]:
+    r"""`text` split at commas, semicolons, `and`, `or` outside any bracket: `5 \text{ or } 7` -> [`5`, `7`];
+    `(1, 2)` stays whole. Brackets that do not balance leave the text whole too."""
+    text = _LIST_WORDS.sub(",", text)
+    parts, depth, start = [], 0, 0
+    for position, character in enumerate(text):
+        if character in _OPENING:
+            depth += 1
+        elif character in _CLOSING:
+            depth -= 1
+            if depth < 0:
+                return [text]
+        elif character in ",;" and depth == 0:
+            parts.append(text[start:position].strip())
+            start = position + 1
+    if depth != 0:
+        return [text]
+    parts.append(text[start:].strip())
+    return [part for part in parts if part]
+
+
+_BRACKETS = {"(": ")]", "[": ")]", "\\{": "\\}"}  # opening -> the closings it may have: (1,2] is an interval
+
+
+def read_bracketed(text: str) -> tuple[str, list[str]] | None:
+    r"""A tuple, interval or set written as one bracket pair around comma-separated parts: `(6, 31, -1)` ->
+    (`()`, [`6`, `31`, `-1`]); `(3, 4]` -> (`(]`, ...); `\{1, 2\}` -> (`{}`, ...). None for anything else
+    (`(1,2) \cup (3,4)`, `x \in [1, 2]`, a single part)."""
+    text = text.strip()
+    opening = "\\{" if text.startswith("\\{") else text[:1]
+    if opening not in _BRACKETS:
         return None
-    text = _ASSIGNMENT.sub("", answer, count=1)
-    text_number = _TEXT_NUMBER.match(text)
-    if text_number:
-        text = text_number.group(1).strip()
-    stripped = _UNIT_SUFFIX.sub("", text).strip() if text[:1].isdigit() or text[:1] in "-+." else text
-    if _NUMBER.fullmatch(stripped):
-        return Fraction(stripped.replace(",", "").rstrip(".") or "0")
-    fraction = _FRACTION.fullmatch(stripped)
-    if fraction:
-        sign, numerator, denominator, plain_numerator, plain_denominator = fraction.groups()
-        numerator = int(numerator if numerator is not None else plain_numerator)
-        denominator = int(denominator if denominator is not None else plain_denominator)
-        if denominator == 0:
-            return None
-        return Fraction(-numerator if sign == "-" else numerator, denominator)
-    return None
+    closing = "\\}" if text.endswith("\\}") else text[-1:]
+    if closing not in _BRACKETS[opening]:
+        return None
+    inner = text[len(opening) : len(text) - len(closing)]
+    parts = top_level_parts(inner)
+    if len(parts) < 2 or len(top_level_parts(f"{opening}{inner}{closing}")) != 1:
+        return None
+    if opening == "\\{" and ("\\{" in inner or "\\}" in inner):
+        return None
+    return opening.strip("\\") + closing.strip("\\"), parts

@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ._base import MissingColumnError, Reward, require_completions
+from ._base import MissingColumnError, Reward, log_timeouts, require_completions
 from .registry import get_reward
 
 
@@ -64,10 +64,17 @@ class _CheckedLengthReward(Reward):
     def _verdicts_and_lengths(self, prompts, completions, completion_ids, kwargs):
         completions = require_completions(self.__name__, completions, completion_ids)
         lengths = _token_lengths(self.__name__, completion_ids, len(completions))
+        log_metric = kwargs.pop("log_metric", None)
         try:
-            verdicts = self._checker.is_correct(
-                prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs
-            )
+            if callable(getattr(self._checker, "judge", None)):  # a registry reward: its timeouts count here
+                verdicts, timeouts = self._checker.judge(
+                    prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs
+                )
+                log_timeouts(self._checker, self.__name__, timeouts, log_metric)
+            else:
+                verdicts = self._checker.is_correct(
+                    prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs
+                )
         except MissingColumnError as error:
             raise self._with_checker(error) from None
         return verdicts, lengths

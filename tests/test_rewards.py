@@ -172,38 +172,13 @@ def test_math_equivalence_open_r1_vectors_and_unparseable_gold():
     assert reward(completions=completions, answer=golds) == [1.0, 0.0, 0.0, 0.0, None]
 
 
-def test_math_equivalence_bounded_on_a_worker_thread():
-    """TRL runs async rewards on a worker thread, where math-verify's signal timeouts never fire."""
-    from rewards._verify import shared_worker
-
-    reward = get_reward("math_equivalence", prescreen=False, timeout_seconds=1.0)
-    reward(completions=[r"\boxed{x+1}"], answer=["1+x"])  # start the worker outside the measured call
-    restarts_before = shared_worker().restarts
-    result: dict = {}
-
-    def score():
-        start = time.monotonic()
-        result["rewards"] = reward(completions=[r"\boxed{9^{9^{9^{9}}}}", r"\boxed{x+1}"], answer=["1", "x+1"])
-        result["seconds"] = time.monotonic() - start
-
-    thread = threading.Thread(target=score, daemon=True)
-    thread.start()
-    thread.join(timeout=60)
-    assert not thread.is_alive(), "math_equivalence hung on a worker thread"
-    assert result["rewards"] == [0.0, 1.0]
-    assert shared_worker().restarts == restarts_before + 1  # the pathological item was cut off by a kill
-    assert result["seconds"] < 10  # 1 s limit + restart slack on a loaded 2-core box; unbounded would never end
-    # ... and the restarted worker still does symbolic work
-    assert reward(completions=[r"\boxed{\sqrt{12}}"], answer=[r"2\sqrt{3}"]) == [1.0]
-
-
 def test_math_equivalence_prescreen_rejects_towers_without_sympy():
-    from rewards._verify import shared_worker
+    from rewards._verify import shared_pool
 
-    restarts_before = shared_worker().restarts
+    timeouts_before = shared_pool().timeouts
     completions = [r"\boxed{9^{9^{9^{9}}}}", r"\boxed{2^2^2^2}", r"\boxed{10^{123456}}", r"\boxed{100000!}"]
     assert rewards.math_equivalence(completions=completions, answer=["x"] * 4) == [0.0] * 4
-    assert shared_worker().restarts == restarts_before
+    assert shared_pool().timeouts == timeouts_before
 
 
 # ----------------------------------------------------------------------------------------------- format rewards
@@ -576,6 +551,9 @@ def test_guard_trl_grpo_script_resolves_dotted_reward_paths():
     "module",
     [
         "rewards._text",
+        "rewards._numbers",
+        "rewards._polynomial",
+        "rewards._screen",
         "rewards.correctness",
         "rewards.formatting",
         "rewards.length",

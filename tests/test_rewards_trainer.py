@@ -72,6 +72,8 @@ def test_grpo_trainer_logs_each_registry_reward_with_weights(tiny, tmp_path):
         assert 0.0 <= means[0] <= 1.0 and -5.0 <= means[1] <= 5.0 and -1.0 <= means[2] <= 0.0
         # TRL's total reward is the weighted sum of the per-function rewards, so its mean is the weighted sum of means
         assert entry["reward"] == pytest.approx(sum(w * m for w, m in zip(weights, means)), abs=1e-5)
+        # math_equivalence reports its symbolic timeouts through TRL's log_metric hook, 0 when none happened
+        assert entry["rewards/math_equivalence/timeouts"] == 0.0
 
 
 def test_trl_grpo_script_resolves_dotted_reward_paths(tiny_dir, tmp_path, monkeypatch):
