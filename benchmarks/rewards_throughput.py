@@ -16,8 +16,13 @@ MATH-500 answers (gold, an equivalent rewrite such as `\\frac12` or `2\\,220`, a
 need the symbolic path. Reported: completions/s over the whole run (best of `--repeats`), median milliseconds per
 completion over batches, and agreement with the ground truth for correctness rewards.
 
+Two more tables follow. Worst cases: seconds per completion of `math_equivalence` on the inputs that broke its time
+bound (`(x+1)^{9999}`, `2^{999!}`, a 129-term polynomial) and on the item right after a timeout, from the main thread
+and a worker thread. The MATH-500 differential: every gold against itself, its neighbour and 20+ perturbations,
+`math_equivalence` and math-verify side by side (tests/test_rewards_differential.py runs a seeded part of it).
+
     python benchmarks/rewards_throughput.py            # full run (>= 5,000 completions), writes the results file
-    python benchmarks/rewards_throughput.py --smoke    # a few hundred completions, prints only
+    python benchmarks/rewards_throughput.py --smoke    # a few hundred completions, one worst case, 10 golds
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
 import rewards  # noqa: E402
 
@@ -145,7 +151,7 @@ def measure(function, batches: list[dict], repeats: int) -> tuple[float, float, 
     """(completions/s of the best run, median ms per completion over batches, outputs of the last run)."""
     best_total, per_completion_ms, outputs = float("inf"), [], []
     for _ in range(repeats):
-        for cache in (rewards.gold_text, rewards.gold_number, rewards.correctness._normalized_gold):
+        for cache in (rewards.gold_text, rewards.gold_number, rewards.correctness._read_gold):
             cache.cache_clear()
         outputs, times = [], []
         for batch in batches:
@@ -224,7 +230,7 @@ def main(argv: list[str] | None = None) -> str:
     }
     params = {"cosine_scaled": {"max_len": max_len}, "soft_overlong": overlong}
 
-    from rewards._verify import shared_worker
+    from rewards._verify import shared_pool
 
     rows, trl_cache = [], {}
     for name in sorted(rewards.BUILTIN_REWARDS):
@@ -293,8 +299,10 @@ def main(argv: list[str] | None = None) -> str:
             "worker_items": worker_items,
         }
     )
-    shared_worker().close()
-    table = render(rows, args, len(texts))
+    worst = worst_cases(args.smoke)
+    differential = run_differential(args)
+    shared_pool().close()
+    table = "\n\n".join([render(rows, args, len(texts)), render_worst_cases(worst), differential])
     print(table)
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -316,6 +324,134 @@ def _cpu_context() -> str:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     load = ", ".join(f"{value:.1f}" for value in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     return f"single-threaded Python; cores allowed to this process: {cores}; load average (1/5/15 min): {load}"
+
+
+# ----------------------------------------------------------------------------------------------- worst cases
+
+
+def _polynomial_pair(terms: int, rng: random.Random) -> tuple[str, str]:
+    """A `terms`-term polynomial and the same terms in another order (a correct answer)."""
+    monomials = [f"{rng.randint(1, 99)}x^{{{power}}}" for power in range(terms)]
+    shuffled = monomials[:]
+    rng.shuffle(shuffled)
+    return " + ".join(monomials), " + ".join(shuffled)
+
+
+def worst_case_scenarios() -> list[tuple[str, list[tuple[str, str]]]]:
+    """(label, [(answer, gold), ...]): the issue's worst cases, each item graded by its own call in order; the last
+    item is the one the label names."""
+    rng = random.Random(0)
+    gold_60, answer_60 = _polynomial_pair(60, rng)
+    gold_129, answer_129 = _polynomial_pair(129, rng)
+    fibonacci_gold = " + ".join(f"F_{{{k}}}F_{{{21 - k}}}" for k in range(1, 21))
+    fibonacci_answer = " + ".join(f"F_{{{21 - k}}}F_{{{k}}}" for k in range(1, 21))
+    expand, factorial = (r"(x+1)^{9999}", "1"), (r"2^{999!}", "2")
+    symbolic = ("x+1", r"\frac{x^2-1}{x-1}")  # no fast path decides it: a worker must
+    return [
+        (r"`(x+1)^{9999}` vs 1 (times out)", [expand]),
+        (r"`2^{999!}` vs 2 (times out)", [factorial]),
+        ("correct 129-term polynomial, terms shuffled", [(answer_129, gold_129)]),
+        ("correct 60-term polynomial, right after a timeout", [factorial, (answer_60, gold_60)]),
+        ("correct 129-term polynomial, right after a timeout", [expand, (answer_129, gold_129)]),
+        (
+            "Fibonacci convolution with factors swapped, right after a timeout",
+            [factorial, (fibonacci_answer, fibonacci_gold)],
+        ),
+        (r"symbolic `x+1` vs `\frac{x^2-1}{x-1}` (math-verify), right after a timeout", [expand, symbolic]),
+        ("the same symbolic item, right after 2 timeouts in a row", [expand, factorial, symbolic]),
+        ("the same, right after 3 timeouts in a row (more than the 2 spares)", [expand, factorial, expand, symbolic]),
+    ]
+
+
+def worst_cases(smoke: bool, repeats: int = 2) -> list[dict]:
+    """Seconds per completion of each worst case with the default 1 s limit, from the main thread and from a worker
+    thread (TRL's async path), the workers warm before each scenario as between training steps."""
+    import threading
+
+    from rewards._verify import shared_pool
+
+    reward = rewards.get_reward("math_equivalence")
+    pool = shared_pool()
+    scenarios = worst_case_scenarios()
+    if smoke:
+        scenarios, repeats = [scenarios[6]], 1
+    rows = []
+    for thread in ("main thread", "worker thread") if not smoke else ("main thread",):
+        for label, items in scenarios:
+            seconds, verdicts = [], []
+            for _ in range(repeats):
+                pool.wait_until_warm()
+
+                def grade_all():
+                    for answer, gold in items:
+                        start = time.perf_counter()
+                        verdicts.append(reward(completions=[rf"\boxed{{{answer}}}"], answer=[gold])[0])
+                        seconds.append(time.perf_counter() - start)
+
+                if thread == "main thread":
+                    grade_all()
+                else:
+                    worker = threading.Thread(target=grade_all)
+                    worker.start()
+                    worker.join()
+            last = verdicts[len(items) - 1 :: len(items)]
+            named = max(seconds[len(items) - 1 :: len(items)])
+            rows.append({"case": label, "thread": thread, "max_s": max(seconds), "named_s": named, "last": last})
+    return rows
+
+
+def render_worst_cases(rows: list[dict]) -> str:
+    lines = [
+        "## Worst cases: seconds per completion (math_equivalence, default `timeout_seconds=1.0`)",
+        "",
+        "Each scenario's completions are graded one call each, in order, after the 3 workers are warm; `max s` is the "
+        "slowest completion of the scenario over its repeats (bound: 1.2 s), `named item s` the slowest time of the "
+        "item the row names (the last one); `verdict` is that item's reward per repeat (None = timed out, skipped and "
+        "counted in `rewards/math_equivalence/timeouts`).",
+        "",
+        "| case | thread | max s per completion | named item s | verdict of the named item | within 1.2 s |",
+        "|---|---|---:|---:|---|---|",
+    ]
+    for row in rows:
+        verdict = ", ".join("None" if value is None else f"{value:.0f}" for value in row["last"])
+        within = "yes" if row["max_s"] <= 1.2 else "**no**"
+        lines.append(
+            f"| {row['case']} | {row['thread']} | {row['max_s']:.3f} | {row['named_s']:.3f} | {verdict} | {within} |"
+        )
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------- differential
+
+
+def run_differential(args) -> str:
+    """The MATH-500 differential on every gold (10 in --smoke): math_equivalence vs math-verify as TRL runs it."""
+    import _math_perturbations as perturbations
+
+    golds = perturbations.load_golds(args.data)
+    indices = list(range(10 if args.smoke else len(golds)))
+    reward = rewards.get_reward("math_equivalence", timeout_seconds=20.0)
+    start = time.perf_counter()
+    records = perturbations.run(golds, indices, reward, None)
+    ours_seconds = time.perf_counter() - start
+    math_verify = perturbations.MathVerify()
+    start = time.perf_counter()
+    for record in records:
+        record["math_verify"] = math_verify(record["gold"], record["answer"])
+    theirs_seconds = time.perf_counter() - start
+    lines = [
+        f"## MATH-500 differential: {len(indices)} golds, {len(records)} comparisons",
+        "",
+        "Each gold against itself, the next problem's gold and 20+ perturbations whose verdict is known by "
+        "construction "
+        "(benchmarks/_math_perturbations.py); math-verify configured as `trl.rewards.accuracy_reward` runs it. "
+        f"Time on this core: math_equivalence {ours_seconds:.1f} s, math-verify {theirs_seconds:.1f} s "
+        "(symbolic limit raised to 20 s here: verdicts, not the time bound, are measured).",
+        "",
+        *perturbations.summary_table(records),
+    ]
+    return "\n".join(lines)
+
 
 
 def render(rows: list[dict], args, count: int) -> str:
