@@ -69,8 +69,9 @@ _SUPERSCRIPTS = {"²": 2, "³": 3}
 _TEXT_COMMAND = r"\\(?:text|textbf|textit|textrm|textnormal|mbox|mathrm|mathbf|operatorname)\s*"
 _WHOLE_TEXT = re.compile(_TEXT_COMMAND + r"\{([^{}]*)\}")
 _POWER = r"(?:\s*\^\s*\{?\s*([23])\s*\}?|\s*([²³]))?"
-_WRAPPED_UNIT = re.compile(r"\s*" + _TEXT_COMMAND + r"\{([^{}]*)\}" + _POWER + r"$")
-_PLAIN_UNIT = re.compile(r"(?<![A-Za-z\\])\s*((?:(?:square|sq\.?|cubic|cu\.?)\s+)?[A-Za-z][A-Za-z/]+)" + _POWER + r"$")
+# No leading \s* in these searched patterns: it would rescan a long run of spaces from every position (quadratic).
+_WRAPPED_UNIT = re.compile(_TEXT_COMMAND + r"\{([^{}]*)\}" + _POWER + r"$")
+_PLAIN_UNIT = re.compile(r"(?<![A-Za-z\\])((?:(?:square|sq\.?|cubic|cu\.?)\s+)?[A-Za-z][A-Za-z/]+)" + _POWER + r"$")
 _PERCENT = re.compile(
     r"\s*(?:\\%|%|" + _TEXT_COMMAND + r"\{\s*(?:\\%|%|percent|percentage|pct)\s*\}|\s+(?:percent|percentage|pct))$"
 )

@@ -269,3 +269,21 @@ def test_tuples_intervals_and_sets_compare_element_by_element():
         ("[1, 2)", "(1,2)", 0.0),  # other brackets: math-verify decides (an interval is not a tuple)
     ]
     assert grade([(answer, gold) for answer, gold, _ in pairs]) == [expected for _, _, expected in pairs]
+
+
+def test_long_answers_are_read_in_linear_time():
+    """A long run of spaces before a unit-like ending made the unit search rescan the run from every position
+    (20 s for 20k spaces); every fast-path regex is linear: 4x the length costs ~4x, not ~16x."""
+
+    def seconds(length: int) -> float:
+        bodies = ["x" + " " * length + "!", "1" + " " * length + "%", " x" * (length // 2), "a" * length + "("]
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for body in bodies:
+                rewards.math_equivalence._fast_check(rf"\boxed{{{body}}}", "5")
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    assert seconds(200_000) / seconds(50_000) < 9
+    assert seconds(200_000) < 2.0
