@@ -123,6 +123,7 @@ class VerifyPool:
         self._start_failures = 0
         self._error: str | None = None
         self._closed = False
+        self.gave_up = False  # closed after repeated start-up failures (not replaced by shared_pool())
         self._starter: threading.Thread | None = None
 
     # -- public ---------------------------------------------------------------------------------------------------
@@ -161,7 +162,12 @@ class VerifyPool:
         with self._condition:
             return [worker.pid for worker in (*self._idle, *self._busy, *self._starting)]
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
+        """Kill the workers. The shared pool is replaced by a fresh one at its next use (`shared_pool()`)."""
         if self.owner_pid != os.getpid():
             return
         with self._condition:
@@ -245,7 +251,7 @@ class VerifyPool:
         missing = self.size - alive
         if missing > 0 and not self._closed:
             self._to_start += missing
-            if self._starter is None:
+            if self._starter is None or not self._starter.is_alive():
                 self._starter = threading.Thread(target=self._start_workers, name="math-verify-starter", daemon=True)
                 self._starter.start()
             self._condition.notify_all()
@@ -270,15 +276,24 @@ class VerifyPool:
                 except OSError as error:
                     self._start_failed(f"could not start the math-verify worker: {error}")
             with self._condition:
-                self._starting.extend(started)
                 self._launching -= count
+                if self._closed:
+                    for worker in started:
+                        worker.kill()
+                    return
+                self._starting.extend(started)
                 starting = list(self._starting)
-            readable = []
-            if starting:
-                readable, _, _ = select.select([worker.process.stdout for worker in starting], [], [], _POLL_SECONDS)
+            try:
+                streams = [worker.process.stdout for worker in starting]
+                readable = select.select(streams, [], [], _POLL_SECONDS)[0] if streams else []
+            except (OSError, ValueError):  # close() shut a worker's pipe meanwhile
+                continue
             for worker in starting:
                 if worker.process.stdout in readable:
-                    message = worker.read_line(time.monotonic() + 1.0)
+                    try:
+                        message = worker.read_line(time.monotonic() + 1.0)
+                    except (OSError, ValueError):
+                        message = _DIED
                     if message == "ready":
                         self._became_ready(worker)
                         continue
@@ -297,6 +312,9 @@ class VerifyPool:
 
     def _became_ready(self, worker: _Worker) -> None:
         with self._condition:
+            if worker not in self._starting:  # close() took it meanwhile
+                worker.kill()
+                return
             self._starting.remove(worker)
             self._ever_ready, self._start_failures = True, 0
             self._make_idle(worker)
@@ -313,7 +331,7 @@ class VerifyPool:
         with self._condition:
             self._start_failures += 1
             if self._start_failures >= _MAX_START_FAILURES:
-                self._closed = True  # stop retrying; every symbolic item becomes a timeout
+                self._closed = self.gave_up = True  # stop retrying; every symbolic item becomes a timeout
             else:
                 self._top_up()
             self._condition.notify_all()
@@ -330,10 +348,11 @@ _forgotten_pools: list[VerifyPool] = []  # kept referenced in forked children so
 
 
 def shared_pool() -> VerifyPool:
-    """The process-wide pool, created on first use (so `import rewards` starts no process)."""
+    """The process-wide pool, created on first use (so `import rewards` starts no process) and again after `close()`
+    (a benchmark or test that frees the workers does not leave later rewards without any)."""
     global _shared_pool
     with _shared_lock:
-        if _shared_pool is None:
+        if _shared_pool is None or (_shared_pool.closed and not _shared_pool.gave_up):
             _shared_pool = VerifyPool()
             atexit.register(_shared_pool.close)
         return _shared_pool

@@ -253,6 +253,21 @@ def test_eight_threads_grading_at_once_all_finish_correctly():
     assert max(seconds for _, seconds in results.values()) < 10  # 16 items of ~20 ms on 3 workers (13.2 s before)
 
 
+def test_closing_the_shared_pool_frees_its_workers_and_the_next_use_starts_new_ones():
+    """A benchmark or test that closes the shared pool must not leave later rewards timing out on a dead pool."""
+    reward = get_reward("math_equivalence")
+    assert reward(completions=SYMBOLIC[0], answer=SYMBOLIC[1]) == [1.0]
+    pool = shared_pool()
+    pids = pool.pids()
+    pool.close()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pids and not any(_alive(pid) for pid in pids)
+    assert reward(completions=SYMBOLIC[0], answer=SYMBOLIC[1]) == [1.0]
+    assert shared_pool() is not pool
+
+
 # ----------------------------------------------------------------------------------------------- item 9: no eval
 
 INJECTIONS = [
