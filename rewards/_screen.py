@@ -7,8 +7,9 @@ regular expressions only (linear time, no parsing):
   read them as products of one-letter symbols (`two forty` = `forty two`), so the sample is skipped (None). A gold
   written as text (`\text{Monday}`, `\text{(C)}`) compares as normalised text instead.
 - Is it safe to hand to a parser? Only math-verify's LaTeX extraction runs in the worker (no `parse_expr`, which is an
-  `eval`), and on top of that `unsafe` rejects dunder names, attribute access and calls to names outside a whitelist
-  of math functions, so no Python-shaped text reaches sympy even if that ever changed.
+  `eval`), and on top of that `unsafe` rejects dunder names and attribute access, and `without_calls` turns every call
+  of a name outside a whitelist of math functions into the product LaTeX means (`ab(a+b)`), so no Python-shaped text
+  reaches sympy even if that ever changed.
 - Would math-verify misread it? It adds numbers separated by spaces (`5 \quad 6` = 11) and takes the right-hand side
   of any equation (`7 = 5` equals 5): such answers are not equivalent.
 - Would it cost minutes? Towers of powers and huge factorials are rejected before sympy sees them.
@@ -108,9 +109,27 @@ def is_math_gold(latex: str) -> bool:
     return True
 
 
+def without_calls(latex: str) -> str:
+    r"""`latex` with every call-shaped `name(` outside the math whitelist written as the product it means in LaTeX:
+    `ab(a+b)` -> `ab\cdot(a+b)` (latex2sympy reads both as a*b*(a+b)), `eval(1)` -> `eval\cdot(1)`. After this no
+    Python call of a name outside the whitelist is left in the text, whatever a parser later does with it.
+
+    Example:
+    ```python
+    >>> without_calls("ab(a+b)"), without_calls(r"\sin(x) + f(x)"), without_calls("eval ('x')")
+    ('ab\\cdot(a+b)', '\\sin(x) + f(x)', "eval\\cdot('x')")
+    ```
+    """
+    def as_product(call: re.Match) -> str:
+        return call.group(0) if call.group(1) in _CALL_WHITELIST else call.group(1) + "\\cdot("
+
+    return _CALL.sub(as_product, latex)
+
+
 def unsafe(latex: str) -> bool:
     r"""True when the text has Python shapes no answer needs: a dunder, attribute access (`a.b`), or a call to a name
-    outside the math whitelist (`eval(`, `open(`, `xy(`). Such text is never handed to a parser.
+    outside the math whitelist (`eval(`; `without_calls` rewrites those first). Such text is never handed to a
+    parser.
 
     Example:
     ```python

@@ -10,7 +10,7 @@ from typing import Any
 from ._base import CorrectnessReward
 from ._numbers import Quantity, quantities_match, read_quantity, split_unit
 from ._polynomial import read_polynomial
-from ._screen import is_math_gold, misread, pathological, text_gold_key, text_key, unsafe
+from ._screen import is_math_gold, misread, pathological, text_gold_key, text_key, unsafe, without_calls
 from ._text import (
     compact,
     extract_boxed,
@@ -91,7 +91,7 @@ class _Gold:
 @lru_cache(maxsize=65536)
 def _read_gold(answer: str) -> _Gold | None:
     """None when the gold is not math (prose, a placeholder, unsafe text): no completion can be checked against it."""
-    normalized = normalize_answer(answer)
+    normalized = without_calls(normalize_answer(answer))
     key = text_gold_key(normalized)
     if key is not None:
         return _Gold(latex=normalized, compact=compact(normalized), text_key=key)
@@ -184,7 +184,8 @@ class MathEquivalence(CorrectnessReward):
     3. polynomials with rational coefficients and square roots of integers (`(a+5)(b+2)`, `\sqrt{12}` =
        `2\sqrt{3}`, 129-term sums), by exact expansion; tuples, intervals and sets of those, element by element;
     4. math-verify (`verify(gold, answer)`, LaTeX extraction only) in a killable worker process, after a screen that
-       rejects unsafe text (dunders, attribute access, calls outside a math whitelist), forms math-verify misreads
+       rejects unsafe text (dunders, attribute access; calls outside a math whitelist become the products LaTeX
+       means, `ab(a+b)`), forms math-verify misreads
        (`5 \quad 6` = 11, `7 = 5` = 5) and, with `prescreen`, towers of powers and huge factorials.
 
     Verdicts: a gold that is not math (`forty two`, `proof omitted`, `N/A`) gives None (TRL skips the sample, as
@@ -242,7 +243,7 @@ class MathEquivalence(CorrectnessReward):
         answer = extract_boxed(text)
         if answer is None:
             return False
-        normalized = normalize_answer(answer)
+        normalized = without_calls(normalize_answer(answer))
         if compact(normalized) == gold_read.compact:
             return True
         if gold_read.text_key is not None:

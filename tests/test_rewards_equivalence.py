@@ -18,7 +18,7 @@ import rewards
 from rewards import get_reward
 from rewards._numbers import quantities_match, read_quantity, split_unit
 from rewards._polynomial import read_polynomial
-from rewards._screen import is_math_gold, misread, text_gold_key, unsafe
+from rewards._screen import is_math_gold, misread, text_gold_key, unsafe, without_calls
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from _math_perturbations import MathVerify  # noqa: E402
@@ -253,6 +253,8 @@ def test_screen_pieces():
     ]  # fmt: skip
     assert text_gold_key(r"\text{(A)}, \text{(C)}") == "a , c" and text_gold_key(r"\text{12}") is None
     assert unsafe("ab(a+b)") and not unsafe("a(b+c)") and not unsafe(r"\operatorname{lcm}(4,6)")
+    assert not unsafe(without_calls("ab(a+b)")) and not unsafe(without_calls("eval(1)"))
+    assert grade([("ab(a+b)", "a^2b+ab^2"), ("a^2b + ab^2", "ab(a+b)"), ("ab(a-b)", "ab(a+b)")]) == [1.0, 1.0, 0.0]
     assert not misread(r"1 \text{ or } 2", "1, 2") and misread(r"x \text{ maybe}", "x")
 
 
