@@ -46,8 +46,11 @@ class PhaseConfig:
     Parameters:
         > Identity and length
 
-        name (`str`, *optional*): Name shown in logs and reports; defaults to `phase-<index>`.
-        max_steps (`int`): Optimizer steps of this phase (the phase may end earlier on a validation plateau).
+        name (`str`, *optional*): Name shown on the console and in the phase table; defaults to `phase-<index>`.
+        max_steps (`int`, *optional*): Optimizer steps of this phase (the phase may end earlier on a validation
+            plateau). Unset in a single-phase run: `ProRLConfig.max_steps`, or, when that is unset too, the length
+            HF derives from `num_train_epochs` (exactly `GRPOTrainer`'s steps). A multi-phase run needs it on every
+            phase.
         hard_reset (`bool`, *optional*): Whether to hard-reset when entering this phase (merge LoRA, fresh adapter,
             optimizer, reference). Defaults to `ProRLConfig.hard_reset_between_phases`; ignored for the first phase.
 
@@ -78,8 +81,16 @@ class PhaseConfig:
         plateau_min_delta (`float`, *optional*): Smallest improvement that counts.
     """
 
-    max_steps: int = field(metadata={"help": "Optimizer steps of this phase (it may end earlier on a plateau)."})
-    name: str | None = field(default=None, metadata={"help": "Phase name for logs and reports (default `phase-<i>`)."})
+    max_steps: int | None = field(
+        default=None,
+        metadata={
+            "help": "Optimizer steps of this phase (it may end earlier on a plateau). Unset: a single-phase run takes "
+            "`max_steps`, else `num_train_epochs` (as HF does); a multi-phase run needs it on every phase."
+        },
+    )
+    name: str | None = field(
+        default=None, metadata={"help": "Phase name for the console and the phase table (default `phase-<i>`)."}
+    )
     hard_reset: bool | None = field(
         default=None,
         metadata={
@@ -131,7 +142,8 @@ class ResolvedPhase:
 
     index: int
     name: str
-    max_steps: int
+    max_steps: int  # -1: the length HF derives from `num_train_epochs` (single-phase runs only)
+    num_train_epochs: float
     hard_reset: bool
     temperature: float
     top_p: float
@@ -162,11 +174,14 @@ class ResolvedPhase:
         return PhaseConfig(**{k: v for k, v in self.to_dict().items() if k != "index"})
 
     @property
+    def length(self) -> str:
+        """The phase's length as the phase table shows it: `300` (steps) or `2ep` (from `num_train_epochs`)."""
+        return str(self.max_steps) if self.max_steps > 0 else f"{self.num_train_epochs:g}ep"
+
+    @property
     def lora_shape(self) -> tuple:
         """What decides whether a new adapter is needed: rank, alpha, targets."""
-        targets = self.lora_target_modules
-        targets = tuple(sorted(targets)) if isinstance(targets, (list, tuple, set)) else targets
-        return (self.lora_r, self.lora_alpha, targets)
+        return _lora_shape(self.lora_r, self.lora_alpha, self.lora_target_modules)
 
 
 @dataclass
@@ -177,8 +192,8 @@ class ProRLConfig(GRPOConfig):
     Parameters:
         > Phases
 
-        phases (`list[PhaseConfig | dict]`, *optional*): The phases to run in order. None: one phase of
-            `max_steps` with the base settings.
+        phases (`list[PhaseConfig | dict]`, *optional*): The phases to run in order. None: one phase with the base
+            settings, as long as `GRPOTrainer` would train (`max_steps`, else `num_train_epochs`).
         reseed_phases (`bool`, defaults to `True`): Shift the data seed per phase, so phase k+1 does not re-read
             the prompts of phase k in the same order (TRL rebuilds its sampler from `seed` on every `train()`).
 
@@ -234,7 +249,10 @@ class ProRLConfig(GRPOConfig):
 
     phases: list[Any] | None = field(
         default=None,
-        metadata={"help": "The phases, in order (PhaseConfig or dicts). None: one phase of `max_steps`."},
+        metadata={
+            "help": "The phases, in order (PhaseConfig or dicts). None: one phase of `max_steps` (else "
+            "`num_train_epochs`), exactly as GRPOTrainer trains."
+        },
     )
     reseed_phases: bool = field(
         default=True, metadata={"help": "Shift the data seed per phase so phases do not replay the same prompts."}
@@ -342,6 +360,16 @@ def _lora_value(peft_config: Any, attribute: str) -> Any:
     return sorted(value) if isinstance(value, set) else value
 
 
+def _lora_shape(r: int | None, alpha: float | None, targets: Any) -> tuple:
+    targets = tuple(sorted(targets)) if isinstance(targets, (list, tuple, set)) else targets
+    return (r, alpha, targets)
+
+
+def peft_lora_shape(peft_config: Any) -> tuple:
+    """`ResolvedPhase.lora_shape` of the adapter `peft_config` describes (all None without one)."""
+    return _lora_shape(*(_lora_value(peft_config, attribute) for attribute in LORA_PHASE_FIELDS.values()))
+
+
 def resolve_phases(args: ProRLConfig, peft_config: Any = None, world_size: int = 1) -> list[ResolvedPhase]:
     """Fill every phase's unset fields from the previous phase (the first from `args` / `peft_config`) and check them.
 
@@ -349,7 +377,7 @@ def resolve_phases(args: ProRLConfig, peft_config: Any = None, world_size: int =
     generation batch not divisible by the group size or by the global micro-batch, a buffer not shorter than the
     cap, a LoRA rank without a `peft_config`, ...).
     """
-    phases = args.phases or [PhaseConfig(max_steps=args.max_steps if args.max_steps > 0 else 1, name="main")]
+    phases = args.phases or [PhaseConfig(name="main")]
     previous: dict[str, Any] = {name: getattr(args, name) for name in GRPO_PHASE_FIELDS + PRORL_PHASE_FIELDS}
     previous["num_generations"] = previous["num_generations"] or 8
     previous.update({field_: _lora_value(peft_config, attr) for field_, attr in LORA_PHASE_FIELDS.items()})
@@ -367,12 +395,14 @@ def resolve_phases(args: ProRLConfig, peft_config: Any = None, world_size: int =
             values["generation_batch_size"] = math.lcm(prompts_per_generation * values["num_generations"], micro_batch)
         prompts_per_generation = max(1, values["generation_batch_size"] // values["num_generations"])
         hard_reset = args.hard_reset_between_phases if phase.hard_reset is None else phase.hard_reset
-        _check_phase(where, phase.max_steps, values, micro_batch, peft_config)
+        max_steps = _phase_length(where, phase.max_steps, args.max_steps, len(phases))
+        _check_phase(where, max_steps, phase.max_steps is None, values, micro_batch, peft_config)
         resolved.append(
             ResolvedPhase(
                 index=index,
                 name=name,
-                max_steps=phase.max_steps,
+                max_steps=max_steps,
+                num_train_epochs=args.num_train_epochs,
                 hard_reset=bool(hard_reset) and index > 0,
                 **{k: values[k] for k in GRPO_PHASE_FIELDS + PRORL_PHASE_FIELDS + tuple(LORA_PHASE_FIELDS)},
             )
@@ -381,9 +411,28 @@ def resolve_phases(args: ProRLConfig, peft_config: Any = None, world_size: int =
     return resolved
 
 
-def _check_phase(where: str, max_steps: int, v: dict[str, Any], micro_batch: int, peft_config: Any) -> None:
+def _phase_length(where: str, phase_max_steps: int | None, base_max_steps: int, num_phases: int) -> int:
+    """A phase's `max_steps`; -1 (HF's "from `num_train_epochs`") only for an unset length in a one-phase run.
+
+    One phase is what `GRPOTrainer` would run: `max_steps` if set, else the epochs. With several phases each
+    phase's length must be known before training (its schedule, resets and plateau rule depend on it), and an
+    epoch count per phase would silently re-read the data set once per phase.
+    """
+    if phase_max_steps is not None:
+        return phase_max_steps
+    if num_phases == 1:
+        return base_max_steps if base_max_steps > 0 else -1
+    raise ValueError(
+        f"ProRLConfig {where}: max_steps is required in a multi-phase run (each phase's length must be known at "
+        "init; `num_train_epochs` sets the length of a single-phase run only). Give every PhaseConfig a max_steps."
+    )
+
+
+def _check_phase(
+    where: str, max_steps: int, length_unset: bool, v: dict[str, Any], micro_batch: int, peft_config: Any
+) -> None:
     problems = []
-    if max_steps is None or max_steps < 1:
+    if max_steps < 1 and not (length_unset and max_steps == -1):  # -1 unset: `num_train_epochs` (one phase)
         problems.append(f"max_steps must be >= 1, got {max_steps}")
     if v["num_generations"] < 2:
         problems.append(f"num_generations must be >= 2 (GRPO needs a group), got {v['num_generations']}")

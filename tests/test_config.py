@@ -17,6 +17,24 @@ def test_single_phase_default_uses_max_steps(tmp_path):
     assert (phase.name, phase.max_steps, phase.temperature, phase.hard_reset) == ("main", 7, 0.9, False)
 
 
+def test_a_single_phase_without_max_steps_takes_its_length_from_epochs(tmp_path):
+    # HF's convention (max_steps=-1: from num_train_epochs), so one phase trains exactly as long as GRPOTrainer.
+    (phase,) = resolve_phases(config(tmp_path, num_train_epochs=3))
+    assert (phase.max_steps, phase.length) == (-1, "3ep")
+    (phase,) = resolve_phases(config(tmp_path, num_train_epochs=3, phases=[PhaseConfig(temperature=0.9)]))
+    assert phase.max_steps == -1 and phase.temperature == 0.9
+    (phase,) = resolve_phases(config(tmp_path, max_steps=5, phases=[PhaseConfig(name="only")]))
+    assert (phase.max_steps, phase.length) == (5, "5")
+
+
+def test_a_multi_phase_run_needs_every_phase_length_at_init(tmp_path):
+    args = config(tmp_path, max_steps=5, phases=[PhaseConfig(max_steps=2), PhaseConfig(name="second", top_p=0.9)])
+    with pytest.raises(ValueError, match=r"phase 1 \(second\): max_steps is required in a multi-phase run"):
+        resolve_phases(args)
+    with pytest.raises(ValueError, match="max_steps must be >= 1, got -1"):  # -1 is only the unset single phase
+        resolve_phases(config(tmp_path, phases=[PhaseConfig(max_steps=-1)]))
+
+
 def test_fields_carry_over_from_previous_phase(tmp_path):
     args = config(
         tmp_path,

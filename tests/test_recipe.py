@@ -161,7 +161,12 @@ BAD_INPUTS = {
     "phase_lora_rank_zero": (changed("phases.2.lora_r", 0), "phases.2.lora_r", "0", ">= 1"),
     "unknown_reward": (changed("rewards.0.name", "boxed_answr"), "rewards.0.name", "'boxed_answr'", "available: "),
     "empty_phases": (changed("phases", []), "phases", "[]", "is empty"),
-    "phase_without_max_steps": (changed("phases.0.max_steps", DELETE), "phases.0.max_steps", "", "required"),
+    "phase_without_max_steps": (
+        changed("phases.0.max_steps", DELETE),
+        "phases.0",
+        "",
+        "max_steps is required in a multi-phase run",
+    ),
     "validation_reward_not_in_recipe": (
         changed("validation.reward", "kk_logic"),
         "validation.reward",

@@ -57,7 +57,7 @@ def describe_recipe(recipe: Recipe, world_size: int = 1) -> str:
     )
     for phase in phases:
         lines.append(
-            f"{phase.name[:15]:<16}{phase.max_steps:>6}{phase.temperature:>6g}{phase.top_p:>6g}{phase.num_generations:>4}"
+            f"{phase.name[:15]:<16}{phase.length:>6}{phase.temperature:>6g}{phase.top_p:>6g}{phase.num_generations:>4}"
             f"{phase.max_completion_length:>8}{phase.overlong_buffer:>7}{str(phase.lora_r or '-'):>7}"
             f"{'yes' if phase.hard_reset else '-':>6}"
         )
