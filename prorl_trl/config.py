@@ -171,7 +171,10 @@ class ResolvedPhase:
 
     def to_phase_config(self) -> PhaseConfig:
         """This phase with every setting explicit; resolving a list of these gives the same phases back."""
-        return PhaseConfig(**{k: v for k, v in self.to_dict().items() if k != "index"})
+        values = {k: v for k, v in self.to_dict().items() if k not in ("index", "num_train_epochs")}
+        if self.max_steps < 1:  # the length of a single phase comes from num_train_epochs: leave it unset
+            values["max_steps"] = None
+        return PhaseConfig(**values)
 
     @property
     def length(self) -> str:

@@ -115,8 +115,10 @@ def test_phase_errors_fail_before_model_loading(tmp_path):
     args = tiny_args(tmp_path, beta=0.0, phases=[PhaseConfig(max_steps=1), PhaseConfig(max_steps=1, beta=0.1)])
     with pytest.raises(ValueError, match="beta"):
         ProRLTrainer(model="no/such-model", reward_funcs=[Recorder()], args=args, train_dataset=prompts_dataset())
-    args = tiny_args(tmp_path, generation_kwargs={"temperature": 0.5})
-    with pytest.raises(ValueError, match="generation_kwargs"):
+    # generation_kwargs may set a sampling key only when no phase changes it (TRL applies it over the phase value).
+    phases = [PhaseConfig(max_steps=1), PhaseConfig(max_steps=1, temperature=0.7)]
+    args = tiny_args(tmp_path, generation_kwargs={"temperature": 0.5}, phases=phases)
+    with pytest.raises(ValueError, match=r"generation_kwargs sets \['temperature'\], which a phase changes"):
         ProRLTrainer(model="no/such-model", reward_funcs=[Recorder()], args=args, train_dataset=prompts_dataset())
 
 

@@ -154,6 +154,10 @@ class SamplingScheduleCallback(_BoundCallback):
             step; allowed keys: temperature, top_p, top_k, min_p, repetition_penalty, max_completion_length.
             Settings reach generation (transformers or vLLM), the loss's log-prob temperature and the overlong
             penalty exactly like a phase's settings. Return `{}` to leave the phase's settings alone.
+        keys: The settings `schedule` may return, if known (`linear` declares its one key). Declared keys are
+            checked when the trainer is built: a key that `generation_kwargs` also sets is refused there (TRL
+            applies generation_kwargs over it, so generation would never see the schedule). Undeclared keys get the
+            same refusal when the schedule first changes them (before anything is applied).
 
     Example:
         >>> ramp = SamplingScheduleCallback.linear("temperature", start=1.0, end=1.2, num_steps=100)
@@ -161,10 +165,11 @@ class SamplingScheduleCallback(_BoundCallback):
         ({'temperature': 1.0}, {'temperature': 1.1}, {'temperature': 1.2})
     """
 
-    def __init__(self, schedule: SamplingSchedule):
+    def __init__(self, schedule: SamplingSchedule, keys: tuple[str, ...] | list[str] | None = None):
         if not callable(schedule):
             raise TypeError("SamplingScheduleCallback(schedule) needs a callable: global_step -> dict of settings.")
         self.schedule = schedule
+        self.keys = tuple(keys) if keys is not None else None
         self.trainer = None
 
     @classmethod
@@ -178,7 +183,7 @@ class SamplingScheduleCallback(_BoundCallback):
             value = start + (end - start) * fraction
             return {key: round(value, 10) if isinstance(value, float) else value}
 
-        return cls(schedule)
+        return cls(schedule, keys=(key,))
 
     def on_step_begin(self, args, state, control, **kwargs):
         trainer = self._require_trainer()

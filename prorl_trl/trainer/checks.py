@@ -4,15 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import ProRLConfig, ResolvedPhase
+from ..config import ProRLConfig, ResolvedPhase, peft_lora_shape
 from ..reset import FSDP2, ZERO3, Engine, ResetNotSupportedError, check_engine_support
 from ..rollout.vllm_sync import shadowed_by_generation_kwargs
-from .callbacks import HardResetCallback
+from .callbacks import HardResetCallback, SamplingScheduleCallback
 from .sampling import SAMPLING_KEYS
 
 
 def check_before_init(
-    args: ProRLConfig, phases: list[ResolvedPhase], model: Any, peft_config: Any, reward_funcs: list, callbacks: list
+    args: ProRLConfig,
+    phases: list[ResolvedPhase],
+    model: Any,
+    peft_config: Any,
+    reward_funcs: list,
+    callbacks: list,
+    optimizers: tuple[Any, Any] = (None, None),
 ) -> None:
     """Fail before any model is loaded for settings TRL would reject later or that a reset would break."""
     is_peft = peft_config is not None or hasattr(model, "peft_config")
@@ -29,12 +35,8 @@ def check_before_init(
                 f"ProRLConfig phase {phase.index} ({phase.name}): reward_weights has {len(phase.reward_weights)} "
                 f"entries for {len(reward_funcs)} reward functions (the overlong penalty is added separately)."
             )
-    scheduled = shadowed_by_generation_kwargs(args.generation_kwargs, SAMPLING_KEYS)
-    if scheduled:
-        raise ValueError(
-            f"generation_kwargs sets {scheduled}, which TRL applies after (and over) the phase settings. Set them "
-            "as ProRLConfig / PhaseConfig fields instead (e.g. `temperature: 1.2`)."
-        )
+    check_generation_kwargs(args, phases, callbacks)
+    check_user_optimizers(args, phases, peft_config, callbacks, optimizers)
     if is_peft and args.beta != 0.0 and not args.reset_reference and resets_possible(phases, callbacks):
         raise ValueError(
             "reset_reference=False with LoRA and beta > 0 is not supported: TRL's reference is the adapter-disabled "
@@ -102,4 +104,82 @@ def check_launch(args: ProRLConfig, engine: Engine, phases: list[ResolvedPhase],
             f"Phases change the LoRA rank or targets under {engine.label}, but the model is a ready PeftModel. "
             "Pass the base model with `peft_config=LoraConfig(...)` instead: the adapter must be allocated for "
             "every phase (largest rank, union of targets) before the engine wraps the model."
+        )
+
+
+def check_generation_kwargs(args: ProRLConfig, phases: list[ResolvedPhase], callbacks: list) -> None:
+    """Refuse a sampling key in `generation_kwargs` that a phase or a declared schedule changes.
+
+    TRL applies `generation_kwargs` over its sampling fields on both backends, so such a change would reach the
+    loss's log-prob temperature and the overlong penalty but not generation. A key nothing changes is TRL's business
+    (e.g. `{"top_k": 50}`). Schedules that do not declare their keys are checked when they return them
+    (`ProRLTrainer.apply_sampling` refuses the change before applying anything).
+    """
+    changed = {key for key in SAMPLING_KEYS if any(getattr(phase, key) != getattr(args, key) for phase in phases)}
+    by_phase = shadowed_by_generation_kwargs(args.generation_kwargs, changed)
+    if by_phase:
+        raise ValueError(
+            f"generation_kwargs sets {by_phase}, which a phase changes; TRL applies generation_kwargs after (and over) "
+            "the phase settings, so the phase value would never reach generation. Set them as ProRLConfig / "
+            "PhaseConfig fields instead (e.g. `temperature: 1.2`)."
+        )
+    if any(phase.overlong_buffer > 0 for phase in phases) and shadowed_by_generation_kwargs(
+        args.generation_kwargs, ["max_completion_length"]
+    ):
+        raise ValueError(
+            "generation_kwargs sets the completion cap (max_new_tokens / max_tokens), but the overlong penalty "
+            "measures lengths against max_completion_length, so it would penalise the wrong lengths. Set the cap "
+            "with max_completion_length (ProRLConfig / PhaseConfig) only."
+        )
+    for callback in callbacks:
+        keys = getattr(callback, "keys", None) if isinstance(callback, SamplingScheduleCallback) else None
+        unknown = sorted(set(keys or ()) - set(SAMPLING_KEYS))
+        if unknown:
+            raise ValueError(f"SamplingScheduleCallback(keys=...) names {unknown}; allowed: {list(SAMPLING_KEYS)}.")
+        by_schedule = shadowed_by_generation_kwargs(args.generation_kwargs, keys or ())
+        if by_schedule:
+            raise ValueError(
+                f"generation_kwargs sets {by_schedule}, which a SamplingScheduleCallback changes; TRL applies "
+                "generation_kwargs over the scheduled value. Remove them from generation_kwargs (the schedule and "
+                "the ProRLConfig fields set them)."
+            )
+
+
+def check_user_optimizers(
+    args: ProRLConfig, phases: list[ResolvedPhase], peft_config: Any, callbacks: list, optimizers: tuple[Any, Any]
+) -> None:
+    """User-built `optimizers=(optimizer, scheduler)` are used exactly as given, so refuse runs that must rebuild them.
+
+    A new optimizer or schedule is built at a phase boundary (the next phase's learning rate and horizon), for new
+    LoRA Parameters (a shape change), and at a hard reset with `reset_optimizer=True` (a fresh schedule; the
+    optimizer's state is cleared in place, which keeps its class, settings and param groups). HF rebuilds its own
+    optimizer (`optim`, `optim_args`, `trainer.optimizer_cls_and_kwargs`) and schedule (`lr_scheduler_type`,
+    `lr_scheduler_kwargs`) the same way every time; a user-built object has no recipe to rebuild it from.
+    """
+    optimizer, scheduler = optimizers if optimizers is not None else (None, None)
+    if optimizer is None and scheduler is None:
+        return
+    given = " and ".join(name for name, obj in (("an optimizer", optimizer), ("a scheduler", scheduler)) if obj is not None)
+    fix = (
+        "Let the trainer build them instead: choose the optimizer with `optim`/`optim_args` (or set "
+        "`trainer.optimizer_cls_and_kwargs = (cls, kwargs)` before `train()`) and the schedule with "
+        "`lr_scheduler_type`/`lr_scheduler_kwargs`; every phase and reset then rebuilds exactly those."
+    )
+    if len(phases) > 1:
+        raise ValueError(
+            f"`optimizers=(...)` passes {given} built for one schedule, but this run has {len(phases)} phases, and each "
+            f"phase starts its own learning rate and LR schedule. {fix}"
+        )
+    first = phases[0]
+    if optimizer is not None and first.lora_r is not None and first.lora_shape != peft_lora_shape(peft_config):
+        raise ValueError(
+            f"`optimizers=(...)` passes an optimizer over the adapter of `peft_config`, but phase 0 ({first.name}) "
+            f"asks for another adapter shape {first.lora_shape}, whose new Parameters that optimizer does not hold. "
+            f"{fix}"
+        )
+    if scheduler is not None and args.reset_optimizer and resets_possible(phases, callbacks):
+        raise ValueError(
+            "`optimizers=(..., scheduler)` passes a scheduler, and this run hard-resets with reset_optimizer=True, "
+            f"which starts a fresh LR schedule that a scheduler object cannot be rebuilt into. {fix} Or set "
+            "reset_optimizer=False (ProRL v2: the optimizer and its schedule carry on)."
         )

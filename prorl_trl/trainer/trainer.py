@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 from trl import GRPOTrainer
+from trl.trainer.utils import get_config_model_id
 
 import rewards
 
@@ -63,7 +64,7 @@ from ..reset.checkpoint import (
 )
 from ..rollout.compiled import configure_trainer_generation
 from ..rollout.trl_generation import attach_rollout_engine, generate_completions
-from ..rollout.vllm_sync import apply_vllm_sampling, force_weight_sync
+from ..rollout.vllm_sync import apply_vllm_sampling, force_weight_sync, shadowed_by_generation_kwargs
 from .checks import check_before_init, check_launch, resets_possible
 from .dynamic_sampling import DynamicSamplingMixin
 from .early_stop import MinibatchEarlyStopMixin
@@ -92,26 +93,44 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
     _paper = {"title": "ProRL: Prolonged Reinforcement Learning Expands Reasoning Boundaries in Large Language Models",
               "id": "2505.24864"}  # fmt: skip
 
-    def __init__(self, model: Any, reward_funcs: Any = None, args: ProRLConfig | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        model: Any,
+        reward_funcs: Any = None,
+        args: ProRLConfig | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        reward_processing_classes: Any = None,
+        callbacks: list[Any] | None = None,
+        optimizers: tuple[Any, Any] = (None, None),
+        quantization_config: Any = None,
+        peft_config: Any = None,
+        tools: list[Any] | None = None,
+        rollout_func: Any = None,
+        environment_factory: Any = None,
+    ):
+        if args is None:  # as GRPOTrainer: a default config named after the model
+            model_name = model if isinstance(model, str) else get_config_model_id(model.config)
+            args = ProRLConfig(f"{model_name.split('/')[-1]}-ProRL")
         if not isinstance(args, ProRLConfig):
             raise TypeError(
                 f"ProRLTrainer needs `args=ProRLConfig(...)`, got {type(args).__name__}. ProRLConfig accepts every "
                 "GRPOConfig field plus phases/reset/overlong/dynamic-sampling options."
             )
         args = copy.copy(args)  # phases rewrite max_steps, seed, num_generations, ...: keep the caller's object intact
-        peft_config = kwargs.get("peft_config")
         self.phases: list[ResolvedPhase] = resolve_phases(args, peft_config, world_size=args.world_size)
         args.phases = [phase.to_phase_config() for phase in self.phases]  # trackers record the table as it runs
         reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs] if reward_funcs else []
         self._num_user_rewards = len(reward_funcs)
-        check_before_init(args, self.phases, model, peft_config, reward_funcs, list(kwargs.get("callbacks") or []))
+        check_before_init(args, self.phases, model, peft_config, reward_funcs, list(callbacks or []), optimizers)
+        # User-built objects are used as given; `hard_reset` refuses to rebuild a schedule it cannot (see checks).
+        self._user_scheduler = optimizers[1] is not None
         # The engine (DDP, FSDP2, ZeRO-2/3) from args and `accelerate launch`'s environment: checked before any model
         # is loaded; `_check_after_init` re-reads it from the accelerator.
         self._engine = reset_ops.engine_of(args)
-        self._superset = self._plan_sharded_adapter(args, model, peft_config, list(kwargs.get("callbacks") or []))
-        if self._superset is not None:
-            kwargs["peft_config"] = self._superset
-        dataset_columns = getattr(kwargs.get("train_dataset"), "column_names", None)
+        self._superset = self._plan_sharded_adapter(args, model, peft_config, list(callbacks or []))
+        dataset_columns = getattr(train_dataset, "column_names", None)
         if dataset_columns is not None:  # a registry reward missing its gold column fails now, not after generation
             rewards.check_columns(reward_funcs, dataset_columns)
 
@@ -123,9 +142,9 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
             )
             reward_funcs.append(self.overlong_penalty)
             args.reward_weights = list(args.reward_weights or [1.0] * self._num_user_rewards) + [1.0]
-            processing = kwargs.get("reward_processing_classes")
-            if isinstance(processing, list):
-                kwargs["reward_processing_classes"] = processing + [None]
+            if reward_processing_classes is not None:
+                listed = reward_processing_classes if isinstance(reward_processing_classes, list) else [reward_processing_classes]
+                reward_processing_classes = listed + [None]
 
         self._base_seed = args.seed
         self.current_phase: ResolvedPhase = self.phases[0]
@@ -147,7 +166,22 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         self._active_lora: dict[str, Any] | None = None  # the live part of a superset adapter (sharded engines)
         self._zero_carry: dict[str, Any] | None = None  # DeepSpeed optimizer carried into the next phase's engine
 
-        super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
+        super().__init__(
+            model=model,
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=self._superset if self._superset is not None else peft_config,
+            tools=tools,
+            rollout_func=rollout_func,
+            environment_factory=environment_factory,
+        )
         use_run_progress(self)  # one bar (or line per log) over all phases with rate and ETA, not a dict per log
 
         self._check_after_init()
@@ -207,6 +241,13 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         if unknown:
             raise ValueError(f"Unknown sampling settings {unknown}; allowed: {list(SAMPLING_KEYS)}.")
         changed = {k: v for k, v in settings.items() if getattr(self, k) != v}
+        shadowed = shadowed_by_generation_kwargs(self.args.generation_kwargs, changed)
+        if shadowed:  # TRL applies generation_kwargs over these: the new value would reach the loss, not generation
+            raise ValueError(
+                f"Cannot change {shadowed} to {[changed[k] for k in shadowed]}: `generation_kwargs` sets "
+                f"{shadowed} too, and TRL applies generation_kwargs over the sampling fields. Set them as "
+                "ProRLConfig/PhaseConfig fields instead of in generation_kwargs."
+            )
         for key, value in changed.items():
             setattr(self, key, value)
             setattr(self.args, key, value)
@@ -278,7 +319,7 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         self._step = 0
         force_weight_sync(self)  # HF's global_step restarts at 0: vLLM must get the weights at the first step
         self._state_callback.start_phase(phase)
-        if self.optimizer is not None:
+        if self.optimizer is not None and phase.index > 0:  # the first phase uses the optimizer (and scheduler) as given
             self._keep_optimizer_for_next_call(phase.learning_rate)
         if self._engine.deepspeed:
             # HF destroys the DeepSpeed engine at the start of every `train()` call (`accelerator.free_memory()`) but
@@ -331,7 +372,8 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         self._announce_phase(phase)
 
     def _announce_phase(self, phase: ResolvedPhase) -> None:
-        settings = ", ".join(f"{k}={getattr(phase, k)}" for k in ("max_steps", "num_generations") + SAMPLING_KEYS)
+        length = f"max_steps={phase.max_steps}" if phase.max_steps > 0 else f"num_train_epochs={phase.num_train_epochs:g}"
+        settings = ", ".join([length] + [f"{k}={getattr(phase, k)}" for k in ("num_generations",) + SAMPLING_KEYS])
         lora = f", lora r={phase.lora_r} targets={phase.lora_target_modules}" if phase.lora_r is not None else ""
         self.announce(
             f"ProRL phase {phase.index + 1}/{len(self.phases)} '{phase.name}' from global step "
@@ -515,6 +557,12 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         The model's outputs are unchanged (fresh B = 0). `lora_phase` gives the fresh adapter's shape (default: the
         current phase). Saves the merged model under `<output_dir>/merged/reset-<k>/` when `save_merged_on_reset`.
         """
+        if self._user_scheduler and self.args.reset_optimizer:
+            raise ValueError(
+                "hard_reset with reset_optimizer=True starts a fresh LR schedule, but the scheduler was passed in "
+                "`optimizers=(..., scheduler)` and cannot be rebuilt. Choose the schedule with `lr_scheduler_type`/"
+                "`lr_scheduler_kwargs` (HF rebuilds it at every reset), or set reset_optimizer=False."
+            )
         if not self._reset_support_checked:  # manual calls in a run that had no reset planned at init
             reset_ops.check_reset_support(self.args, self.model, self.accelerator)
             self._reset_support_checked = True
@@ -610,9 +658,11 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
                     losses.append((output.training_loss, phase_steps - (self._resumed_phase_step if resumed else 0)))
                     outputs.append(output)
                 self._global_step_offset += phase_steps
-                self.announce(f"ProRL phase '{phase.name}' ended after {phase_steps} steps ({self._phase_end_reason}).")
+                planned = phase.max_steps if phase.max_steps > 0 else self.state.max_steps  # epochs: HF's count
+                reason = "num_train_epochs" if phase.max_steps < 1 and self._phase_end_reason == "max_steps" else self._phase_end_reason
+                self.announce(f"ProRL phase '{phase.name}' ended after {phase_steps} steps ({reason}).")
                 self._save_log_history()
-                phase_done = phase_steps >= phase.max_steps or self._phase_end_reason != "max_steps"
+                phase_done = phase_steps >= planned or self._phase_end_reason != "max_steps"
                 if self._stop_requested is not None and (not phase_done or phase.index < len(self.phases) - 1):
                     raise RunInterrupted(self._stop_requested, self._stop_checkpoint, self._global_step_offset)
             self._save_final()
