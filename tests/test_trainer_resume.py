@@ -77,7 +77,7 @@ def test_resume_needs_a_prorl_checkpoint(tmp_path):
         model=model, processing_class=tokenizer, reward_funcs=[parity], args=tiny_args(tmp_path, max_steps=1),
         train_dataset=prompts_dataset(), peft_config=lora(),
     )
-    with pytest.raises(ValueError, match="No ProRL checkpoint"):
+    with pytest.raises(ValueError, match="No checkpoint to resume from"):
         trainer.train(resume_from_checkpoint=True)
     (tmp_path / "ckpt").mkdir()
     with pytest.raises(FileNotFoundError, match="prorl_state.json"):

@@ -1,17 +1,69 @@
 """The trainer's own callback: the phase-start log entry, pending resets at step start, stop requests at step end, the
-phase plateau rule, and `prorl_state.json` in every checkpoint (what a resume needs beyond TRL's checkpoint).
+phase plateau rule, and `prorl_state.json` in every checkpoint (what a resume needs beyond TRL's checkpoint);
+`resume_state` reads it back, or makes it up for a plain TRL checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
+from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from ..reset.checkpoint import PRORL_STATE_NAME, write_json
+from ..reset.checkpoint import PRORL_STATE_NAME, latest_checkpoint, phase_dir_name, read_prorl_state, write_json
 from .callbacks import HardResetCallback, PlateauTracker
+
+
+def find_checkpoint(output_dir: str | os.PathLike) -> Path:
+    """`resume_from_checkpoint=True`: the latest ProRL checkpoint, else the latest plain TRL one (`checkpoint-<n>`)."""
+    checkpoint = latest_checkpoint(output_dir)
+    if checkpoint is None and os.path.isdir(output_dir):
+        plain = get_last_checkpoint(output_dir)
+        checkpoint = Path(plain) if plain is not None and (Path(plain) / TRAINER_STATE_NAME).is_file() else None
+    if checkpoint is None:
+        raise ValueError(
+            f"No checkpoint to resume from in {output_dir}: neither a ProRL one (phase-*/checkpoint-*/"
+            f"{PRORL_STATE_NAME}) nor a TRL one (checkpoint-*/{TRAINER_STATE_NAME})."
+        )
+    return checkpoint
+
+
+def resume_state(checkpoint: Path, first_phase: Any) -> dict[str, Any]:
+    """The ProRL state to resume `checkpoint` with: its `prorl_state.json`, or, for a plain `GRPOTrainer` checkpoint,
+    phase 0 with no resets so far at the checkpoint's step (its log history becomes phase 0's).
+
+    A TRL checkpoint further than phase 0's `max_steps` is refused: HF would train no step and the run would start
+    phase 1 from weights that already trained past phase 0's plan.
+    """
+    checkpoint = Path(checkpoint)
+    in_a_phase = re.fullmatch(phase_dir_name(r"\d+"), checkpoint.resolve().parent.name) is not None
+    if in_a_phase or (checkpoint / PRORL_STATE_NAME).is_file() or not (checkpoint / TRAINER_STATE_NAME).is_file():
+        return read_prorl_state(checkpoint)  # a ProRL checkpoint without it was interrupted mid-save: refused there
+    trainer_state = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())
+    step = int(trainer_state["global_step"])
+    if 0 < first_phase.max_steps < step:
+        raise ValueError(
+            f"{checkpoint} is a TRL checkpoint at step {step}, past phase 0 ({first_phase.name}), which has "
+            f"max_steps={first_phase.max_steps}. Make phase 0 at least {step} steps long to continue that run."
+        )
+    planned = first_phase.max_steps if first_phase.max_steps > 0 else int(trainer_state.get("max_steps", 0))
+    history = [
+        {**entry, "prorl/phase": 0, "prorl/resets": 0, "prorl/global_step": entry.get("step", 0)}
+        for entry in trainer_state.get("log_history", [])
+    ]
+    return {
+        "phase_index": 0,
+        "resets": 0,
+        "global_step_offset": 0,
+        "phase_global_step": step,
+        "phase_complete": step >= planned,  # epochs: the TRL run's own length (the same settings give the same)
+        "log_history": history,
+    }
 
 
 class ProRLStateCallback(TrainerCallback):

@@ -53,11 +53,9 @@ from ..reset.checkpoint import (
     FINAL_DIR_NAME,
     LOG_HISTORY_NAME,
     finished_state,
-    latest_checkpoint,
     load_merged_base,
     load_optimizer_state,
     phase_dir_name,
-    read_prorl_state,
     supersede_after,
     uncommit,
     write_json,
@@ -72,7 +70,7 @@ from .interrupt import RunInterrupted
 from .overlong import OverlongPenalty
 from .progress import use_run_progress
 from .sampling import GENERATION_CONFIG_NAMES, SAMPLING_KEYS, patch_fused_log_prob_heads
-from .state import ProRLStateCallback
+from .state import ProRLStateCallback, find_checkpoint, resume_state
 from .trackers import TrackerSpan
 
 logger = logging.getLogger("prorl_trl")
@@ -400,12 +398,10 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         if not resume_from_checkpoint:
             return None
         if resume_from_checkpoint is True:
-            checkpoint = latest_checkpoint(self.args.output_dir)
-            if checkpoint is None:
-                raise ValueError(f"No ProRL checkpoint (phase-*/checkpoint-*/prorl_state.json) in {self.args.output_dir}.")
+            checkpoint = find_checkpoint(self.args.output_dir)
         else:
             checkpoint = Path(resume_from_checkpoint)
-        state = read_prorl_state(checkpoint)
+        state = resume_state(checkpoint, self.phases[0])  # a plain GRPOTrainer checkpoint resumes as phase 0
         if self.accelerator.is_main_process and self.args.should_save:
             supersede_after(self.args.output_dir, checkpoint)
         self.accelerator.wait_for_everyone()
@@ -428,7 +424,9 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         self._scheduler_horizon = state.get("scheduler_horizon")
         self._state_callback.load_state_dict(state.get("callbacks", {}))
         history = Path(self.args.output_dir) / LOG_HISTORY_NAME
-        if history.is_file():
+        if "log_history" in state:
+            self.prorl_log_history = state["log_history"]
+        elif history.is_file():
             step = self._global_step_offset + self._resumed_phase_step
             self.prorl_log_history = [
                 entry
