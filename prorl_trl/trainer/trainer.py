@@ -304,9 +304,10 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         args.beta = self.beta = phase.beta
         args.epsilon = self.epsilon_low = phase.epsilon
         self.epsilon_high = phase.epsilon_high if phase.epsilon_high is not None else phase.epsilon
+        # The functions after the user's (the overlong penalty, an environment's `get_reward`) keep weight 1, as in TRL.
         weights = list(phase.reward_weights or [1.0] * self._num_user_rewards)
+        weights += [1.0] * (len(self.reward_funcs) - self._num_user_rewards)
         if self.overlong_penalty is not None:
-            weights.append(1.0)
             self.overlong_penalty.overlong_buffer = phase.overlong_buffer
             self.overlong_penalty.factor = phase.overlong_penalty_factor
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
@@ -669,7 +670,10 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         # HF recreates `state.log_history` per inner call; after the run it holds the whole run again.
         self.state.log_history = [dict(entry) for entry in self.prorl_log_history]
         total = sum(n for _, n in losses)
-        loss = sum(l * n for l, n in losses) / total if total else float("nan")
+        if len(losses) == 1:  # one phase: TRL's own number, not a re-weighted copy of it
+            loss = losses[0][0]
+        else:
+            loss = sum(l * n for l, n in losses) / total if total else float("nan")
         metrics = dict(outputs[-1].metrics) if outputs else {}
         metrics.update({"prorl/resets": self.prorl_resets, "prorl/global_step": self._global_step_offset})
         return TrainOutput(global_step=self._global_step_offset, training_loss=loss, metrics=metrics)
@@ -755,10 +759,8 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         logs["prorl/global_step"] = self.prorl_global_step
 
     def _keep_last_log_entry(self) -> None:
-        if self.state.log_history:
-            entry = dict(self.state.log_history[-1])
-            entry["prorl/phase_name"] = self.current_phase.name
-            self.prorl_log_history.append(entry)
+        if self.state.log_history:  # no phase name: it is on the console and in the phase table
+            self.prorl_log_history.append(dict(self.state.log_history[-1]))
 
     def _get_output_dir(self, trial: Any) -> str:
         """Checkpoints per phase (`<output_dir>/phase-<i>/checkpoint-<step>`): HF's step restarts every phase."""
