@@ -180,3 +180,24 @@ def test_trl_loads_models_by_path_with_device_map_none_only_under_ddp_and_deepsp
     # reference by path with its default device_map="auto" there (seen on 2 x H100: "found at least two devices").
     source = inspect.getsource(GRPOTrainer.__init__)
     assert source.count('distributed_type in ["MULTI_GPU", "DEEPSPEED"]') >= 2 and '"FSDP"' not in source
+
+
+def test_what_the_drop_in_parity_relies_on():
+    # args=None: ProRLTrainer names its default config after the model like GRPOTrainer, with TRL's helper.
+    from trl.trainer.utils import get_config_model_id
+
+    init = inspect.getsource(GRPOTrainer.__init__)
+    assert 'args = GRPOConfig(f"{model_name}-GRPO")' in init and "get_config_model_id(model.config)" in init
+    assert callable(get_config_model_id)
+    # generation_kwargs is applied over the sampling fields (transformers path), which is why a key a phase or a
+    # schedule changes is refused and any other key is left to TRL.
+    assert "generation_kwargs.update(args.generation_kwargs)" in init
+    # An environment's `get_reward` is appended with weight 1 after the user's rewards; `_apply_phase` keeps it.
+    assert "self.reward_weights = torch.cat([self.reward_weights, torch.ones(1)])" in init
+    # Every optimizer a phase or reset builds comes from HF's create_optimizer, which honours this documented hook.
+    assert "self.optimizer_cls_and_kwargs" in inspect.getsource(Trainer.create_optimizer)
+    # A plain TRL checkpoint is recognised by HF's trainer state file (phase 0, its global_step and log_history).
+    from transformers.trainer import TRAINER_STATE_NAME
+
+    assert TRAINER_STATE_NAME == "trainer_state.json"
+    assert "TRAINER_STATE_NAME" in inspect.getsource(Trainer._save_checkpoint)
