@@ -382,6 +382,18 @@ def test_user_built_optimizers_are_refused_where_they_would_be_rebuilt(tmp_path,
             ProRLTrainer(**call)
 
 
+def test_an_optimizer_hook_lr_is_refused_with_several_phases(tmp_path):
+    model, tokenizer = tiny_model()
+    args = ProRLConfig(output_dir=str(tmp_path), **TINY_ARGS, phases=[PhaseConfig(max_steps=1), PhaseConfig(max_steps=1)])
+    recorder = Recorder()
+    trainer = ProRLTrainer(model=model, processing_class=tokenizer, reward_funcs=[recorder], args=args,
+                           train_dataset=prompts_dataset(8), peft_config=lora())
+    trainer.optimizer_cls_and_kwargs = (torch.optim.SGD, {"lr": 0.05})
+    with pytest.raises(ValueError, match="optimizer_cls_and_kwargs sets lr=0.05, but this run has 2 phases"):
+        trainer.train()
+    assert recorder.calls == []
+
+
 class OptimizerProbe(TrainerCallback):
     """Runs after HardResetCallback: the optimizer the HF loop will step next, right after each step's reset check."""
 

@@ -183,3 +183,15 @@ def check_user_optimizers(
             f"which starts a fresh LR schedule that a scheduler object cannot be rebuilt into. {fix} Or set "
             "reset_optimizer=False (ProRL v2: the optimizer and its schedule carry on)."
         )
+
+
+def check_optimizer_hook(optimizer_cls_and_kwargs: Any, phases: list[ResolvedPhase]) -> None:
+    """HF's `trainer.optimizer_cls_and_kwargs` (set after init, read by `create_optimizer`) with an `lr` fixes one learning
+    rate, but every phase after the first starts at its own `learning_rate`: refuse the mix before training."""
+    kwargs = optimizer_cls_and_kwargs[1] if optimizer_cls_and_kwargs is not None else {}
+    if len(phases) > 1 and "lr" in (kwargs or {}):
+        raise ValueError(
+            f"trainer.optimizer_cls_and_kwargs sets lr={kwargs['lr']}, but this run has {len(phases)} phases, and each "
+            "phase starts at its own learning_rate. Remove `lr` from the kwargs and set `learning_rate` in ProRLConfig "
+            "(and PhaseConfig where a phase differs)."
+        )

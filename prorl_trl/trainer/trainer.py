@@ -63,7 +63,7 @@ from ..reset.checkpoint import (
 from ..rollout.compiled import configure_trainer_generation
 from ..rollout.trl_generation import attach_rollout_engine, generate_completions
 from ..rollout.vllm_sync import apply_vllm_sampling, force_weight_sync, shadowed_by_generation_kwargs
-from .checks import check_before_init, check_launch, resets_possible
+from .checks import check_before_init, check_launch, check_optimizer_hook, resets_possible
 from .dynamic_sampling import DynamicSamplingMixin
 from .early_stop import MinibatchEarlyStopMixin
 from .interrupt import RunInterrupted
@@ -79,7 +79,8 @@ logger = logging.getLogger("prorl_trl")
 class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
     """`GRPOTrainer` with ProRL phases, hard resets, a phase-aware overlong penalty, dynamic sampling and early stop.
 
-    Takes exactly `GRPOTrainer`'s arguments; `args` must be a [`ProRLConfig`]. Extra state, all readable:
+    Takes `GRPOTrainer`'s arguments, in its order; `args` is a [`ProRLConfig`] (None: a default one named after the
+    model). With one phase it trains exactly as `GRPOTrainer` (tests/test_parity.py). Extra state, all readable:
     `phases` (resolved), `current_phase`, `prorl_global_step` (continuous across phases), `prorl_resets`,
     `prorl_log_history` (every log entry of the run, also saved to `<output_dir>/prorl_log_history.json`),
     `overlong_penalty` (the appended reward, or None), `sampling` (the settings in force).
@@ -643,6 +644,7 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         if resume_from_checkpoint is None:
             resume_from_checkpoint = self.args.resume_from_checkpoint
         self._bind_callbacks()
+        check_optimizer_hook(self.optimizer_cls_and_kwargs, self.phases)
         checkpoint = self._prepare_resume(resume_from_checkpoint)
         start = self.current_phase.index if checkpoint else 0
         losses, outputs = [], []
