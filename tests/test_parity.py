@@ -118,7 +118,9 @@ CASES = {
         from_path=True, step_keys=("kl", "cispo_clip_ratio"),
     ),
     "sapo+conversational+generation_kwargs": Case(
-        dict(loss_type="sapo", generation_kwargs={"top_k": 5, "repetition_penalty": 1.2}, max_steps=3),
+        # TRL's own test_train_with_generation_kwargs settings (refused by ProRLTrainer before this issue).
+        dict(loss_type="sapo", generation_kwargs={"do_sample": True, "top_k": 50, "num_beams": 2, "length_penalty": -0.1},
+             max_steps=3),
         conversational=True,
     ),
     "luspo+three_weighted_rewards+gdpo": Case(

@@ -134,3 +134,16 @@ def test_caller_config_is_not_mutated(tmp_path):
     args = tiny_args(tmp_path, overlong_buffer=2, phases=[PhaseConfig(max_steps=1, max_completion_length=6)])
     ProRLTrainer(model=model, processing_class=tokenizer, reward_funcs=[Recorder()], args=args, train_dataset=prompts_dataset())
     assert args.reward_weights is None and isinstance(args, ProRLConfig)
+
+
+def test_phases_keep_the_weight_of_rewards_trl_appends(tmp_path):
+    # TRL appends an environment's `get_reward` after the user's rewards with weight 1 (guarded in
+    # test_trainer_internals); a phase sets the user's weights and must keep that one (and the overlong penalty's).
+    model, tokenizer = tiny_model()
+    phases = [PhaseConfig(max_steps=1, reward_weights=[2.0]), PhaseConfig(max_steps=1, reward_weights=[3.0])]
+    trainer = ProRLTrainer(model=model, processing_class=tokenizer, reward_funcs=[Recorder()], train_dataset=prompts_dataset(),
+                           args=tiny_args(tmp_path, overlong_buffer=2, phases=phases))
+    trainer.reward_funcs.append(lambda environments, **kwargs: [None] * len(environments))  # as TRL's env path does
+    trainer.reward_weights = torch.cat([trainer.reward_weights, torch.ones(1)])
+    trainer._apply_phase(trainer.phases[1])
+    assert trainer.reward_weights.tolist() == [3.0, 1.0, 1.0]
