@@ -93,7 +93,7 @@ def load_settings(recipe_path: Path, overrides: list[str], smoke: bool, steps: i
     kwargs["generation_kwargs"] = dict(kwargs.get("generation_kwargs") or {}, min_new_tokens=longest)
     if first_phase:
         resolved = resolve_phases(ProRLConfig(**kwargs), recipe.peft_config())[first_phase:]
-        kwargs["phases"] = [{k: v for k, v in dataclasses.asdict(p).items() if k != "index"} for p in resolved]
+        kwargs["phases"] = [dataclasses.asdict(p.to_phase_config()) for p in resolved]
     return recipe, kwargs
 
 

@@ -155,7 +155,10 @@ CASES = {
 
 
 def comparable(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in entry.items() if not k.startswith("prorl/") and k not in TIMING_KEYS} for entry in history]
+    """The entries without `prorl/*` keys and wall times; ProRL's phase-start entry (only `prorl/*`, `step` and
+    `epoch`) has no GRPOTrainer counterpart and is left out."""
+    kept = [{k: v for k, v in entry.items() if not k.startswith("prorl/") and k not in TIMING_KEYS} for entry in history]
+    return [entry for entry in kept if set(entry) - {"step", "epoch"}]
 
 
 def same_value(a: Any, b: Any) -> bool:

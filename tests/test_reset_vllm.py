@@ -164,18 +164,21 @@ def test_vllm_gets_the_merged_policy_before_and_after_a_reshaping_reset():
 
 
 def test_trainer_refuses_generation_kwargs_that_shadow_phase_settings_on_either_backend(tmp_path):
-    """`max_tokens` (vLLM's spelling of the cap) in generation_kwargs would override every phase's cap silently."""
+    """`max_tokens` (vLLM's spelling of the cap) in generation_kwargs would override a phase's cap silently.
+
+    Refused only where a phase changes the setting; a key no phase changes is TRL's (tests/test_parity.py)."""
     import pytest
     from datasets import Dataset
 
-    from prorl_trl import ProRLConfig, ProRLTrainer
+    from prorl_trl import PhaseConfig, ProRLConfig, ProRLTrainer
     from prorl_trl.tiny import build_tiny
 
     model, tokenizer = build_tiny(seed=0)
+    phases = [PhaseConfig(max_steps=1), PhaseConfig(max_steps=1, max_completion_length=6, temperature=0.9)]
     for extra in ({"max_tokens": 5}, {"max_new_tokens": 5}, {"temperature": 0.7}):
         args = ProRLConfig(
             output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=4,
-            num_generations=4, max_completion_length=4, max_steps=1, generation_kwargs=extra,
+            num_generations=4, max_completion_length=4, phases=phases, generation_kwargs=extra,
         )
         with pytest.raises(ValueError, match="generation_kwargs"):
             ProRLTrainer(

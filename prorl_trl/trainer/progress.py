@@ -49,7 +49,8 @@ class RunProgress(TrainerCallback):
         self.first_step = 0
 
     def bind(self, trainer: Any) -> None:
-        self.total = sum(phase.max_steps for phase in trainer.phases)
+        lengths = [phase.max_steps for phase in trainer.phases]  # -1: one phase as long as num_train_epochs (HF's)
+        self.total = sum(lengths) if min(lengths) > 0 else None
         self.global_step = lambda state: trainer.prorl_global_step
         self.phase_name = lambda: trainer.current_phase.name
         self.last_part = lambda: trainer.current_phase.index == len(trainer.phases) - 1
