@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,7 @@ from transformers import AutoTokenizer, Qwen2ForSequenceClassification, TrainerC
 from trl import GRPOConfig, GRPOTrainer
 
 from prorl_trl import HardResetCallback, PhaseConfig, ProRLConfig, ProRLTrainer, SamplingScheduleCallback
-from prorl_trl.trainer.state import find_checkpoint
+from prorl_trl.trainer.state import find_checkpoint, resume_state
 
 # Wall-clock measurements: the only logged values allowed to differ between two identical runs.
 TIMING_KEYS = {
@@ -309,6 +310,11 @@ def test_resume_from_a_grpo_checkpoint_is_grpo_resume(tmp_path):
 
     # `resume_from_checkpoint=True` finds the newest TRL checkpoint when the folder holds no ProRL one.
     assert find_checkpoint(tmp_path / "grpo") == tmp_path / "grpo" / "checkpoint-4"
+    # A folder inside a ProRL phase without prorl_state.json is a ProRL save cut short, never a TRL checkpoint.
+    cut_short = tmp_path / "b" / "phase-0" / "checkpoint-9"
+    shutil.copytree(checkpoint, cut_short)
+    with pytest.raises(FileNotFoundError, match="prorl_state.json"):
+        resume_state(cut_short, prorl.phases[0])
     # A checkpoint past phase 0's plan is refused: HF would skip phase 0 and start phase 1 from a longer run.
     phases = [PhaseConfig(max_steps=1), PhaseConfig(max_steps=2)]
     model, tokenizer = tiny_model()
