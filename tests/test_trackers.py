@@ -81,7 +81,7 @@ def test_tensorboard(tracked_run):
     assert [e.value for e in events.Scalars("train/prorl/resets")][-1] == 1
     args_text = events.Tensors("args/text_summary")[0].tensor_proto.string_val[0].decode()
     assert json.loads(args_text)["phases"] == expected_phase_table(trainer)
-    merged = events.Tensors("train/prorl/merged_checkpoint/text_summary")
+    merged = events.Tensors("train/merged_checkpoint/text_summary")
     assert [(e.step, e.tensor_proto.string_val[0].decode()) for e in merged] == [(2, trainer.prorl_merged_path)]
 
 
@@ -96,7 +96,7 @@ def test_trackio(tracked_run):
         (0, 0),
         (2, 1),
     ]
-    assert [e["train/prorl/merged_checkpoint"] for e in logs if "train/prorl/merged_checkpoint" in e] == [
+    assert [e["train/merged_checkpoint"] for e in logs if "train/merged_checkpoint" in e] == [
         trainer.prorl_merged_path
     ]
     config = SQLiteStorage.get_run_config(project, "two-phases")
@@ -156,7 +156,7 @@ def test_mlflow_local_store(tracked_run):
     run = runs[0]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3, 4]
     assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "prorl/phase_start")] == [(0, 0), (2, 1)]
-    assert run.data.tags["prorl/merged_checkpoint/step-2"] == trainer.prorl_merged_path
+    assert run.data.tags["merged_checkpoint/step-2"] == trainer.prorl_merged_path
     assert "'lora_r': 2" in run.data.params["phases"] and "'sharpen'" in run.data.params["phases"]
 
 

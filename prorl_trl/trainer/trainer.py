@@ -744,13 +744,13 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
 
     def log_phase_start(self) -> None:
         """One log entry where a phase starts: `prorl/phase_start` (its index) and, after a reset, the merged base's
-        folder (`prorl/merged_checkpoint`), so trackers and `prorl_log_history.json` show the boundaries.
+        folder (`merged_checkpoint`: text, so it stays out of the numeric `prorl/*` keys), so trackers and `prorl_log_history.json` show the boundaries.
 
         Goes through HF's `Trainer.log`, not TRL's, which would flush TRL's metric buffers and completions table.
         """
         logs: dict[str, Any] = {"prorl/phase_start": self.current_phase.index}
         if self.prorl_merged_path:
-            logs["prorl/merged_checkpoint"] = self.prorl_merged_path
+            logs["merged_checkpoint"] = self.prorl_merged_path
         self._add_prorl_keys(logs)
         super(GRPOTrainer, self).log(logs)
         self._keep_last_log_entry()
