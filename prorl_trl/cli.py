@@ -151,6 +151,19 @@ def _unavailable(name: str, error: Exception) -> Callable[[Any], int]:
     return handler
 
 
+def _add_output_folder_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--resume [CHECKPOINT]` and `--overwrite`: what to do with a run already in the output folder (train, and
+    validate, which reports what train would do with the same options)."""
+    parser.add_argument(
+        "--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
+        help="continue the run in the output folder from its latest complete checkpoint (from the start if it has "
+        "none yet; a finished run is left as it is), or from CHECKPOINT (give it after RECIPE)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--overwrite", action="store_true", help="delete the run outputs already in the output folder, then start"
+    )
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = BothSpellingsParser(prog="prorl-trl", description="Prolonged RL (ProRL) on top of TRL.")
     parser.add_argument("--version", action="version", version=f"prorl-trl {__version__}")
@@ -160,14 +173,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         "train", help="run a recipe (all phases)", description="Run a recipe. " + OVERRIDES_HELP
     )
     train.add_argument("recipe", help="recipe YAML file")
-    train.add_argument(
-        "--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
-        help="continue the run in the output folder from its latest complete checkpoint (from the start if it has "
-        "none yet; a finished run is left as it is), or from CHECKPOINT (give it after RECIPE)",
-    )  # fmt: skip
-    train.add_argument(
-        "--overwrite", action="store_true", help="delete the run outputs already in the output folder, then start"
-    )
+    _add_output_folder_arguments(train)
     train.set_defaults(handler=_run_train)
 
     validate = commands.add_parser(
@@ -175,10 +181,11 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         help="check a recipe, this machine and local data (no model loaded)",
         description="Check everything `train` would fail on before loading a model: the recipe, local model and "
         "data paths, precision against this machine's GPU, installed extras, the batch arithmetic for the number of "
-        "processes, and local data files row by row (hub data is checked by `train` before the model loads). "
-        + OVERRIDES_HELP,
+        "processes, local data files row by row (hub data is checked by `train` before the model loads), and the "
+        "output folder (a run already there needs --resume or --overwrite, as for `train`). " + OVERRIDES_HELP,
     )
     validate.add_argument("recipe", help="recipe YAML file")
+    _add_output_folder_arguments(validate)
     validate.add_argument(
         "--num-processes", type=int, default=None,
         help="processes the run will use (batch divisibility); default: the launch config's, else 1",
@@ -243,7 +250,7 @@ def _add_ablate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_validate(args: argparse.Namespace) -> int:
     from .recipe.load import load_recipe
-    from .recipe.output_folder import inspect_output_folder
+    from .recipe.output_folder import plan_start
     from .recipe.preflight import Launch, preflight, read_launch_config
     from .recipe.run import describe_recipe
 
@@ -257,9 +264,12 @@ def _run_validate(args: argparse.Namespace) -> int:
         raise RecipeError(args.recipe, problems)
     for warning in recipe.warnings:
         print(f"note: {warning}", file=sys.stderr)
-    folder = inspect_output_folder(recipe.output_dir)
-    if folder.used:
-        print(f"note: {folder.describe()}: `train` needs --resume or --overwrite", file=sys.stderr)
+    plan = plan_start(recipe.output_dir, resume=args.resume, overwrite=args.overwrite)  # a used folder: exit 2, as train
+    if plan.note or plan.finished or plan.overwrite:
+        will = "the run is finished: `train --resume` says so and changes nothing" if plan.finished else (
+            f"`train --overwrite` would delete the outputs of {plan.state.describe()}" if plan.overwrite else plan.note
+        )
+        print(f"note: {will}", file=sys.stderr)
     print(describe_recipe(recipe, world_size=world_size))
     checked = "recipe only (--no-machine-checks)" if not machine else "recipe, this machine and local data"
     print(f"ok: {args.recipe} is valid for {world_size} process(es); checked: {checked} "

@@ -111,3 +111,23 @@ def test_train_takes_resume_and_overwrite_before_or_after_the_recipe():
     assert parsed("r.yaml", "--resume", "p/checkpoint-2", "--x", "1") == ("r.yaml", "p/checkpoint-2", False, ["--x", "1"])
     assert parsed("r.yaml", "--resume", "--x", "1") == ("r.yaml", True, False, ["--x", "1"])
     assert parsed("--overwrite", "r.yaml", "--lr", "2") == ("r.yaml", None, True, ["--lr", "2"])
+
+
+def test_validate_tells_what_train_would_do_with_the_output_folder(tmp_path, capsys):
+    """`validate` refuses a used folder exactly as `train` would (exit 2, nothing changed), and with the same
+    `--resume` / `--overwrite` passes and says what `train` would do."""
+    from pathlib import Path
+
+    from prorl_trl.cli import main
+
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "demo_tiny.yaml"
+    fake_run(tmp_path)
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    base = ["validate", str(recipe), "--training.output_dir", str(tmp_path), "--no-machine-checks"]
+    assert main(base) == 2
+    assert "holds an unfinished run" in capsys.readouterr().err
+    assert main(base + ["--resume"]) == 0
+    assert "resuming from" in capsys.readouterr().err
+    assert main(base + ["--overwrite"]) == 0
+    assert "would delete the outputs" in capsys.readouterr().err
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # validate never changes the folder
