@@ -97,6 +97,9 @@ def test_resume_command_repeats_the_launch_with_resume():
     assert own == ["prorl-trl", "train", "r y.yaml", "--resume"]
     module = shlex.split(resume_command(["/bin/bash"], argv=["/x/prorl_trl/__main__.py", "train", "r.yaml"]))
     assert module == [sys.executable, "-m", "prorl_trl", "train", "r.yaml", "--resume"]
+    for torchrun in (["/venv/bin/torchrun"], [sys.executable, "-m", "torch.distributed.run"]):  # keep the processes
+        launch = torchrun + ["--nproc_per_node", "4", "-m", "prorl_trl", "train", "r.yaml"]
+        assert shlex.split(resume_command(launch, argv=["ignored"])) == launch + ["--resume"]
 
 
 def test_train_takes_resume_and_overwrite_before_or_after_the_recipe():

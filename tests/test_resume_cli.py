@@ -1,5 +1,5 @@
 """`prorl-trl train --resume` as users run it: CLI processes killed with SIGKILL at eight exact points, a SIGTERM under
-`accelerate launch`, a full disk, and a second `train` into a used folder.
+`accelerate launch` and under a 2-process torchrun, a full disk, and a second `train` into a used folder.
 
 Every run goes through `tests/_kill_launcher.py` (the real CLI; the launcher only injects the fault named by an
 environment variable and registers the `token_hash` reward, which varies inside every group so every step moves the
@@ -144,6 +144,40 @@ def test_sigterm_under_accelerate_launch_checkpoints_and_prints_the_resume_comma
     assert argv[:3] == [sys.executable, "-m", "accelerate.commands.launch"] and argv[-1] == "--resume"
     assert not (out / "final").exists()
 
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "PRORL_SHARED_DATA": str(shared_data)}
+    resumed = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=environment, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_weights(out, reference)
+    assert history(out) == history(reference)
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            str(REPO / "tests" / "_kill_launcher.py")]  # fmt: skip
+
+
+def test_processes_that_form_no_group_are_refused_before_anything_is_written(tiny_dir, shared_data, tmp_path):
+    """Two torchrun workers on a CPU without `use_cpu` form no process group: each would train alone into one folder."""
+    result = cli(tmp_path / "run", tiny_dir, shared_data, launcher=TORCHRUN)
+    assert result.returncode != 0 and "did not form a process group" in result.stderr, result.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_sigterm_under_torchrun_stops_both_ranks_at_one_step_and_the_printed_command_resumes_exactly(
+    tiny_dir, shared_data, tmp_path
+):
+    """torchrun forwards SIGTERM to both workers: they finish the same step, write one checkpoint, print a resume
+    command that relaunches both processes; running it ends on the weights and log of an uninterrupted 2-process run."""
+    group = ("--training.use_cpu", "true")
+    reference = tmp_path / "reference"
+    done = cli(reference, tiny_dir, shared_data, *group, launcher=TORCHRUN)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = tmp_path / "run"
+    result = cli(out, tiny_dir, shared_data, *group, env={"PRORL_TEST_TERM_AT": "on_step_begin:0:2"}, launcher=TORCHRUN)
+    assert result.stdout.count("stopped by SIGTERM at global step 2; checkpoint written:") == 1, result.stderr[-3000:]
+    assert json.loads((out / "phase-0" / "checkpoint-2" / "prorl_state.json").read_text())["global_step"] == 2
+    assert not (out / "phase-0" / "checkpoint-3").exists() and not (out / "final").exists()
+    argv = shlex.split(result.stdout.split("resume with:\n")[1].strip().splitlines()[0])
+    assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"] and argv[-1] == "--resume"
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "PRORL_SHARED_DATA": str(shared_data)}
     resumed = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=environment, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

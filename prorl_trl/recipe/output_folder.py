@@ -194,14 +194,13 @@ def split_run_flags(tokens: list[str]) -> tuple[str | bool | None, bool, list[st
 
 
 def resume_command(launcher_argv: list[str] | None = None, argv: list[str] | None = None) -> str:
-    """The command that continues this run: as it was launched (`accelerate launch ...` when the parent process is
-    accelerate's launcher, else this process's own command line), with `--overwrite`/`--resume ...` replaced by
-    `--resume`."""
+    """The command that continues this run: as it was launched (`accelerate launch ...` or `torchrun ...` when the
+    parent process is that launcher, so the resumed run has the same processes, else this process's own command
+    line), with `--overwrite`/`--resume ...` replaced by `--resume`."""
     argv = list(sys.argv if argv is None else argv)
     launcher_argv = list(launcher_argv or [])
-    if any(Path(part).name == "accelerate" or part == "accelerate.commands.launch" for part in launcher_argv) and (
-        "train" in launcher_argv
-    ):
+    launchers = ("accelerate", "accelerate.commands.launch", "torchrun", "torch.distributed.run")
+    if any(part in launchers or Path(part).name in launchers for part in launcher_argv) and "train" in launcher_argv:
         command = launcher_argv
     else:
         program = ["prorl-trl"] if Path(argv[0]).name == "prorl-trl" else [sys.executable, "-m", "prorl_trl"]

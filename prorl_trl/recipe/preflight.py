@@ -194,7 +194,7 @@ def extras_problems(recipe: Recipe, launch: Launch | None) -> list[RecipeProblem
 def launch_problems(recipe: Recipe, world_size: int, launch: Launch | None) -> list[RecipeProblem]:
     """The trainer's pre-init refusals (engines a reset cannot run under, beta to/from 0, ...), before any model loads."""
     from ..reset.engine import engine_of
-    from ..trainer.checks import check_before_init, check_launch, resets_possible
+    from ..trainer.checks import check_before_init, check_launch, check_process_group, resets_possible
 
     with warnings.catch_warnings():  # the recipe checks reported the warnings about the recipe's own keys
         warnings.simplefilter("ignore")
@@ -206,6 +206,10 @@ def launch_problems(recipe: Recipe, world_size: int, launch: Launch | None) -> l
         check_before_init(args, phases, recipe.model.name_or_path, recipe.peft_config(), reward_funcs, [])
     except ValueError as error:
         problems.append(RecipeProblem(key_path_of(str(error), "training"), str(error)))
+    try:
+        check_process_group(args)  # under torchrun/accelerate launch (train); validate runs as one process
+    except ValueError as error:
+        problems.append(RecipeProblem("training.use_cpu", str(error)))
     # The launch config's engine, else what `accelerate launch` exported (what `train` sees).
     engine = launch.engine if launch is not None and launch.engine is not None else engine_of(args)
     try:

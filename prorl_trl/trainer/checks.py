@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ..config import ProRLConfig, ResolvedPhase, peft_lora_shape
@@ -194,4 +195,21 @@ def check_optimizer_hook(optimizer_cls_and_kwargs: Any, phases: list[ResolvedPha
             f"trainer.optimizer_cls_and_kwargs sets lr={kwargs['lr']}, but this run has {len(phases)} phases, and each "
             "phase starts at its own learning_rate. Remove `lr` from the kwargs and set `learning_rate` in ProRLConfig "
             "(and PhaseConfig where a phase differs)."
+        )
+
+
+def check_process_group(args: ProRLConfig) -> None:
+    """Refuse processes that were launched together but did not join one process group.
+
+    torchrun/accelerate set WORLD_SIZE for every process; accelerate forms the group only when it can (on a CPU-only
+    machine, only with `use_cpu=True`). Otherwise each process trains alone and they overwrite each other's
+    checkpoints in the one output folder, a run that looks fine and is not.
+    """
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if launched > 1 and args.distributed_state.num_processes == 1:
+        raise ValueError(
+            f"{launched} processes were launched (WORLD_SIZE={launched}) but they did not form a process group: each "
+            "would train alone and overwrite the others' checkpoints. On a machine without GPUs set `use_cpu: true` "
+            "(recipe: `training.use_cpu: true`, or `--training.use_cpu true`) so they join one over gloo; on GPUs "
+            "check that every process sees a GPU."
         )

@@ -63,7 +63,7 @@ from ..reset.checkpoint import (
 from ..rollout.compiled import configure_trainer_generation
 from ..rollout.trl_generation import attach_rollout_engine, generate_completions
 from ..rollout.vllm_sync import apply_vllm_sampling, force_weight_sync, shadowed_by_generation_kwargs
-from .checks import check_before_init, check_launch, check_optimizer_hook, resets_possible
+from .checks import check_before_init, check_launch, check_optimizer_hook, check_process_group, resets_possible
 from .dynamic_sampling import DynamicSamplingMixin
 from .early_stop import MinibatchEarlyStopMixin
 from .interrupt import RunInterrupted
@@ -123,6 +123,7 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs] if reward_funcs else []
         self._num_user_rewards = len(reward_funcs)
         check_before_init(args, self.phases, model, peft_config, reward_funcs, list(callbacks or []), optimizers)
+        check_process_group(args)
         # User-built objects are used as given; `hard_reset` refuses to rebuild a schedule it cannot (see checks).
         self._user_scheduler = optimizers[1] is not None
         # The engine (DDP, FSDP2, ZeRO-2/3) from args and `accelerate launch`'s environment: checked before any model
