@@ -29,6 +29,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .decode_attention import triton_available
+
 # GenerationConfig fields that add a logits processor, stopping criterion or decoding mode this loop does not
 # implement, with the value(s) that mean "off". Anything else set makes `sampler_settings` refuse (the caller then
 # uses `generate`), so no setting is silently ignored.
@@ -211,9 +213,30 @@ def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor, ways: int = 16) ->
 
     Keeping `p >= tau` is transformers' `TopPLogitsWarper` cut. The search runs over float32 bit patterns of
     [0, 1] (monotone for non-negative floats): `ways - 1` candidate thresholds per pass, each pass shrinking the
-    bracket `ways`-fold, until it is one bit pattern wide, so the result does not depend on `ways` (16 on GPU: eight
-    fused passes; 2 on CPU: no `(rows, ways, vocab)` temporaries). Returns `(rows, 1)`, never above the row's max.
+    bracket `ways`-fold, until it is one bit pattern wide, so the result does not depend on `ways`. On CUDA with
+    Triton it runs as `top_p_triton`'s kernels (16 ways, one read of the probabilities per pass); elsewhere as torch
+    ops (`ways` 2 on CPU: no `(rows, ways, vocab)` temporaries). Returns `(rows, 1)`, never above the row's max.
     """
+    if probs.is_cuda and probs.dtype == torch.float32 and triton_available():
+        return torch.ops.prorl_rollout.top_p_threshold(probs.contiguous(), top_p)
+    return top_p_threshold_reference(probs, top_p, ways)
+
+
+@torch.library.custom_op("prorl_rollout::top_p_threshold", mutates_args=())
+def _top_p_threshold_op(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Opaque to torch.compile; its launches are recorded into the CUDA graph like any other kernel."""
+    from .top_p_triton import launch_top_p_threshold
+
+    return launch_top_p_threshold(probs, top_p)
+
+
+@_top_p_threshold_op.register_fake
+def _(probs, top_p):
+    return probs.new_empty(probs.shape[0], 1)
+
+
+def top_p_threshold_reference(probs: torch.Tensor, top_p: torch.Tensor, ways: int = 16) -> torch.Tensor:
+    """`top_p_threshold` in torch ops: the CPU path and the reference the kernel is tested against."""
     rows = probs.shape[0]
     target = 1.0 - top_p  # float32 tensor, as transformers compares its float32 cumsum with `1 - top_p`
     low = torch.zeros(rows, dtype=torch.long, device=probs.device)  # predicate false here (mass of p <= 0 is 0)

@@ -1,0 +1,113 @@
+"""Triton kernels of `sampler.top_p_threshold` (imported only where Triton is installed).
+
+The search is the one `sampler.top_p_threshold` describes (the smallest float32 bit pattern `t` with
+`sum(p_i <= t) > 1 - top_p`, a bracket `[low, high]` shrunk `WAYS`-fold per pass), laid out so that the GPU reads each
+probability once per pass: why: the compiled torch version evaluated its `WAYS - 1` candidate sums as separate
+reductions, re-reading the `(rows, vocab)` probabilities once per candidate (0.54 ms of a 2.84 ms decode step at 32
+rows x 151,936 tokens on an H100).
+
+`_pass_kernel`, one launch per pass over programs (row, vocabulary split): a program first finishes the previous
+pass for its row (sums the splits' candidate masses in a fixed order, so every program and every run gets the same
+bracket; split 0 records it), then reads its split once and adds, for every candidate at once, the mass at or below
+it. A last launch (`FINISH`) turns the final bracket into the threshold, capped by the row's largest probability
+(which pass 0 records per split). Sums are float32, as the torch version's; no atomics, so results are reproducible.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+FLOAT32_ONE_BITS = 0x3F800000  # bit pattern of 1.0: every probability's pattern lies in [0, this]
+WAYS = 16  # candidates per pass (15 inner ones + the bracket's low end)
+BLOCK = 1024  # probabilities per inner iteration
+TARGET_PROGRAMS = 512  # programs per pass launch (about 4 per H100/H200 SM)
+
+
+def passes_needed(ways: int = WAYS) -> int:
+    """Passes until the bracket is one bit pattern wide (8 for 16 ways)."""
+    return math.ceil(math.log(FLOAT32_ONE_BITS) / math.log(ways))
+
+
+@triton.jit
+def _pass_kernel(
+    Probs, TopP, Bounds, Partial, PartialMax, Tau,
+    vocab, row_stride,
+    ROWS: tl.constexpr, PASS: tl.constexpr, FINISH: tl.constexpr,
+    SPLITS: tl.constexpr, CHUNK: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr, ONE_BITS: tl.constexpr,
+):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    ways = tl.arange(0, WAYS).to(tl.int64)
+    if PASS == 0:
+        low = tl.full([], 0, dtype=tl.int64)
+        high = tl.full([], ONE_BITS, dtype=tl.int64)
+    else:
+        bounds = Bounds + ((PASS - 1) * ROWS + row) * 2
+        previous_low = tl.load(bounds)
+        previous_high = tl.load(bounds + 1)
+        previous = previous_low + ((previous_high - previous_low) * ways) // WAYS
+        splits = tl.arange(0, SPLITS)
+        partial = Partial + (((PASS - 1) * ROWS + row) * SPLITS + splits[:, None]) * WAYS + tl.arange(0, WAYS)[None, :]
+        mass = tl.sum(tl.load(partial), axis=0)
+        target = 1.0 - tl.load(TopP)
+        above = (mass > target) & (ways > 0)  # way 0 is `low`, where the predicate is false by construction
+        high = tl.min(tl.where(above, previous, previous_high), axis=0)
+        low = tl.max(tl.where(above, previous_low, previous), axis=0)
+    if split == 0:  # the bracket this pass searches (the next pass and FINISH refine it from Partial)
+        tl.store(Bounds + (PASS * ROWS + row) * 2, low)
+        tl.store(Bounds + (PASS * ROWS + row) * 2 + 1, high)
+    if FINISH:
+        maxima = tl.load(PartialMax + row * SPLITS + tl.arange(0, SPLITS))
+        tau = high.to(tl.int32).to(tl.float32, bitcast=True)
+        tl.store(Tau + row, tl.minimum(tau, tl.max(maxima, axis=0)))
+    else:
+        candidates = (low + ((high - low) * ways) // WAYS).to(tl.int32)
+        offsets = tl.arange(0, BLOCK)
+        totals = tl.zeros([WAYS], dtype=tl.float32)
+        largest = tl.zeros([BLOCK], dtype=tl.float32)
+        base = Probs + row * row_stride
+        for first in range(0, CHUNK, BLOCK):
+            columns = split * CHUNK + first + offsets
+            p = tl.load(base + columns, mask=columns < vocab, other=0.0)
+            bits = p.to(tl.int32, bitcast=True)
+            totals += tl.sum(tl.where(bits[None, :] <= candidates[:, None], p[None, :], 0.0), axis=1)
+            if PASS == 0:
+                largest = tl.maximum(largest, p)
+        tl.store(Partial + ((PASS * ROWS + row) * SPLITS + split) * WAYS + tl.arange(0, WAYS), totals)
+        if PASS == 0:
+            tl.store(PartialMax + row * SPLITS + split, tl.max(largest, axis=0))
+
+
+def splits_for(rows: int, vocab: int) -> int:
+    """Vocabulary splits per row: about `TARGET_PROGRAMS` programs, a power of two, each at least one block."""
+    splits = triton.next_power_of_2(max(1, math.ceil(TARGET_PROGRAMS / rows)))
+    return max(1, min(splits, triton.next_power_of_2(triton.cdiv(vocab, BLOCK))))
+
+
+def launch_top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+    """`(rows, 1)` thresholds for float32 `(rows, vocab)` probabilities and a `(1,)` float32 device `top_p`."""
+    rows, vocab = probs.shape
+    if probs.dtype != torch.float32 or probs.stride(-1) != 1:
+        raise ValueError("top_p_threshold's kernel needs float32 probabilities with a contiguous last dimension.")
+    splits = splits or splits_for(rows, vocab)
+    chunk = triton.cdiv(triton.cdiv(vocab, splits), BLOCK) * BLOCK
+    passes = passes_needed()
+    device = probs.device
+    bounds = torch.empty(passes + 1, rows, 2, dtype=torch.int64, device=device)
+    partial = torch.empty(passes, rows, splits, WAYS, dtype=torch.float32, device=device)
+    partial_max = torch.empty(rows, splits, dtype=torch.float32, device=device)
+    tau = torch.empty(rows, dtype=torch.float32, device=device)
+    for index in range(passes + 1):
+        finish = index == passes
+        _pass_kernel[(rows, 1 if finish else splits)](
+            probs, top_p, bounds, partial, partial_max, tau,
+            vocab, probs.stride(0),
+            ROWS=rows, PASS=index, FINISH=finish,
+            SPLITS=splits, CHUNK=chunk, WAYS=WAYS, BLOCK=BLOCK, ONE_BITS=FLOAT32_ONE_BITS,
+            num_warps=8,
+        )  # fmt: skip
+    return tau[:, None]
