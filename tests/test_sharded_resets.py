@@ -12,6 +12,7 @@ import json
 import os
 
 import pytest
+import torch
 from _benchmarks import load_benchmark
 from test_ddp import WORKER as DDP_WORKER
 from test_ddp import two_process_results
@@ -250,8 +251,10 @@ def test_preflight_reads_the_engine_of_each_shipped_launch_config():
     assert not kinds["fsdp"].ram_efficient_loading  # every rank loads the whole checkpoint
 
 
-def test_fsdp2_full_fine_tuning_with_a_reference_is_refused_before_loading(tmp_path):
-    """TRL's reference model failed under FSDP2 on 2 x H100; LoRA, or beta 0, or ZeRO-3 are the ways that run."""
+def test_fsdp2_full_fine_tuning_with_a_reference_runs_unless_rank_0_loads_alone(tmp_path):
+    """beta > 0 under FSDP2 is accepted (the reference is loaded on each process's device, trainer.placement), except
+    with rank-0-only loading, where TRL's reference would miss accelerate's broadcast."""
+    import dataclasses
     from pathlib import Path
 
     from prorl_trl import ProRLConfig, resolve_phases
@@ -259,12 +262,33 @@ def test_fsdp2_full_fine_tuning_with_a_reference_is_refused_before_loading(tmp_p
     from prorl_trl.trainer.checks import check_launch
 
     root = Path(__file__).resolve().parent.parent / "recipes" / "accelerate"
-    fsdp, zero3 = (read_launch_config(root / f"{name}.yaml").engine for name in ("fsdp", "zero3"))
+    fsdp = read_launch_config(root / "fsdp.yaml").engine
     args = ProRLConfig(output_dir=str(tmp_path), beta=0.04, use_cpu=True, report_to=[], compiled_generation=False)
     phases = resolve_phases(args)
-    with pytest.raises(ValueError, match="Use DeepSpeed ZeRO-3"):
-        check_launch(args, fsdp, phases, model=None, peft_config=None, callbacks=[])
-    check_launch(args, zero3, phases, model=None, peft_config=None, callbacks=[])
-    check_launch(args, fsdp, phases, model=None, peft_config=object(), callbacks=[])  # LoRA
-    args.beta = 0.0
     check_launch(args, fsdp, phases, model=None, peft_config=None, callbacks=[])
+    rank_0_loading = dataclasses.replace(fsdp, ram_efficient_loading=True)
+    with pytest.raises(ValueError, match="fsdp_cpu_ram_efficient_loading: false"):
+        check_launch(args, rank_0_loading, phases, model=None, peft_config=None, callbacks=[])
+    check_launch(args, rank_0_loading, phases, model=None, peft_config=object(), callbacks=[])  # LoRA: no reference model
+    args.beta = 0.0
+    check_launch(args, rank_0_loading, phases, model=None, peft_config=None, callbacks=[])
+
+
+def test_fsdp2_models_load_on_the_process_device_and_strays_are_moved():
+    """TRL keeps device_map="auto" under FSDP (test_trainer_internals); ProRLTrainer loads on the process's device
+    unless the user chose a device_map, and strips dispatch hooks from the reference after TRL's init."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    from prorl_trl.tiny import build_tiny
+    from prorl_trl.trainer.placement import fsdp2_model_init_kwargs, move_stray_tensors_
+
+    user = {"dtype": "bfloat16"}
+    assert fsdp2_model_init_kwargs(user, torch.device("cuda:1")) == {"dtype": "bfloat16", "device_map": {"": "cuda:1"}}
+    assert user == {"dtype": "bfloat16"}  # the caller's dict is not edited
+    assert fsdp2_model_init_kwargs({"device_map": "auto"}, torch.device("cuda:1")) == {"device_map": "auto"}
+    assert fsdp2_model_init_kwargs(None, torch.device("cpu")) == {}
+    model, _ = build_tiny(seed=0)
+    add_hook_to_module(model.model.layers[0], AlignDevicesHook(execution_device=torch.device("cpu")))
+    assert move_stray_tensors_(model, torch.device("cpu")) == ["<accelerate dispatch hooks>"]
+    assert not any(hasattr(module, "_hf_hook") for module in model.modules())
+    assert move_stray_tensors_(model, torch.device("cpu")) == []

@@ -176,8 +176,8 @@ def test_tracker_callbacks_internals_trackers_span_relies_on():
 
 
 def test_trl_loads_models_by_path_with_device_map_none_only_under_ddp_and_deepspeed():
-    # Why full fine-tuning with a reference model is refused under FSDP2 (trainer.checks.check_launch): TRL builds the
-    # reference by path with its default device_map="auto" there (seen on 2 x H100: "found at least two devices").
+    # Why ProRLTrainer sets device_map to the process's device under FSDP2 (trainer.placement): TRL builds the models
+    # it loads by path with its default device_map="auto" there (seen on 2 x H100: "found at least two devices").
     source = inspect.getsource(GRPOTrainer.__init__)
     assert source.count('distributed_type in ["MULTI_GPU", "DEEPSPEED"]') >= 2 and '"FSDP"' not in source
 

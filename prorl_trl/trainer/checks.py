@@ -78,8 +78,8 @@ def check_launch(args: ProRLConfig, engine: Engine, phases: list[ResolvedPhase],
     """Refuse, before any model loads, what this run cannot do under `engine` (`prorl_trl.reset.engine_of`).
 
     Raises `ResetNotSupportedError` (a `ValueError`) for an engine a planned reset cannot run under, and
-    `ValueError` for compiled generation under ZeRO-3/FSDP2, for TRL's reference model under FSDP2,
-    and for a ready PeftModel whose LoRA shape the phases change under a sharded engine.
+    `ValueError` for compiled generation under ZeRO-3/FSDP2, for TRL's reference model under FSDP2 with
+    rank-0-only loading, and for a ready PeftModel whose LoRA shape the phases change under a sharded engine.
     """
     if resets_possible(phases, callbacks):
         check_engine_support(engine)
@@ -91,13 +91,12 @@ def check_launch(args: ProRLConfig, engine: Engine, phases: list[ResolvedPhase],
             "weights stay in place and compiled generation works."
         )
     full_fine_tuning = peft_config is None and not hasattr(model, "peft_config")
-    if engine.kind == FSDP2 and full_fine_tuning and args.beta != 0.0:
+    if engine.kind == FSDP2 and engine.ram_efficient_loading and full_fine_tuning and args.beta != 0.0:
         raise ValueError(
-            "Full fine-tuning with beta > 0 (a KL reference model) under FSDP2 is refused: on 2 x H100 TRL 1.16's "
-            "reference model did not run under FSDP2 (its first forward found the reference's weights and the batch "
-            "on different GPUs; TRL loads the models it builds by path with device_map=None only under DDP and "
-            "DeepSpeed). Use DeepSpeed ZeRO-3 (recipes/accelerate/zero3.yaml: full fine-tuning with a reference and "
-            "resets, measured in benchmarks/results/scale_out.md), LoRA under FSDP2, or beta: 0 under FSDP2."
+            "Full fine-tuning with beta > 0 under FSDP2 with fsdp_cpu_ram_efficient_loading: true is refused: "
+            "transformers then loads the weights on rank 0 only and accelerate broadcasts them to the policy, but "
+            "TRL's reference model gets no broadcast (the other ranks' references would keep unloaded weights). Set "
+            "fsdp_cpu_ram_efficient_loading: false (recipes/accelerate/fsdp.yaml), or beta: 0."
         )
     shapes = {(phase.lora_r, phase.lora_shape[2]) for phase in phases}
     if engine.sharded and peft_config is None and hasattr(model, "peft_config") and len(shapes) > 1:

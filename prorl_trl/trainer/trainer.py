@@ -68,6 +68,7 @@ from .dynamic_sampling import DynamicSamplingMixin
 from .early_stop import MinibatchEarlyStopMixin
 from .interrupt import RunInterrupted
 from .overlong import OverlongPenalty
+from .placement import fsdp2_model_init_kwargs, move_stray_tensors_
 from .progress import use_run_progress
 from .sampling import GENERATION_CONFIG_NAMES, SAMPLING_KEYS, patch_fused_log_prob_heads
 from .state import ProRLStateCallback, find_checkpoint, resume_state
@@ -129,6 +130,8 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         # The engine (DDP, FSDP2, ZeRO-2/3) from args and `accelerate launch`'s environment: checked before any model
         # is loaded; `_check_after_init` re-reads it from the accelerator.
         self._engine = reset_ops.engine_of(args)
+        if self._engine.kind == reset_ops.FSDP2 and not self._engine.ram_efficient_loading:  # see .placement
+            args.model_init_kwargs = fsdp2_model_init_kwargs(args.model_init_kwargs, args.device)
         self._superset = self._plan_sharded_adapter(args, model, peft_config, list(callbacks or []))
         dataset_columns = getattr(train_dataset, "column_names", None)
         if dataset_columns is not None:  # a registry reward missing its gold column fails now, not after generation
@@ -185,6 +188,10 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         use_run_progress(self)  # one bar (or line per log) over all phases with rate and ETA, not a dict per log
 
         self._check_after_init()
+        if self._engine.kind == reset_ops.FSDP2 and self.ref_model is not None:
+            moved = move_stray_tensors_(self.ref_model, self.accelerator.device)
+            if moved:
+                logger.info("FSDP2: moved %d reference-model tensors to %s (%s, ...)", len(moved), self.accelerator.device, moved[0])
         self.rollout_engine = attach_rollout_engine(self) if args.rollout_engine else None
         self.sampling: dict[str, Any] = {key: getattr(self, key) for key in SAMPLING_KEYS}
         self._state_callback = ProRLStateCallback(self)
