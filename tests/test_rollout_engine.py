@@ -22,6 +22,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from prorl_trl.rollout import lora_decode
 from prorl_trl.rollout.decode_attention import gqa_decode_attention_reference, triton_available
 from prorl_trl.rollout.engine import RolloutEngine, resolved_generation_config, unsupported_reason
 from prorl_trl.rollout.sampler import (
@@ -306,9 +307,10 @@ def test_same_seed_same_tokens(tiny):
     assert torch.equal(RolloutEngine(steps_per_graph=2).generate(model, input_ids, mask, sampling).tokens, drawn)
 
 
-def test_recapture_decisions(tiny):
+def test_recapture_decisions(tiny, monkeypatch):
     """What would make a new CUDA graph (computed on CPU too): shapes and static settings, new parameter storage,
-    LoRA state; not in-place optimizer steps, temperature/top_p values or new prompts of the same width budget."""
+    LoRA state (including what the fused LoRA path reads), the fused-LoRA switch; not in-place optimizer steps,
+    temperature/top_p values or new prompts of the same width budget."""
     from peft import LoraConfig, get_peft_model
 
     _, tokenizer = tiny
@@ -334,9 +336,15 @@ def test_recapture_decisions(tiny):
     assert any(r.startswith("cache_len") for r in reasons(config(tokenizer, max_new_tokens=30, top_p=1.0)))
     assert any(r.startswith("batch") for r in reasons(config(tokenizer, max_new_tokens=30, top_p=1.0), input_ids[:2], mask[:2]))
     model.merge_adapter()
-    assert "LoRA state (merged, disabled, active adapter or scaling)" in reasons(base)
+    assert "LoRA state (merged, disabled, active adapter, scaling, variant, dropout or input casting)" in reasons(base)
     model.unmerge_adapter()
     reasons(base)
+    query = model.get_base_model().model.layers[0].self_attn.q_proj
+    query.cast_input_dtype_enabled = False  # read by lora_decode.lora_factors: part of the LoRA state
+    assert "LoRA state (merged, disabled, active adapter, scaling, variant, dropout or input casting)" in reasons(base)
+    query.cast_input_dtype_enabled = True
+    monkeypatch.setattr(lora_decode, "FUSE_LORA", False)
+    assert any(r.startswith("fuse_lora") for r in reasons(base))
     model.delete_adapter("default")
     model.add_adapter("default", LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
     model.set_adapter("default")

@@ -2,11 +2,16 @@
 
 Prefill is the model's `forward` on the left-padded prompts (its own attention and masks, `logits_to_keep=1`, the
 position ids `generate` computes), with a `DynamicCache` whose keys/values are then copied into the loop's buffers.
-A decode step calls the model's own submodules (norms, projections, so unmerged PEFT LoRA layers run as in training,
-the rotary embedding and `apply_rotary_pos_emb` of its modeling file, the MLP) in the order its decoder layer does;
-only attention is replaced, by `decode_attention.gqa_decode_attention` on the static cache. That restricts the loop
-to decoder-only models whose layers follow the Llama layout: `SUPPORTED_MODEL_TYPES`, full attention, a plain
-embedding. Anything else is refused with a reason (the caller falls back to `generate`).
+A decode step calls the model's own submodules (norms, base projections, the rotary embedding and
+`apply_rotary_pos_emb` of its modeling file, the MLP's activation) in the order its decoder layer does; only
+attention is replaced, by `decode_attention.gqa_decode_attention` on the static cache. That restricts the loop to
+decoder-only models whose layers follow the Llama layout: `SUPPORTED_MODEL_TYPES`, full attention, a plain embedding.
+Anything else is refused with a reason (the caller falls back to `generate`).
+
+Unmerged PEFT LoRA layers no longer run their own forward here: `lora_decode.project` computes PEFT's function with
+the products written as reductions, grouped by shared input (q/k/v, gate/up), which `torch.compile` turns into two
+fused kernels per group instead of a GEMM plus a split-K kernel per product. LoRA layers it cannot reproduce exactly
+(DoRA, several active adapters, merged, ...) are called as modules, as before.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from .decode_attention import gqa_decode_attention
+from .lora_decode import gated_mlp, project
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
@@ -141,15 +147,16 @@ def decode_logits(
     for layer, key_cache, value_cache in zip(parts.layers, key_caches, value_caches, strict=True):
         attention = layer.self_attn
         normed = layer.input_layernorm(hidden)
-        query = attention.q_proj(normed).view(batch, 1, -1, parts.head_dim)
-        key = attention.k_proj(normed).view(batch, 1, -1, parts.head_dim)
-        value = attention.v_proj(normed).view(batch, 1, -1, parts.head_dim)
+        query, key, value = [
+            projected.view(batch, 1, -1, parts.head_dim)
+            for projected in project(normed, (attention.q_proj, attention.k_proj, attention.v_proj))
+        ]
         if parts.qk_norm:
             query, key = attention.q_norm(query), attention.k_norm(key)
         query, key = parts.apply_rotary(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
         key_cache.index_copy_(2, write_index, key.to(key_cache.dtype))
         value_cache.index_copy_(2, write_index, value.transpose(1, 2).to(value_cache.dtype))
         attended = gqa_decode_attention(query, key_cache, value_cache, start, write_index, attention.scaling)
-        hidden = hidden + attention.o_proj(attended.reshape(batch, 1, -1))
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = hidden + project(attended.reshape(batch, 1, -1), (attention.o_proj,))[0]
+        hidden = hidden + gated_mlp(layer.mlp, layer.post_attention_layernorm(hidden))
     return parts.lm_head(parts.norm(hidden))[:, 0].float()

@@ -12,9 +12,9 @@ It returns what `generate` returns after the prompt: `(batch, n)` tokens, the pa
 longest completion (so at most the cap).
 
 What makes a new capture (`capture_reasons`, logged with its time): the batch size, cache length (prompt budget +
-cap), the sampler's static layout, the autocast dtype, the model's parameter storage (data pointers, shapes, dtypes:
-a LoRA rank/target change, `.data` swaps) or LoRA state (merged, disabled, active adapter, scaling), and the KV
-buffers' address: they are freed after every generation (so training gets the memory back, as with `generate`), and
+cap), the sampler's static layout, the autocast dtype, `lora_decode.FUSE_LORA`, the model's parameter storage (data
+pointers, shapes, dtypes: a LoRA rank/target change, `.data` swaps) or LoRA state (merged, disabled, active adapter,
+scaling, variant, dropout, input casting), and the KV buffers' address: they are freed after every generation (so training gets the memory back, as with `generate`), and
 when the allocator hands them back elsewhere the graph is recaptured (no recompilation; how often that happens inside
 the trainer is not measured yet). Optimizer steps update parameters in place: the graph reads the live storage,
 no recapture. Values that change between calls (temperature, top_p, min_p, min_new_tokens, the seed, the prompts and
@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import lora_decode
 from .compiled import raise_recompile_limit
 from .decoder import DecoderParts, UnsupportedModel, decode_logits, decoder_parts, generation_target, prefill
 from .sampler import SamplerLayout, SamplerSettings, SamplerTensors, UnsupportedGeneration, next_tokens, sampler_settings
@@ -105,7 +106,8 @@ def resolved_generation_config(model: Any, generation_config: Any) -> Any:
 
 
 def model_fingerprint(target: torch.nn.Module) -> tuple:
-    """Everything about the model a captured graph depends on: parameter/buffer storage and LoRA layer state."""
+    """Everything about the model a captured graph depends on: parameter/buffer storage and LoRA layer state (all
+    that `lora_decode.lora_factors` reads to choose its path, beyond the storage: variants, dropout, input casting)."""
     storage = tuple(
         (name, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))
         for name, tensor in chain(target.named_parameters(), target.named_buffers())
@@ -117,6 +119,10 @@ def model_fingerprint(target: torch.nn.Module) -> tuple:
             getattr(module, "disable_adapters", None),
             tuple(getattr(module, "active_adapters", ())),
             tuple(sorted(getattr(module, "scaling", {}).items())),
+            tuple(sorted((key, type(value).__name__) for key, value in getattr(module, "lora_variant", {}).items())),
+            tuple(sorted((key, repr(value)) for key, value in getattr(module, "lora_dropout", {}).items())),
+            getattr(module, "cast_input_dtype_enabled", True),
+            getattr(module, "fan_in_fan_out", None),
         )
         for name, module in target.named_modules()
         if hasattr(module, "lora_A")
@@ -149,6 +155,7 @@ class CaptureKey:
     autocast_dtype: torch.dtype | None
     model: int
     cuda_graphs: bool
+    fuse_lora: bool  # lora_decode.FUSE_LORA when traced (A/B benchmarks flip it)
 
 
 class CaptureRecord(NamedTuple):
@@ -169,7 +176,7 @@ def capture_reasons(previous: CaptureRecord | None, current: CaptureRecord) -> l
     if previous.fingerprint[0] != current.fingerprint[0]:
         reasons.append("parameter storage (shapes, dtypes or addresses)")
     if previous.fingerprint[1] != current.fingerprint[1]:
-        reasons.append("LoRA state (merged, disabled, active adapter or scaling)")
+        reasons.append("LoRA state (merged, disabled, active adapter, scaling, variant, dropout or input casting)")
     if previous.kv_address != current.kv_address:
         reasons.append("KV buffers moved")
     return reasons
@@ -384,7 +391,7 @@ class RolloutEngine:
         key = CaptureKey(
             device=str(device), batch=batch, cache_len=self.prompt_budget + chunks * self.steps_per_graph,
             chunks=chunks, layout=settings.layout, kv_dtype=prompt_kv[0][0].dtype, autocast_dtype=autocast_dtype,
-            model=id(parts.model), cuda_graphs=use_graphs,
+            model=id(parts.model), cuda_graphs=use_graphs, fuse_lora=lora_decode.FUSE_LORA,
         )  # fmt: skip
         kv_shape = (2, len(parts.layers), batch, parts.num_kv_heads, key.cache_len, parts.head_dim)
         if self._kv is None or self._kv.shape != kv_shape or self._kv.dtype != key.kv_dtype:

@@ -1,0 +1,114 @@
+"""Decode-step projections: PEFT's unmerged LoRA `Linear` written as reductions that `torch.compile` fuses (issue 14).
+
+Why: called as modules, PEFT's LoRA products are fp32 `lora_A` / `lora_B` GEMMs; at decode shapes (batch rows x rank)
+each is a cuBLAS/cutlass kernel plus a split-K reduction, 4 kernels per adapted projection per step (0.49 ms of a
+2.84 ms step at 32 rows with r32 on q,k: benchmarks/results/rollout_engine.md). Written as broadcast-multiply-and-sum,
+inductor emits one Triton reduction per product instead, and projections that read the same input (q/k/v after the
+input norm, gate/up after the post-attention norm) share one A reduction over their concatenated A weights. The
+`torch.cat` is part of the traced function (inductor fuses it into the reduction's loads): no stacked copy is kept,
+so a CUDA graph reads the live parameters and in-place optimizer steps stay visible without a recapture.
+
+The function is PEFT 0.21's `lora.Linear.forward` for one unmerged adapter, operation for operation: the base layer's
+output, the input cast to the adapter's dtype, `B(A(x)) * scaling` in that dtype, added to the base output (so in the
+promoted dtype), cast back to the base output's dtype. Only the summation order inside the two products differs from
+cuBLAS (fp32 rounding; no TF32). `lora_factors` takes this path only where that is the layer's whole function; any
+other layer (DoRA and other variants, several active adapters, merged or disabled adapters, bias, train-mode dropout,
+autocast) is called as a module. What it reads is covered by the engine's `model_fingerprint` (a change recaptures;
+dynamo's guards recompile). Uncompiled (CPU tests, a failed compile) the products materialise
+`rows x rank x features` temporaries: small at decode sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+FUSE_LORA = True  # False: every projection is called as a module (tests, A/B benchmarks); read when a step is traced
+
+
+class LoraFactors(NamedTuple):
+    """The active adapter of a PEFT LoRA `Linear`: its live weights (never copies) and scale."""
+
+    down: torch.Tensor  # lora_A.weight (rank, in_features)
+    up: torch.Tensor  # lora_B.weight (out_features, rank)
+    scaling: float
+
+
+def is_peft_lora_linear(module: torch.nn.Module) -> bool:
+    """Exactly PEFT's `lora.Linear` (its subclasses and the quantized LoRA layers have forwards of their own)."""
+    cls = type(module)
+    return cls.__module__ == "peft.tuners.lora.layer" and cls.__qualname__ == "Linear"
+
+
+def _is_identity_dropout(dropout: torch.nn.Module) -> bool:
+    if type(dropout) is torch.nn.Identity:
+        return True
+    return type(dropout) is torch.nn.Dropout and (dropout.p == 0 or not dropout.training)
+
+
+def lora_factors(module: torch.nn.Module, x: torch.Tensor) -> LoraFactors | None:
+    """The factors when `module(x)` is exactly `base_layer(x) + B(A(x)) * scaling` (PEFT 0.21 `lora.Linear.forward`,
+    one unmerged adapter); None when it may be anything else (the caller calls the module)."""
+    if not FUSE_LORA or not is_peft_lora_linear(module) or module.disable_adapters or module.merged:
+        return None
+    adapters = [name for name in module.active_adapters if name in module.lora_A]  # PEFT skips the others
+    if len(adapters) != 1:
+        return None
+    name = adapters[0]
+    down, up = module.lora_A[name], module.lora_B[name]
+    if name in getattr(module, "lora_variant", {}) or module.use_dora.get(name) or module.lora_bias.get(name):
+        return None
+    if any(type(factor) is not torch.nn.Linear or factor.bias is not None for factor in (down, up)):
+        return None
+    if type(module.base_layer) is not torch.nn.Linear or module.fan_in_fan_out:
+        return None
+    if not _is_identity_dropout(module.lora_dropout[name]):
+        return None
+    if x.dtype != down.weight.dtype and not getattr(module, "cast_input_dtype_enabled", True):
+        return None  # PEFT would run A on the uncast input
+    if torch.is_autocast_enabled(x.device.type):
+        return None  # autocast runs PEFT's products in its own dtype
+    return LoraFactors(down.weight, up.weight, module.scaling[name])
+
+
+def _adapted(x: torch.Tensor, modules: Sequence[torch.nn.Module], factors: Sequence[LoraFactors]) -> list[torch.Tensor]:
+    """PEFT's output for each module: the A products of all of them one reduction over their concatenated A weights,
+    then per module the B product, one reduction with the scaling, the base output's addition and the cast fused."""
+    rows = x.reshape(-1, x.shape[-1]).to(factors[0].down.dtype)
+    down = torch.cat([factor.down for factor in factors])  # (sum of ranks, in_features): fused into the loads
+    reduced = (rows[:, None, :] * down).sum(-1)  # every lora_A(x), side by side
+    outputs, offset = [], 0
+    for module, factor in zip(modules, factors, strict=True):
+        rank = factor.down.shape[0]
+        delta = (reduced[:, None, offset : offset + rank] * factor.up).sum(-1) * factor.scaling  # lora_B(.) * scaling
+        offset += rank
+        base = module.base_layer(x)
+        outputs.append((base + delta.view(base.shape)).to(base.dtype))  # added in the promoted dtype, as PEFT does
+    return outputs
+
+
+def project(x: torch.Tensor, modules: Sequence[torch.nn.Module]) -> list[torch.Tensor]:
+    """`[module(x) for module in modules]`, with the LoRA products of the PEFT layers among them fused (same dtype:
+    one group; projections whose adapter `lora_factors` refuses are called as modules)."""
+    factors = [lora_factors(module, x) for module in modules]
+    outputs: list[torch.Tensor | None] = [module(x) if f is None else None for module, f in zip(modules, factors)]
+    groups: dict[tuple, list[int]] = {}  # fused together: same adapter dtype and same base output dtype
+    for index, (module, factor) in enumerate(zip(modules, factors)):
+        if factor is not None:
+            groups.setdefault((factor.down.dtype, module.base_layer.weight.dtype), []).append(index)
+    for members in groups.values():
+        adapted = _adapted(x, [modules[i] for i in members], [factors[i] for i in members])
+        for index, output in zip(members, adapted, strict=True):
+            outputs[index] = output
+    return outputs
+
+
+def gated_mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The Llama/Qwen MLP's forward, `down(act(gate(x)) * up(x))`, with gate and up projected together; an MLP
+    without that layout is called as a module."""
+    if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        return mlp(x)
+    gate, up = project(x, (mlp.gate_proj, mlp.up_proj))
+    return project(mlp.act_fn(gate) * up, (mlp.down_proj,))[0]
