@@ -13,6 +13,7 @@ GPU machine needs no TRL):
                        trainer): prefill + compiled decode steps replayed as CUDA graphs, sort-free sampling. Its rows
                        add the capture/compile time and, from replays of its graph, GPU vs host milliseconds per step
                        and (`--profile`) the kernels that take the GPU time.
+  rollout_engine_unfused  A/B: rollout_engine with `lora_decode.FUSE_LORA` off (PEFT's LoRA modules called as modules).
   continuous_batching  `model.generate_batch(prompt_ids, generation_config=..., continuous_batching_config=
                        ContinuousBatchingConfig(max_memory_percent=0.5))` as TRL's `use_transformers_continuous_batching`.
 Continuous batching runs last for each model: it reserves half the free GPU memory for its paged cache.
@@ -56,6 +57,7 @@ METHODS = (
     "static_compile_top_p1",
     "continuous_batching",
     "rollout_engine",
+    "rollout_engine_unfused",
 )
 QWEN2_05B_EOS, QWEN2_05B_PAD = 151645, 151643
 
@@ -151,14 +153,19 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
     )
     top_p = 1.0 if method == "static_compile_top_p1" else args.top_p
     config = trl_generation_config(args, max_new_tokens, eos, pad, top_p)
-    if method == "rollout_engine":
+    if method.startswith("rollout_engine"):
+        from prorl_trl.rollout import lora_decode
         from prorl_trl.rollout.engine import RolloutEngine
 
         cache_len = max(args.cache_len or 0, args.prompt_length + max_new_tokens)
         engine = RolloutEngine(prompt_budget=cache_len - max_new_tokens)
 
         def run_engine() -> int:
-            output = engine.generate(model, input_ids, attention_mask, config)
+            fused, lora_decode.FUSE_LORA = lora_decode.FUSE_LORA, method == "rollout_engine"  # unfused: the A/B
+            try:
+                output = engine.generate(model, input_ids, attention_mask, config)
+            finally:
+                lora_decode.FUSE_LORA = fused
             if output.tokens.shape[1] != max_new_tokens:
                 raise RuntimeError(f"generated {output.tokens.shape[1]} tokens per sequence, expected {max_new_tokens}")
             model.train()
@@ -241,7 +248,7 @@ def measure(method, model, args, shape, eos, pad, device, weight_bytes, kv_bytes
         run = make_runner(method, model, args, shape, eos, pad, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        if args.warmup_tokens and method != "rollout_engine":  # their compiled shapes do not depend on the length
+        if args.warmup_tokens and not method.startswith("rollout_engine"):  # their compiled shapes do not depend on the length
             warm = make_runner(method, model, args, (shape[0], args.warmup_tokens), eos, pad, device)
             first_seconds, _ = timed(warm, device)
         else:
@@ -263,7 +270,7 @@ def measure(method, model, args, shape, eos, pad, device, weight_bytes, kv_bytes
     steady_seconds = statistics.median(seconds for seconds, _ in steady)
     tokens = statistics.median(count for _, count in steady)
     overhead = max(first_seconds - steady_seconds, 0.0)
-    if args.warmup_tokens and method != "rollout_engine":
+    if args.warmup_tokens and not method.startswith("rollout_engine"):
         overhead = first_seconds  # a short warm-up call: (nearly) all of it is compilation
     if engine is not None:
         row["engine"] = engine_diagnostics(engine, first_capture, args.profile)
