@@ -15,7 +15,8 @@ def test_smoke_run_measures_every_method_and_renders_the_table(bench, tmp_path, 
     result = bench.main(["--smoke", "--json", str(tmp_path / "r.json"), "--out", str(tmp_path / "r.md")])
     rows = result["rows"]
     expected = {(model, method) for model in ("base", "lora") for method in
-                ("trl_default", "static_compile", "static_compile_gqa", "static_compile_top_p1", "rollout_engine")}
+                ("trl_default", "static_compile", "static_compile_gqa", "static_compile_top_p1", "rollout_engine",
+                 "rollout_engine_unfused")}
     assert {(row["model"], row["method"]) for row in rows} == expected
     for row in rows:
         assert "error" not in row, row
