@@ -151,10 +151,13 @@ def test_triton_attention_matches_reference(dtype):
 def test_triton_top_p_threshold_matches_reference(scale):
     """The top-p kernels against the torch search at the Qwen2 vocabulary, near-uniform to peaked rows."""
     from prorl_trl.rollout.sampler import top_p_threshold_reference
-    from prorl_trl.rollout.top_p_triton import launch_top_p_threshold
+    from prorl_trl.rollout.top_p_triton import CONFIGS, launch_top_p_threshold
 
     generator = torch.Generator(device="cuda").manual_seed(0)
     probs = torch.softmax(torch.randn(32, 151_936, device="cuda", generator=generator) * scale, dim=-1)
     for top_p in (0.05, 0.7, 0.95, 1 - 1e-7):
         top_p = torch.tensor([top_p], device="cuda")
-        assert torch.equal(launch_top_p_threshold(probs, top_p), top_p_threshold_reference(probs, top_p, ways=2))
+        expected = top_p_threshold_reference(probs, top_p, ways=2)
+        assert torch.equal(launch_top_p_threshold(probs, top_p), expected)  # the timed choice
+        for config in CONFIGS:
+            assert torch.equal(launch_top_p_threshold(probs, top_p, config=config), expected), config

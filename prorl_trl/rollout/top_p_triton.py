@@ -23,7 +23,7 @@ import triton.language as tl
 
 FLOAT32_ONE_BITS = 0x3F800000  # bit pattern of 1.0: every probability's pattern lies in [0, this]
 WAYS = 16  # candidates per pass (15 inner ones + the bracket's low end)
-BLOCK = 1024  # probabilities per inner iteration
+CHUNK_ALIGN = 1024  # a split's length is a multiple of this (so of every tried BLOCK: probabilities per iteration)
 TARGET_PROGRAMS = 512  # programs per pass launch (about 4 per H100/H200 SM)
 
 
@@ -36,7 +36,7 @@ def passes_needed(ways: int = WAYS) -> int:
 def _pass_kernel(
     Probs, TopP, Bounds, Partial, PartialMax, Tau,
     vocab, row_stride,
-    ROWS: tl.constexpr, PASS: tl.constexpr, FINISH: tl.constexpr,
+    PASS, ROWS: tl.constexpr, FINISH: tl.constexpr,
     SPLITS: tl.constexpr, CHUNK: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr, ONE_BITS: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -75,26 +75,27 @@ def _pass_kernel(
             p = tl.load(base + columns, mask=columns < vocab, other=0.0)
             bits = p.to(tl.int32, bitcast=True)
             totals += tl.sum(tl.where(bits[None, :] <= candidates[:, None], p[None, :], 0.0), axis=1)
-            if PASS == 0:
-                largest = tl.maximum(largest, p)
+            largest = tl.maximum(largest, p)  # kept by pass 0 only; cheaper than a branch per iteration
         tl.store(Partial + ((PASS * ROWS + row) * SPLITS + split) * WAYS + tl.arange(0, WAYS), totals)
-        if PASS == 0:
-            tl.store(PartialMax + row * SPLITS + split, tl.max(largest, axis=0))
+        tl.store(PartialMax + row * SPLITS + split, tl.max(largest, axis=0), mask=PASS == 0)
 
 
 def splits_for(rows: int, vocab: int) -> int:
     """Vocabulary splits per row: about `TARGET_PROGRAMS` programs, a power of two, each at least one block."""
     splits = triton.next_power_of_2(max(1, math.ceil(TARGET_PROGRAMS / rows)))
-    return max(1, min(splits, triton.next_power_of_2(triton.cdiv(vocab, BLOCK))))
+    return max(1, min(splits, triton.next_power_of_2(triton.cdiv(vocab, CHUNK_ALIGN))))
 
 
-def launch_top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor, splits: int | None = None) -> torch.Tensor:
-    """`(rows, 1)` thresholds for float32 `(rows, vocab)` probabilities and a `(1,)` float32 device `top_p`."""
+# (BLOCK, num_warps) candidates, timed once per shape and device on the first call outside a CUDA graph capture:
+# BLOCK 1024 x 16 ways on 8 warps spilled registers (35 us a pass on an H100, 9 launches a step).
+CONFIGS = ((128, 2), (128, 4), (256, 4), (256, 8), (512, 8))
+DEFAULT_CONFIG = (256, 4)
+_chosen: dict[tuple, tuple[int, int]] = {}
+
+
+def _run(probs, top_p, splits: int, chunk: int, config: tuple[int, int]) -> torch.Tensor:
     rows, vocab = probs.shape
-    if probs.dtype != torch.float32 or probs.stride(-1) != 1:
-        raise ValueError("top_p_threshold's kernel needs float32 probabilities with a contiguous last dimension.")
-    splits = splits or splits_for(rows, vocab)
-    chunk = triton.cdiv(triton.cdiv(vocab, splits), BLOCK) * BLOCK
+    block, warps = config
     passes = passes_needed()
     device = probs.device
     bounds = torch.empty(passes + 1, rows, 2, dtype=torch.int64, device=device)
@@ -106,8 +107,41 @@ def launch_top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor, splits: int
         _pass_kernel[(rows, 1 if finish else splits)](
             probs, top_p, bounds, partial, partial_max, tau,
             vocab, probs.stride(0),
-            ROWS=rows, PASS=index, FINISH=finish,
-            SPLITS=splits, CHUNK=chunk, WAYS=WAYS, BLOCK=BLOCK, ONE_BITS=FLOAT32_ONE_BITS,
-            num_warps=8,
+            index, ROWS=rows, FINISH=finish,
+            SPLITS=splits, CHUNK=chunk, WAYS=WAYS, BLOCK=block, ONE_BITS=FLOAT32_ONE_BITS,
+            num_warps=warps,
         )  # fmt: skip
     return tau[:, None]
+
+
+def _config_for(probs, top_p, splits: int, chunk: int) -> tuple[int, int]:
+    """The fastest of `CONFIGS` for this shape (timed with CUDA events); `DEFAULT_CONFIG` off CUDA or mid-capture."""
+    key = (tuple(probs.shape), splits, str(probs.device))
+    if key in _chosen:
+        return _chosen[key]
+    if not probs.is_cuda or torch.cuda.is_current_stream_capturing():
+        return DEFAULT_CONFIG
+    timings = {}
+    for config in CONFIGS:
+        _run(probs, top_p, splits, chunk, config)  # compile
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            _run(probs, top_p, splits, chunk, config)
+        end.record()
+        end.synchronize()
+        timings[config] = start.elapsed_time(end)
+    _chosen[key] = min(timings, key=timings.get)
+    return _chosen[key]
+
+
+def launch_top_p_threshold(
+    probs: torch.Tensor, top_p: torch.Tensor, splits: int | None = None, config: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """`(rows, 1)` thresholds for float32 `(rows, vocab)` probabilities and a `(1,)` float32 device `top_p`."""
+    rows, vocab = probs.shape
+    if probs.dtype != torch.float32 or probs.stride(-1) != 1:
+        raise ValueError("top_p_threshold's kernel needs float32 probabilities with a contiguous last dimension.")
+    splits = splits or splits_for(rows, vocab)
+    chunk = triton.cdiv(triton.cdiv(vocab, splits), CHUNK_ALIGN) * CHUNK_ALIGN
+    return _run(probs, top_p, splits, chunk, config or _config_for(probs, top_p, splits, chunk))
