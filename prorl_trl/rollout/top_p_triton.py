@@ -10,7 +10,9 @@ rows x 151,936 tokens on an H100).
 pass for its row (sums the splits' candidate masses in a fixed order, so every program and every run gets the same
 bracket; split 0 records it), then reads its split once and adds, for every candidate at once, the mass at or below
 it. A last launch (`FINISH`) turns the final bracket into the threshold, capped by the row's largest probability
-(which pass 0 records per split). Sums are float32, as the torch version's; no atomics, so results are reproducible.
+(which pass 0 records per split). Sums are float32 as in the torch version, in another order (per-lane sums, then a
+tree), so where a token's mass is within float32 rounding of the target the two cuts can differ by that token (as
+transformers' own float32 cumsum does against exact arithmetic); no atomics, so every run gives the same cut.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import triton.language as tl
 
 FLOAT32_ONE_BITS = 0x3F800000  # bit pattern of 1.0: every probability's pattern lies in [0, this]
 WAYS = 16  # candidates per pass (15 inner ones + the bracket's low end)
-CHUNK_ALIGN = 1024  # a split's length is a multiple of this (so of every tried BLOCK: probabilities per iteration)
+CHUNK_ALIGN = 1024  # a split's length is a multiple of this (and of BLOCK)
 TARGET_PROGRAMS = 512  # programs per pass launch (about 4 per H100/H200 SM)
 
 
@@ -67,15 +69,16 @@ def _pass_kernel(
     else:
         candidates = (low + ((high - low) * ways) // WAYS).to(tl.int32)
         offsets = tl.arange(0, BLOCK)
-        totals = tl.zeros([WAYS], dtype=tl.float32)
+        sums = tl.zeros([WAYS, BLOCK], dtype=tl.float32)  # per-lane sums: no cross-lane reduction inside the loop
         largest = tl.zeros([BLOCK], dtype=tl.float32)
         base = Probs + row * row_stride
         for first in range(0, CHUNK, BLOCK):
             columns = split * CHUNK + first + offsets
             p = tl.load(base + columns, mask=columns < vocab, other=0.0)
             bits = p.to(tl.int32, bitcast=True)
-            totals += tl.sum(tl.where(bits[None, :] <= candidates[:, None], p[None, :], 0.0), axis=1)
+            sums += tl.where(bits[None, :] <= candidates[:, None], p[None, :], 0.0)
             largest = tl.maximum(largest, p)  # kept by pass 0 only; cheaper than a branch per iteration
+        totals = tl.sum(sums, axis=1)
         tl.store(Partial + ((PASS * ROWS + row) * SPLITS + split) * WAYS + tl.arange(0, WAYS), totals)
         tl.store(PartialMax + row * SPLITS + split, tl.max(largest, axis=0), mask=PASS == 0)
 
@@ -86,16 +89,13 @@ def splits_for(rows: int, vocab: int) -> int:
     return max(1, min(splits, triton.next_power_of_2(triton.cdiv(vocab, CHUNK_ALIGN))))
 
 
-# (BLOCK, num_warps) candidates, timed once per shape and device on the first call outside a CUDA graph capture:
-# BLOCK 1024 x 16 ways on 8 warps spilled registers (35 us a pass on an H100, 9 launches a step).
-CONFIGS = ((128, 2), (128, 4), (256, 4), (256, 8), (512, 8))
-DEFAULT_CONFIG = (256, 4)
-_chosen: dict[tuple, tuple[int, int]] = {}
+# 256 probabilities x 16 ways of per-lane sums on 4 warps: 32 registers a thread. (The first version summed across
+# lanes inside the loop, 16 tree reductions per iteration: 35 us a pass on an H100.)
+BLOCK, NUM_WARPS = 256, 4
 
 
-def _run(probs, top_p, splits: int, chunk: int, config: tuple[int, int]) -> torch.Tensor:
+def _run(probs: torch.Tensor, top_p: torch.Tensor, splits: int, chunk: int) -> torch.Tensor:
     rows, vocab = probs.shape
-    block, warps = config
     passes = passes_needed()
     device = probs.device
     bounds = torch.empty(passes + 1, rows, 2, dtype=torch.int64, device=device)
@@ -108,40 +108,17 @@ def _run(probs, top_p, splits: int, chunk: int, config: tuple[int, int]) -> torc
             probs, top_p, bounds, partial, partial_max, tau,
             vocab, probs.stride(0),
             index, ROWS=rows, FINISH=finish,
-            SPLITS=splits, CHUNK=chunk, WAYS=WAYS, BLOCK=block, ONE_BITS=FLOAT32_ONE_BITS,
-            num_warps=warps,
+            SPLITS=splits, CHUNK=chunk, WAYS=WAYS, BLOCK=BLOCK, ONE_BITS=FLOAT32_ONE_BITS,
+            num_warps=NUM_WARPS,
         )  # fmt: skip
     return tau[:, None]
 
 
-def _config_for(probs, top_p, splits: int, chunk: int) -> tuple[int, int]:
-    """The fastest of `CONFIGS` for this shape (timed with CUDA events); `DEFAULT_CONFIG` off CUDA or mid-capture."""
-    key = (tuple(probs.shape), splits, str(probs.device))
-    if key in _chosen:
-        return _chosen[key]
-    if not probs.is_cuda or torch.cuda.is_current_stream_capturing():
-        return DEFAULT_CONFIG
-    timings = {}
-    for config in CONFIGS:
-        _run(probs, top_p, splits, chunk, config)  # compile
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            _run(probs, top_p, splits, chunk, config)
-        end.record()
-        end.synchronize()
-        timings[config] = start.elapsed_time(end)
-    _chosen[key] = min(timings, key=timings.get)
-    return _chosen[key]
-
-
-def launch_top_p_threshold(
-    probs: torch.Tensor, top_p: torch.Tensor, splits: int | None = None, config: tuple[int, int] | None = None
-) -> torch.Tensor:
+def launch_top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor, splits: int | None = None) -> torch.Tensor:
     """`(rows, 1)` thresholds for float32 `(rows, vocab)` probabilities and a `(1,)` float32 device `top_p`."""
     rows, vocab = probs.shape
     if probs.dtype != torch.float32 or probs.stride(-1) != 1:
         raise ValueError("top_p_threshold's kernel needs float32 probabilities with a contiguous last dimension.")
     splits = splits or splits_for(rows, vocab)
     chunk = triton.cdiv(triton.cdiv(vocab, splits), CHUNK_ALIGN) * CHUNK_ALIGN
-    return _run(probs, top_p, splits, chunk, config or _config_for(probs, top_p, splits, chunk))
+    return _run(probs, top_p, splits, chunk)
