@@ -1,6 +1,7 @@
 """Worker for tests/test_ddp.py: a 3-phase ProRL LoRA run under 2-process DDP (gloo, CPU) with hard resets.
 
-Run as `torchrun --nproc_per_node 2 tests/_ddp_worker.py OUT.json`. Resets: at the start of phase 1 (rank 4 -> 8:
+Run as `torchrun --nproc_per_node 2 tests/_ddp_worker.py OUT.json [--rollout-engine]` (the second: generation through
+each rank's `RolloutEngine`, eager on CPU). Resets: at the start of phase 1 (rank 4 -> 8:
 new Parameters, new optimizer and DDP wrapper), inside phase 1 (`HardResetCallback`, same shape: optimizer state
 cleared in the loop) and at the start of phase 2 (same shape). After every reset and at the end, rank 0 records
 whether the full parameter vectors of both ranks are identical. Finally an unseeded re-init *without* broadcast is
@@ -63,7 +64,7 @@ class RankComparison(TrainerCallback):
         self._record(f"end of phase {self.trainer.current_phase.index}")
 
 
-def main(out_path):
+def main(out_path, rollout_engine=False):
     torch.set_num_threads(1)
     model, tokenizer = build_tiny(seed=0)
     comparison = RankComparison()
@@ -94,6 +95,10 @@ def main(out_path):
         callbacks=[HardResetCallback(every_steps=4), comparison],
     )
     comparison.trainer = trainer
+    if rollout_engine:  # each rank its own engine (eager on CPU: no CUDA graphs), reading the live DDP replica
+        from prorl_trl.rollout.trl_generation import attach_rollout_engine
+
+        trainer.rollout_engine = attach_rollout_engine(trainer, allow_cpu=True)
     trainer.train()
     results = {
         "records": comparison.records,
@@ -101,6 +106,11 @@ def main(out_path):
         "final_rank": trainer.model.peft_config["default"].r,
         "lora_b_trained": all(p.abs().sum().item() > 0 for n, p in lora_parameters(trainer.model) if "lora_B" in n),
     }
+    if rollout_engine:
+        generations = torch.tensor([trainer.rollout_engine.stats.generations])
+        per_rank = [torch.zeros_like(generations) for _ in range(dist.get_world_size())]
+        dist.all_gather(per_rank, generations)
+        results["engine_generations_per_rank"] = [int(g) for g in per_rank]
     merge_lora_in_place(trainer.model)
     reinit_adapter(trainer.model)  # unseeded and not broadcast: each rank's RNG differs (TRL seeds per process)
     results["reset_without_broadcast"] = compare_ranks(trainer.model)
@@ -109,4 +119,4 @@ def main(out_path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], rollout_engine="--rollout-engine" in sys.argv[2:])

@@ -34,10 +34,10 @@ def run_two_processes(script: str | Path, *script_args: str, timeout: int) -> No
     assert completed.returncode == 0, completed.stderr[-4000:]
 
 
-def two_process_results(tmp_path_factory, script: Path, name: str, timeout: int = 240) -> dict:
+def two_process_results(tmp_path_factory, script: Path, name: str, *extra: str, timeout: int = 240) -> dict:
     """Run a worker that writes its measurements to the JSON file given as its argument; return them."""
     out = tmp_path_factory.mktemp(name) / "results.json"
-    run_two_processes(script, str(out), timeout=timeout)
+    run_two_processes(script, str(out), *extra, timeout=timeout)
     return json.loads(out.read_text())
 
 
@@ -69,3 +69,14 @@ def test_rank_change_trained_the_new_adapter(ddp_results):
 def test_unbroadcast_reinit_would_desynchronise_replicas(ddp_results):
     assert not ddp_results["reset_without_broadcast"]["equal"]
     assert ddp_results["reset_without_broadcast"]["max_diff"] > 1e-3
+
+
+def test_rollout_engine_under_ddp_generates_on_every_rank_and_replicas_stay_identical(tmp_path_factory):
+    """Issue 14: under DDP each rank generates with its own engine, through the rank change (new Parameters) and the
+    in-loop reset; the replicas stay identical as with TRL's path."""
+    results = two_process_results(tmp_path_factory, WORKER, "ddp_engine", "--rollout-engine")
+    generation_batches = 2 + 4 + 2  # one per optimizer step (steps_per_generation = gradient accumulation = 1)
+    assert results["engine_generations_per_rank"] == [generation_batches, generation_batches]
+    assert results["resets"] == 3 and results["final_rank"] == 8
+    for record in results["records"]:
+        assert record["equal"] and record["max_diff"] == 0.0, record
