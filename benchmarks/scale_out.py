@@ -62,7 +62,7 @@ GPU_CASES = [
     ("single", 1, ("full", "lora"), 80),
     ("zero3", 4, ("memory", "full", "lora"), 150),  # memory first: a fresh process measures only itself
     ("fsdp2", 4, ("memory", "full", "lora"), 150),
-    ("ddp", 4, ("memory",), 70),
+    ("ddp", 4, ("memory",), 150),  # timed out at 2.5 x 70 s on 4 x H100 (no log kept)
     ("zero2", 2, ("full", "lora"), 100),
 ]
 SMOKE_CASES = [("zero3", 2, ("full", "lora"), 200), ("zero2", 2, ("full", "lora"), 200)]
@@ -380,8 +380,9 @@ def free_port() -> int:
 
 
 def launch(engine: str, processes: int, modes: tuple, smoke: bool, out: Path, workdir: Path, timeout: float,
-           memory_tokens: int) -> str | None:
-    """One `accelerate launch` of the worker; returns None, or why it failed."""
+           memory_tokens: int, log: Path) -> str | None:
+    """One `accelerate launch` of the worker, its output in `log`; returns None, or why it failed (and prints the
+    log's tail)."""
     script = str(Path(__file__).resolve())
     tail = [script, "--worker", str(out), "--engine", engine, "--modes", ",".join(modes), "--workdir", str(workdir),
             "--memory-tokens", str(memory_tokens)] + (["--smoke"] if smoke else [])  # fmt: skip
@@ -395,11 +396,17 @@ def launch(engine: str, processes: int, modes: tuple, smoke: bool, out: Path, wo
     else:
         env["CUDA_VISIBLE_DEVICES"] = ""
     print(f"$ [{engine} x{processes} {','.join(modes)}]", " ".join(command + tail), flush=True)
-    try:
-        completed = subprocess.run(command + tail, env=env, timeout=timeout, start_new_session=True)
-    except subprocess.TimeoutExpired:
-        return f"timed out after {timeout:.0f} s"
-    return None if completed.returncode == 0 else f"exit status {completed.returncode}"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as output:
+        try:
+            completed = subprocess.run(command + tail, env=env, timeout=timeout, start_new_session=True,
+                                       stdout=output, stderr=subprocess.STDOUT)  # fmt: skip
+            failure = None if completed.returncode == 0 else f"exit status {completed.returncode}"
+        except subprocess.TimeoutExpired:
+            failure = f"timed out after {timeout:.0f} s"
+    if failure:
+        print(f"[{engine} x{processes}] {failure}; last lines of {log}:", *log.read_text().splitlines()[-30:], sep="\n")
+    return failure
 
 
 def load_final(path: Path) -> str:
@@ -490,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default=None, help="Comma list of engine:processes (default: the whole matrix).")
     parser.add_argument("--memory-tokens", type=int, default=128, help="Completion tokens in the 1.5B memory runs.")
     parser.add_argument("--out", type=Path, default=None, help="Also write the table (and raw JSON) here.")
-    parser.add_argument("--json-dir", type=Path, default=None, help="Copy every worker's JSON lines here.")
+    parser.add_argument("--json-dir", type=Path, default=None, help="Copy every worker's JSON lines and its output log here.")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--engine", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--modes", default=None, help="Comma list of modes to keep (full, lora, memory).")
@@ -516,8 +523,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             out = Path(tmp) / f"{engine}-{processes}.jsonl"
             timeout = min(left - 5, 2.5 * estimate)  # a hung collective must not eat the rest of the budget
+            log = (args_cli.json_dir or Path(tmp)) / f"{engine}-{processes}.log"
             failure = launch(engine, processes, modes, args_cli.smoke, out, Path(tmp) / f"work-{engine}-{processes}",
-                             timeout, args_cli.memory_tokens)  # fmt: skip
+                             timeout, args_cli.memory_tokens, log)  # fmt: skip
             landed = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
             for mode in modes:
                 if not any(r["mode"] == mode for r in landed):
