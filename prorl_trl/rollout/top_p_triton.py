@@ -27,6 +27,9 @@ FLOAT32_ONE_BITS = 0x3F800000  # bit pattern of 1.0: every probability's pattern
 WAYS = 16  # candidates per pass (15 inner ones + the bracket's low end)
 CHUNK_ALIGN = 1024  # a split's length is a multiple of this (and of BLOCK)
 TARGET_PROGRAMS = 512  # programs per pass launch (about 4 per H100/H200 SM)
+# 256 probabilities x 16 ways of per-lane sums on 4 warps: 32 registers a thread. (The first version summed across
+# lanes inside the loop, 16 tree reductions per iteration: 35 us a pass on an H100.)
+BLOCK, NUM_WARPS = 256, 4
 
 
 def passes_needed(ways: int = WAYS) -> int:
@@ -89,13 +92,13 @@ def splits_for(rows: int, vocab: int) -> int:
     return max(1, min(splits, triton.next_power_of_2(triton.cdiv(vocab, CHUNK_ALIGN))))
 
 
-# 256 probabilities x 16 ways of per-lane sums on 4 warps: 32 registers a thread. (The first version summed across
-# lanes inside the loop, 16 tree reductions per iteration: 35 us a pass on an H100.)
-BLOCK, NUM_WARPS = 256, 4
-
-
-def _run(probs: torch.Tensor, top_p: torch.Tensor, splits: int, chunk: int) -> torch.Tensor:
+def launch_top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+    """`(rows, 1)` thresholds for float32 `(rows, vocab)` probabilities and a `(1,)` float32 device `top_p`."""
     rows, vocab = probs.shape
+    if probs.dtype != torch.float32 or probs.stride(-1) != 1:
+        raise ValueError("top_p_threshold's kernel needs float32 probabilities with a contiguous last dimension.")
+    splits = splits or splits_for(rows, vocab)
+    chunk = triton.cdiv(triton.cdiv(vocab, splits), CHUNK_ALIGN) * CHUNK_ALIGN
     passes = passes_needed()
     device = probs.device
     bounds = torch.empty(passes + 1, rows, 2, dtype=torch.int64, device=device)
@@ -112,13 +115,3 @@ def _run(probs: torch.Tensor, top_p: torch.Tensor, splits: int, chunk: int) -> t
             num_warps=NUM_WARPS,
         )  # fmt: skip
     return tau[:, None]
-
-
-def launch_top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor, splits: int | None = None) -> torch.Tensor:
-    """`(rows, 1)` thresholds for float32 `(rows, vocab)` probabilities and a `(1,)` float32 device `top_p`."""
-    rows, vocab = probs.shape
-    if probs.dtype != torch.float32 or probs.stride(-1) != 1:
-        raise ValueError("top_p_threshold's kernel needs float32 probabilities with a contiguous last dimension.")
-    splits = splits or splits_for(rows, vocab)
-    chunk = triton.cdiv(triton.cdiv(vocab, splits), CHUNK_ALIGN) * CHUNK_ALIGN
-    return _run(probs, top_p, splits, chunk)

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..reset.engine import is_dtensor
+
 
 def fsdp2_model_init_kwargs(model_init_kwargs: dict[str, Any] | None, device: torch.device) -> dict[str, Any]:
     """A copy of `model_init_kwargs` that loads on `device` (one GPU per process) unless it names a `device_map`."""
@@ -25,10 +27,6 @@ def fsdp2_model_init_kwargs(model_init_kwargs: dict[str, Any] | None, device: to
     return kwargs
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    return type(tensor).__name__ == "DTensor"
-
-
 @torch.no_grad()
 def move_stray_tensors_(module: nn.Module, device: torch.device) -> list[str]:
     """Move `module`'s plain (non-DTensor) parameters and buffers that are not on `device` there, in place, and drop
@@ -36,7 +34,7 @@ def move_stray_tensors_(module: nn.Module, device: torch.device) -> list[str]:
     moved = []
     for owner_name, owner in module.named_modules():
         for name, tensor in list(owner._parameters.items()) + list(owner._buffers.items()):
-            if tensor is None or _is_dtensor(tensor) or tensor.device == device:
+            if tensor is None or is_dtensor(tensor) or tensor.device == device:
                 continue
             if name in owner._parameters:
                 tensor.data = tensor.data.to(device)
