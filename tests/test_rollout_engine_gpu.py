@@ -52,6 +52,22 @@ def reference(model, input_ids, mask, config):
         return model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)[:, input_ids.shape[1]:]
 
 
+def train_then_generate(engine, model, tokenizer, params, lr: float, before: torch.Tensor) -> torch.Tensor:
+    """Three in-place AdamW steps, then a greedy generation: no recapture (the graph reads the live storage), the tokens
+    equal `generate`'s and differ from `before` (else the updates were not seen, or the test proves nothing)."""
+    input_ids, mask = inputs(tokenizer.pad_token_id)
+    config = greedy_config(tokenizer)
+    optimizer = torch.optim.AdamW(params, lr=lr)
+    for _ in range(3):
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    updated = engine.generate(model, input_ids, mask, config).tokens
+    assert engine.stats.last["capture_reasons"] in ([], ["KV buffers moved"]), engine.stats.last
+    assert torch.equal(updated, reference(model, input_ids, mask, config)) and not torch.equal(updated, before)
+    return updated
+
+
 def test_graphs_follow_weights_like_generate(lora_model):
     """Greedy tokens equal `generate` (float32) after capture, after in-place AdamW steps (no recapture), after a
     `.data` swap and a merge (recaptured), and each change changed the output (else the test proves nothing)."""
@@ -64,14 +80,7 @@ def test_graphs_follow_weights_like_generate(lora_model):
     assert torch.equal(before, reference(model, input_ids, mask, config))
     assert torch.equal(engine.generate(model, input_ids, mask, config).tokens, before)
 
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.5)
-    for _ in range(3):
-        model(input_ids=input_ids, labels=input_ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    updated = engine.generate(model, input_ids, mask, config).tokens
-    assert engine.stats.last["capture_reasons"] in ([], ["KV buffers moved"]), engine.stats.last
-    assert torch.equal(updated, reference(model, input_ids, mask, config)) and not torch.equal(updated, before)
+    updated = train_then_generate(engine, model, tokenizer, [p for p in model.parameters() if p.requires_grad], 0.5, before)
 
     generator = torch.Generator(device="cuda").manual_seed(1)
     for name, weight in model.named_parameters():
@@ -84,6 +93,21 @@ def test_graphs_follow_weights_like_generate(lora_model):
     assert torch.equal(engine.generate(model, input_ids, mask, config).tokens, reference(model, input_ids, mask, config))
     model.unmerge_adapter()
     assert torch.equal(engine.generate(model, input_ids, mask, config).tokens, swapped)
+
+
+def test_graphs_follow_full_fine_tuning_of_fused_weights():
+    """Full fine-tuning: the engine re-points q/k/v and gate/up into one allocation each (`fused_weights`), and AdamW
+    steps on every weight still reach the captured graph without a recapture; greedy tokens equal `generate`."""
+    model, tokenizer = build_tiny(seed=1)
+    model = model.cuda().train()
+    input_ids, mask = inputs(tokenizer.pad_token_id)
+    config = greedy_config(tokenizer)
+    engine = RolloutEngine(steps_per_graph=8)
+    before = engine.generate(model, input_ids, mask, config).tokens
+    parts = engine._decoder_parts(model)
+    assert all(f is not None and f.holds() for f in parts.fused_qkv + parts.fused_gate_up)
+    assert torch.equal(before, reference(model, input_ids, mask, config))
+    train_then_generate(engine, model, tokenizer, list(model.parameters()), 0.05, before)
 
 
 def test_same_seed_same_tokens_with_and_without_graphs(lora_model):
@@ -145,6 +169,12 @@ def test_triton_attention_matches_reference(dtype):
         want = gqa_decode_attention_reference(query, keys, values, start, stop, 0.125)
         error = ((got.float() - want.float()).norm() / want.float().norm()).item()
         assert error < (1e-2 if dtype == torch.bfloat16 else 1e-5), (end, error)
+        graph = torch.cuda.CUDAGraph()  # the last split to finish merges: same result whichever it is, replay after
+        with torch.cuda.graph(graph):  # replay (the arrival counters go back to 0)
+            replayed = torch.ops.prorl_rollout.gqa_decode_attention(query, keys, values, start, stop, 0.125)
+        for _ in range(20):
+            graph.replay()
+            assert torch.equal(replayed, got), end
 
 
 def assert_top_p_cut(probs: torch.Tensor, top_p: float, tau: torch.Tensor, tolerance: float = 1e-5) -> None:

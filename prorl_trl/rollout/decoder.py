@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import inspect
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from .decode_attention import gqa_decode_attention
-from .lora_decode import gated_mlp, project
+from . import fused_weights
+from .fused_weights import FusedLinear, fuse_linears
+from .lora_decode import base_linear, gated_mlp, project
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
@@ -48,6 +50,10 @@ class DecoderParts:
     num_kv_heads: int
     head_dim: int
     qk_norm: bool
+    # per layer, the base q/k/v and gate/up projections stored as one (`fused_weights`; None: separate GEMMs), kept
+    # current by `refresh_fusions` before every capture
+    fused_qkv: list[FusedLinear | None] = field(default_factory=list)
+    fused_gate_up: list[FusedLinear | None] = field(default_factory=list)
 
 
 def generation_target(model: Any) -> Any:
@@ -101,6 +107,34 @@ def decoder_parts(model: Any) -> DecoderParts:
     )
 
 
+def _attention_inputs(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    attention = layer.self_attn
+    return attention.q_proj, attention.k_proj, attention.v_proj
+
+
+def _mlp_inputs(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    return tuple(getattr(layer.mlp, name, None) for name in ("gate_proj", "up_proj"))
+
+
+def refresh_fusions(parts: DecoderParts) -> None:
+    """(Re)store each layer's q/k/v and gate/up base weights as one allocation where that is safe (`fuse_linears`);
+    a group something re-pointed since (`FusedLinear.holds`) is fused again. Run before fingerprinting for a capture."""
+    for name, inputs in (("fused_qkv", _attention_inputs), ("fused_gate_up", _mlp_inputs)):
+        if not fused_weights.FUSE_BASE:  # the A/B switch: separate GEMMs (the storage stays as it is)
+            setattr(parts, name, [])
+            continue
+        current = getattr(parts, name)
+        fresh = []
+        for index, layer in enumerate(parts.layers):
+            kept = current[index] if index < len(current) else None
+            bases = tuple(base_linear(module) for module in inputs(layer) if module is not None)
+            if kept is not None and kept.members == bases and kept.holds():
+                fresh.append(kept)
+            else:
+                fresh.append(fuse_linears(bases, previous=kept))
+        setattr(parts, name, fresh)
+
+
 def _cache_keyword(model: torch.nn.Module) -> str:
     """transformers 5.24 renamed the forward's `past_key_values` to `cache` (5.17 has the old name)."""
     return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
@@ -144,12 +178,14 @@ def decode_logits(
     hidden = torch.nn.functional.embedding(tokens[:, None], parts.embed_tokens.weight)
     positions = (write_index - start)[:, None]
     cos, sin = parts.rotary_emb(hidden, positions)
-    for layer, key_cache, value_cache in zip(parts.layers, key_caches, value_caches, strict=True):
+    fused_qkv = parts.fused_qkv or [None] * len(parts.layers)
+    fused_gate_up = parts.fused_gate_up or [None] * len(parts.layers)
+    for index, (layer, key_cache, value_cache) in enumerate(zip(parts.layers, key_caches, value_caches, strict=True)):
         attention = layer.self_attn
         normed = layer.input_layernorm(hidden)
         query, key, value = [
             projected.view(batch, 1, -1, parts.head_dim)
-            for projected in project(normed, (attention.q_proj, attention.k_proj, attention.v_proj))
+            for projected in project(normed, _attention_inputs(layer), fused_qkv[index])
         ]
         if parts.qk_norm:
             query, key = attention.q_norm(query), attention.k_norm(key)
@@ -158,5 +194,5 @@ def decode_logits(
         value_cache.index_copy_(2, write_index, value.transpose(1, 2).to(value_cache.dtype))
         attended = gqa_decode_attention(query, key_cache, value_cache, start, write_index, attention.scaling)
         hidden = hidden + project(attended.reshape(batch, 1, -1), (attention.o_proj,))[0]
-        hidden = hidden + gated_mlp(layer.mlp, layer.post_attention_layernorm(hidden))
+        hidden = hidden + gated_mlp(layer.mlp, layer.post_attention_layernorm(hidden), fused_gate_up[index])
     return parts.lm_head(parts.norm(hidden))[:, 0].float()

@@ -12,8 +12,9 @@ It returns what `generate` returns after the prompt: `(batch, n)` tokens, the pa
 longest completion (so at most the cap).
 
 What makes a new capture (`capture_reasons`, logged with its time): the batch size, cache length (prompt budget +
-cap), the sampler's static layout, the autocast dtype, `lora_decode.FUSE_LORA`, the model's parameter storage (data
-pointers, shapes, dtypes: a LoRA rank/target change, `.data` swaps) or LoRA state (merged, disabled, active adapter,
+cap), the sampler's static layout, the autocast dtype, `lora_decode.FUSE_LORA`, `fused_weights.FUSE_BASE`, the
+model's parameter storage (data pointers, shapes, dtypes: a LoRA rank/target change, `.data` swaps; the first call
+re-points q/k/v and gate/up into one allocation each, `decoder.refresh_fusions`) or LoRA state (merged, disabled, active adapter,
 scaling, variant, dropout, input casting), and the KV buffers' address: they are freed after every generation (so training gets the memory back, as with `generate`), and
 when the allocator hands them back elsewhere the graph is recaptured (no recompilation; how often that happens inside
 the trainer is not measured yet). Optimizer steps update parameters in place: the graph reads the live storage,
@@ -37,9 +38,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import lora_decode
+from . import fused_weights, lora_decode
 from .compiled import raise_recompile_limit
-from .decoder import DecoderParts, UnsupportedModel, decode_logits, decoder_parts, generation_target, prefill
+from .decoder import (
+    DecoderParts, UnsupportedModel, decode_logits, decoder_parts, generation_target, prefill, refresh_fusions,
+)  # fmt: skip
 from .sampler import SamplerLayout, SamplerSettings, SamplerTensors, UnsupportedGeneration, next_tokens, sampler_settings
 
 logger = logging.getLogger("prorl_trl")
@@ -156,6 +159,7 @@ class CaptureKey:
     model: int
     cuda_graphs: bool
     fuse_lora: bool  # lora_decode.FUSE_LORA when traced (A/B benchmarks flip it)
+    fuse_base: bool  # fused_weights.FUSE_BASE, likewise
 
 
 class CaptureRecord(NamedTuple):
@@ -219,7 +223,10 @@ class DecodeStep:
     Graph breaks only split the compiled code: a CUDA graph records every kernel either way.
     """
 
-    def __init__(self, parts: DecoderParts, layout: SamplerLayout, compile: bool, require_compile: bool = False):
+    def __init__(
+        self, parts: DecoderParts, layout: SamplerLayout, compile: bool, require_compile: bool = False,
+        compile_options: dict | None = None,
+    ):  # fmt: skip
         self.parts, self.layout, self.require_compile = parts, layout, require_compile
         self.errors: dict[str, str] = {}
         self.forward = forward_half(parts)
@@ -227,7 +234,7 @@ class DecodeStep:
         self.compiled = compile
         if compile:
             raise_recompile_limit()
-            self.forward = torch.compile(self.forward, dynamic=False)
+            self.forward = torch.compile(self.forward, dynamic=False, options=compile_options)
             self.select = torch.compile(self.select, dynamic=False)
 
     def __call__(self, state: DecodeState, keys: tuple, values: tuple, sampler: SamplerTensors) -> None:
@@ -271,6 +278,8 @@ class RolloutEngine:
         release_cache: free the KV buffers after each generation (default), so training gets the memory back; False
             keeps them (and the graph replayable, as benchmarks/generation.py's profile does).
         require_compile: raise instead of running a half of the step uncompiled when compilation fails (benchmarks).
+        compile_options: inductor options for the forward half (`torch.compile(options=...)`), e.g.
+            `{"max_autotune_gemm": True}`: benchmarked GEMM choices (slower compilation).
     """
 
     def __init__(
@@ -281,6 +290,7 @@ class RolloutEngine:
         prompt_budget: int | None = None,
         release_cache: bool = True,
         require_compile: bool = False,
+        compile_options: dict | None = None,
     ):
         if steps_per_graph < 1:
             raise ValueError(f"steps_per_graph must be >= 1, got {steps_per_graph}.")
@@ -290,10 +300,12 @@ class RolloutEngine:
         self.prompt_budget = prompt_budget or 0
         self.release_cache = release_cache
         self.require_compile = require_compile
+        self.compile_options = dict(compile_options or {})
         self.stats = EngineStats()
         self._capture_record: CaptureRecord | None = None
         self._kv: torch.Tensor | None = None
         self._graph: torch.cuda.CUDAGraph | None = None
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._state: DecodeState | None = None
         self._sampler: SamplerTensors | None = None
         self._parts: tuple[int, DecoderParts] | None = None
@@ -336,6 +348,7 @@ class RolloutEngine:
         use_graphs = device.type == "cuda" if self.cuda_graphs is None else self.cuda_graphs
         started = time.perf_counter()
         with eval_mode(parts.model), autocast:
+            refresh_fusions(parts)  # before the fingerprint: fusing re-points parameters
             logits, prompt_kv = prefill(parts, input_ids, attention_mask)
             key = self._prepare(parts, settings, input_ids, prompt_kv, autocast_dtype, use_graphs)
             self._load(settings, seed, input_ids, attention_mask, prompt_kv, logits, parts)
@@ -392,6 +405,7 @@ class RolloutEngine:
             device=str(device), batch=batch, cache_len=self.prompt_budget + chunks * self.steps_per_graph,
             chunks=chunks, layout=settings.layout, kv_dtype=prompt_kv[0][0].dtype, autocast_dtype=autocast_dtype,
             model=id(parts.model), cuda_graphs=use_graphs, fuse_lora=lora_decode.FUSE_LORA,
+            fuse_base=fused_weights.FUSE_BASE,
         )  # fmt: skip
         kv_shape = (2, len(parts.layers), batch, parts.num_kv_heads, key.cache_len, parts.head_dim)
         if self._kv is None or self._kv.shape != kv_shape or self._kv.dtype != key.kv_dtype:
@@ -416,12 +430,23 @@ class RolloutEngine:
         self._capture_record = record
         return key
 
+    def _capture_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """One side stream per device for every warm-up and capture of this engine. Why: cuBLAS keeps a workspace
+        (32 MiB on Hopper) per stream it has run on, for the life of the process; a new stream per capture (and
+        `torch.cuda.graph`'s own capture stream) added 64 MiB of allocated memory per capture, which training saw
+        as +0.06-0.16 GiB of peak (benchmarks/results/memory.md)."""
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
     def _step_function(self, parts: DecoderParts, layout: SamplerLayout, device: torch.device) -> DecodeStep:
         """The (compiled) step for this model and sampler layout, built once and reused by later captures."""
         compile_step = (device.type == "cuda") if self.compile is None else self.compile
         cache_key = (id(parts.model), layout, compile_step)
         if cache_key not in self._steps:
-            self._steps[cache_key] = DecodeStep(parts, layout, compile_step, self.require_compile)
+            self._steps[cache_key] = DecodeStep(
+                parts, layout, compile_step, self.require_compile, self.compile_options or None
+            )
         return self._steps[cache_key]
 
     def _caches(self) -> tuple[tuple, tuple]:
@@ -434,7 +459,7 @@ class RolloutEngine:
         keys, values = self._caches()
         self._state.step.fill_(1)
         self._state.width.fill_(self.prompt_budget)
-        side = torch.cuda.Stream()
+        side = self._capture_stream(self._kv.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # compiles on the first call; the second settles allocations
@@ -444,7 +469,9 @@ class RolloutEngine:
             self.stats.compile_error = "; ".join(f"{half}: {text}" for half, text in step.errors.items())
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # a private pool per graph (a pool shared with a deleted graph trips an assert)
+        # a private pool per graph (a pool shared with a deleted graph trips an assert); captured on the engine's own
+        # stream, the one the warm-up ran on
+        with torch.cuda.graph(graph, stream=side):
             for _ in range(self.steps_per_graph):
                 step(self._state, keys, values, self._sampler)
         torch.cuda.synchronize()

@@ -25,6 +25,8 @@ from typing import NamedTuple
 
 import torch
 
+from .fused_weights import FusedLinear
+
 FUSE_LORA = True  # False: every projection is called as a module (tests, A/B benchmarks); read when a step is traced
 
 
@@ -73,42 +75,62 @@ def lora_factors(module: torch.nn.Module, x: torch.Tensor) -> LoraFactors | None
     return LoraFactors(down.weight, up.weight, module.scaling[name])
 
 
-def _adapted(x: torch.Tensor, modules: Sequence[torch.nn.Module], factors: Sequence[LoraFactors]) -> list[torch.Tensor]:
-    """PEFT's output for each module: the A products of all of them one reduction over their concatenated A weights,
-    then per module the B product, one reduction with the scaling, the base output's addition and the cast fused."""
+def base_linear(module: torch.nn.Module) -> torch.nn.Module:
+    """The layer that computes a projection's base output: a PEFT LoRA `Linear`'s `base_layer`, else the module."""
+    return module.base_layer if is_peft_lora_linear(module) else module
+
+
+def _adapted(x: torch.Tensor, factors: Sequence[LoraFactors], bases: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """PEFT's output for each module from its base output: the A products of all of them one reduction over their
+    concatenated A weights, then per module the B product, one reduction with the scaling, the base output's addition
+    and the cast fused. (Laid out weight-major instead, `(weight rows, batch rows)`, inductor's kernels were slower:
+    2.02 -> 2.09 ms a step at 32 x 4,096 and 4.47 -> 5.73 at 64 x 6,144 with r64 all-linear on an H100,
+    benchmarks/results/rollout_engine.md.)"""
     rows = x.reshape(-1, x.shape[-1]).to(factors[0].down.dtype)
     down = torch.cat([factor.down for factor in factors])  # (sum of ranks, in_features): fused into the loads
     reduced = (rows[:, None, :] * down).sum(-1)  # every lora_A(x), side by side
     outputs, offset = [], 0
-    for module, factor in zip(modules, factors, strict=True):
+    for factor, base in zip(factors, bases, strict=True):
         rank = factor.down.shape[0]
         delta = (reduced[:, None, offset : offset + rank] * factor.up).sum(-1) * factor.scaling  # lora_B(.) * scaling
         offset += rank
-        base = module.base_layer(x)
         outputs.append((base + delta.view(base.shape)).to(base.dtype))  # added in the promoted dtype, as PEFT does
     return outputs
 
 
-def project(x: torch.Tensor, modules: Sequence[torch.nn.Module]) -> list[torch.Tensor]:
+def project(
+    x: torch.Tensor, modules: Sequence[torch.nn.Module], fused: FusedLinear | None = None
+) -> list[torch.Tensor]:
     """`[module(x) for module in modules]`, with the LoRA products of the PEFT layers among them fused (same dtype:
-    one group; projections whose adapter `lora_factors` refuses are called as modules)."""
+    one group; projections whose adapter `lora_factors` refuses are called as modules). `fused`: the modules' base
+    layers stored as one (`fused_weights`), used when every module is a plain `Linear` or takes the fused LoRA path."""
     factors = [lora_factors(module, x) for module in modules]
-    outputs: list[torch.Tensor | None] = [module(x) if f is None else None for module, f in zip(modules, factors)]
+    whole = [factor is not None or type(module) is torch.nn.Linear for module, factor in zip(modules, factors)]
+    if fused is not None and all(whole) and fused.members == tuple(base_linear(module) for module in modules):
+        bases = fused(x)
+    else:
+        bases = [None if factor is None else module.base_layer(x) for module, factor in zip(modules, factors)]
+    outputs: list[torch.Tensor | None] = []
+    for module, factor, base in zip(modules, factors, bases, strict=True):
+        if factor is not None:
+            outputs.append(None)  # PEFT's function, from the LoRA groups below
+        else:
+            outputs.append(module(x) if base is None else base)  # a plain Linear's base output comes from `fused`
     groups: dict[tuple, list[int]] = {}  # fused together: same adapter dtype and same base output dtype
     for index, (module, factor) in enumerate(zip(modules, factors)):
         if factor is not None:
             groups.setdefault((factor.down.dtype, module.base_layer.weight.dtype), []).append(index)
     for members in groups.values():
-        adapted = _adapted(x, [modules[i] for i in members], [factors[i] for i in members])
+        adapted = _adapted(x, [factors[i] for i in members], [bases[i] for i in members])
         for index, output in zip(members, adapted, strict=True):
             outputs[index] = output
     return outputs
 
 
-def gated_mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The Llama/Qwen MLP's forward, `down(act(gate(x)) * up(x))`, with gate and up projected together; an MLP
-    without that layout is called as a module."""
+def gated_mlp(mlp: torch.nn.Module, x: torch.Tensor, fused: FusedLinear | None = None) -> torch.Tensor:
+    """The Llama/Qwen MLP's forward, `down(act(gate(x)) * up(x))`, with gate and up projected together (`fused`: their
+    base layers stored as one); an MLP without that layout is called as a module."""
     if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         return mlp(x)
-    gate, up = project(x, (mlp.gate_proj, mlp.up_proj))
+    gate, up = project(x, (mlp.gate_proj, mlp.up_proj), fused)
     return project(mlp.act_fn(gate) * up, (mlp.down_proj,))[0]

@@ -1,0 +1,135 @@
+"""One allocation per group of decode-step projections that read the same input, so the group is one GEMM (issue 14).
+
+Why: at decode shapes (32 rows) a projection's GEMM is bound by launch and tail latency, not by its weight bytes: in
+the Qwen2-0.5B step q, k and v took 4.2 us each (1.6 MB and 0.23 MB of weights, under 1 us at the bandwidth), gate and
+up 5.7 us each (benchmarks/results/rollout_engine.md, call 4's profile). One GEMM over the concatenated weights does
+the work of three (q/k/v) or two (gate/up) in about the time of one.
+
+How, without a second copy of the weights (memory) and without losing in-place updates (the CUDA graph reads the
+live storage): the members' Parameters are re-pointed (`param.data = view`) at row slices of one new allocation that
+holds their values, so the module, the optimizer and the checkpoint code keep the same Parameter objects and every
+in-place update lands in the fused storage. That is done only where nobody else owns the storage: each weight and
+bias must be a plain tensor alone in its own allocation (DeepSpeed ZeRO-1/2 keep bf16 parameters as views of their
+flat buffers, FSDP as DTensor shards: left alone, the group runs as separate GEMMs). `FusedLinear.holds` tells when
+something re-pointed a member since (`module.to`, `load_state_dict(assign=True)`): the engine then fuses again before
+its next capture. transformers' `save_pretrained` clones parameters that share an allocation without overlapping,
+and `torch.save` keeps views as views; tests/test_fused_weights.py checks both round trips.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+FUSE_BASE = True  # False: every base projection is its own GEMM (tests, A/B benchmarks); read when a step is traced
+
+
+@dataclass(frozen=True)
+class FusedLinear:
+    """`torch.nn.Linear` layers whose weights (and biases) are consecutive row slices of `weight` (and `bias`)."""
+
+    members: tuple[torch.nn.Linear, ...]
+    weight: torch.Tensor  # (sum of out_features, in_features)
+    bias: torch.Tensor | None  # (sum of out_features,) or None when no member has a bias
+    sizes: tuple[int, ...]  # out_features per member, in order
+
+    def holds(self) -> bool:
+        """Every member's weight and bias are still the slices of this allocation (nothing re-pointed them)."""
+        return all(
+            _is_slice(member.weight, self.weight, offset) and (self.bias is None or _is_slice(member.bias, self.bias, offset))
+            for member, offset in zip(self.members, _offsets(self.sizes), strict=True)
+        )
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each member's `linear(x)`, from one GEMM (split along the last dimension, no copies)."""
+        return list(torch.nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
+
+
+def _offsets(sizes: Sequence[int]) -> list[int]:
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += size
+    return offsets
+
+
+def _is_slice(part: torch.Tensor | None, whole: torch.Tensor, row: int) -> bool:
+    """`part` is rows `row:` of `whole` (same allocation, same layout)."""
+    if part is None:
+        return False
+    row_length = whole.stride(0) if whole.dim() == 2 else 1
+    return (
+        part.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+        and part.storage_offset() == whole.storage_offset() + row * row_length
+        and part.stride() == whole.stride()
+        and part.dtype == whole.dtype
+    )
+
+
+def _owns_its_allocation(tensor: torch.Tensor) -> bool:
+    """A plain dense tensor that is the whole of its allocation (no one else's view, not a DTensor or subclass)."""
+    plain = type(tensor) in (torch.Tensor, torch.nn.Parameter) and type(tensor.data) is torch.Tensor
+    return (
+        plain
+        and tensor.layout == torch.strided
+        and tensor.device.type != "meta"
+        and tensor.is_contiguous()
+        and tensor.storage_offset() == 0
+        and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    )
+
+
+def fusable(linears: Sequence[torch.nn.Module]) -> bool:
+    """Plain `Linear` layers (two or more) on one input width, one dtype and device, all with a bias or none."""
+    if len(linears) < 2 or any(type(linear) is not torch.nn.Linear for linear in linears):
+        return False
+    first = linears[0].weight
+    with_bias = {linear.bias is not None for linear in linears}
+    return len(with_bias) == 1 and all(
+        linear.weight.shape[1] == first.shape[1]
+        and all(p.dtype == first.dtype and p.device == first.device for p in linear.parameters())
+        for linear in linears
+    )
+
+
+@torch.no_grad()
+def fuse_linears(linears: Sequence[torch.nn.Module], previous: FusedLinear | None = None) -> FusedLinear | None:
+    """The group as one `FusedLinear`, re-pointing its Parameters into one allocation if they are not already there;
+    None where that is not safe (see the module docstring) or the layers do not fit (`fusable`). `previous`: this
+    group's earlier fusion, whose allocation members may still point into (when only some were re-pointed)."""
+    if not FUSE_BASE or not fusable(linears):
+        return None
+    members = tuple(linears)
+    sizes = tuple(linear.weight.shape[0] for linear in members)
+    has_bias = members[0].bias is not None
+    weight, bias, rows = members[0].weight, members[0].bias, sum(sizes)
+    if _within_allocation(weight, rows) and (not has_bias or _within_allocation(bias, rows)):
+        already = FusedLinear(members, _rows(weight, rows), _rows(bias, rows) if has_bias else None, sizes)
+        if already.holds():
+            return already  # fused earlier (by this engine or another): reuse it, no copy
+    tensors = [p for linear in members for p in (linear.weight, linear.bias) if p is not None]
+    ours = set() if previous is None else {t.untyped_storage().data_ptr() for t in (previous.weight, previous.bias)
+                                           if t is not None}  # fmt: skip
+    if not all(_owns_its_allocation(t) or t.untyped_storage().data_ptr() in ours for t in tensors):
+        return None
+    weight = torch.cat([linear.weight for linear in members])
+    bias = torch.cat([linear.bias for linear in members]) if has_bias else None
+    for linear, offset, size in zip(members, _offsets(sizes), sizes, strict=True):
+        linear.weight.data = weight[offset : offset + size]
+        if has_bias:
+            linear.bias.data = bias[offset : offset + size]
+    return FusedLinear(members, weight, bias, sizes)
+
+
+def _rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """`rows` rows starting at `tensor`, as one tensor (a view of its allocation)."""
+    return tensor.detach().as_strided((rows, *tensor.shape[1:]), tensor.stride())
+
+
+def _within_allocation(tensor: torch.Tensor, rows: int) -> bool:
+    """`rows` rows starting at `tensor` fit in its allocation (so viewing them cannot read past it)."""
+    row_bytes = (tensor.stride(0) if tensor.dim() == 2 else 1) * tensor.element_size()
+    start = tensor.storage_offset() * tensor.element_size()
+    return tensor.is_contiguous() and start + rows * row_bytes <= tensor.untyped_storage().nbytes()
