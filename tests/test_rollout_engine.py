@@ -28,6 +28,7 @@ from prorl_trl.rollout.engine import RolloutEngine, resolved_generation_config, 
 from prorl_trl.rollout.sampler import (
     SamplerTensors,
     UnsupportedGeneration,
+    first_argmax,
     process_logits,
     sampler_settings,
     top_p_threshold,
@@ -151,6 +152,19 @@ def test_noise_is_uniform_deterministic_and_counter_based():
     assert 0 < noise.min() and noise.max() < 1
     assert stats.kstest(noise.flatten()[:50_000].double().numpy(), "uniform").pvalue > 1e-3
     assert abs(torch.corrcoef(torch.stack([noise[0], noise[1]]))[0, 1]) < 0.05
+
+
+@pytest.mark.parametrize("vocab", [7, 2048, 2049, 10_000], ids=str)
+def test_first_argmax_equals_argmax_ties_and_infinities_included(vocab):
+    generator = torch.Generator().manual_seed(vocab)
+    values = torch.randn(6, vocab, generator=generator)
+    values[1] = -math.inf  # a row with nothing finite: index 0, as argmax
+    values[2, :] = 1.0  # all tied: the first
+    values[3, vocab // 2 :] = 5.0  # tied across pieces: the first of them
+    values[4, -1] = 9.0  # the maximum in the padded last piece
+    values[5] = torch.randint(0, 3, (vocab,), generator=generator).float()  # many ties in every piece
+    assert torch.equal(first_argmax(values, chunk=512), values.argmax(-1))
+    assert torch.equal(first_argmax(values), values.argmax(-1))
 
 
 def test_unsupported_settings_are_refused_not_ignored(tiny):

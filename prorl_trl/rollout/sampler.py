@@ -73,6 +73,7 @@ _SPLITMIX_GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)
 _SPLITMIX_MUL1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _SPLITMIX_MUL2 = 0x94D049BB133111EB - (1 << 64)
 _FLOAT32_ONE_BITS = 0x3F800000
+ARGMAX_CHUNK = 2048  # columns per program of `first_argmax` (75 pieces a row for Qwen's 151,936 tokens)
 
 
 class UnsupportedGeneration(ValueError):
@@ -285,12 +286,30 @@ def process_logits(
     return scores
 
 
+def first_argmax(values: torch.Tensor, chunk: int = ARGMAX_CHUNK) -> torch.Tensor:
+    """`values.argmax(-1)` for `(rows, vocab)` values, the same index (the first maximum), as two reductions.
+
+    Why: compiled, a row's argmax is one program per row, so at 32 rows the sampler's kernel (noise and masking fused
+    into the argmax) kept 32 of an H100's 132 SMs busy for 0.13 ms a step. Here the row is cut into `chunk`-column
+    pieces (padded with -inf), each piece's first maximum found in parallel, then the first piece holding the row's
+    maximum picked: the first maximum of the piece that has the row's first maximum is the row's first maximum.
+    """
+    rows, vocab = values.shape
+    pieces = math.ceil(vocab / chunk)
+    if pieces < 2:
+        return values.argmax(-1)
+    padded = torch.nn.functional.pad(values, (0, pieces * chunk - vocab), value=-math.inf)
+    best, where = padded.view(rows, pieces, chunk).max(-1)
+    piece = best.argmax(-1, keepdim=True)
+    return (piece * chunk + where.gather(-1, piece))[:, 0]
+
+
 def choose_tokens(scores: torch.Tensor, layout: SamplerLayout, tensors: SamplerTensors, step: torch.Tensor) -> torch.Tensor:
     """One token per row from processed scores: argmax (greedy) or the exponential race (sampling)."""
     if not layout.do_sample:
-        return scores.argmax(-1)
+        return first_argmax(scores)
     exponential = -torch.log(uniform_noise(tensors.seed, step, scores.shape[0], scores.shape[1]))
-    return (scores - torch.log(exponential)).argmax(-1)
+    return first_argmax(scores - torch.log(exponential))
 
 
 def next_tokens(
