@@ -6,7 +6,7 @@ column `start[b]` and decode keys up to column `end` (inclusive, shared by all r
 
 On CUDA with Triton, `gqa_decode_attention` runs a split-K ("flash decoding") kernel: programs over (row, kv head,
 cache split) skip splits beyond `end` at run time, so the cost follows the live length while every shape stays fixed
-(one CUDA graph per generation shape), and a second kernel merges the splits. Elsewhere (CPU, other head sizes) it
+(one CUDA graph per generation shape), and the last split to finish merges them. Elsewhere (CPU, other head sizes) it
 runs `gqa_decode_attention_reference`: the same function in plain torch over the whole cache with a mask.
 """
 
