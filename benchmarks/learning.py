@@ -68,6 +68,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--compiled-generation", action="store_true", help="static KV cache + compiled decode step (GPU; ProRLConfig)"
     )
+    parser.add_argument(
+        "--rollout-engine", action="store_true", help="CUDA-graph decode loop for rollouts and validation (GPU; ProRLConfig)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     args.steps = args.steps or (3 if args.smoke else 240)
@@ -162,6 +165,7 @@ def rl_run(args, name: str, phases: list[PhaseConfig], warm: Path, tokenizer, de
         save_strategy="no",
         save_merged_on_reset=False,
         compiled_generation=args.compiled_generation,
+        rollout_engine=args.rollout_engine,
         report_to=[],
         logging_steps=1,
         disable_tqdm=True,
@@ -243,6 +247,8 @@ def main(argv: list[str] | None = None) -> dict:
         "learning_rate": args.learning_rate,
         "beta": args.beta,
         "smoke": args.smoke,
+        "generation": "rollout_engine" if args.rollout_engine else
+                      "compiled_generation" if args.compiled_generation else "generate",  # fmt: skip
         "validation_problems": validation_problems(args),
         "warm_start_greedy_accuracy": sft_accuracy,
         "warm_start_pass@1": start,
@@ -275,7 +281,8 @@ def render_table(r: dict) -> str:
     else:
         verdict = f"not significantly: {100 * (a - b):+.1f} pts (2 s.e. {100 * two_se:.1f})"
     header = (
-        f"| {r['device']}{' (smoke)' if r['smoke'] else ''}, {r['parameters'] / 1e6:.1f}M params, {r['steps']} RL steps "
+        f"| {r['device']}{' (smoke)' if r['smoke'] else ''}, {r['parameters'] / 1e6:.1f}M params, {r['steps']} RL steps, "
+        f"{r.get('generation', 'generate')} "
         "| warm start pass@1 | (a) ProRL final | (b) no-reset final | (a) beats (b)? | wall time warm start / (a) / (b) (s) |"
     )
     row = (
