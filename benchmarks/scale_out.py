@@ -62,7 +62,8 @@ GPU_CASES = [
     ("single", 1, ("full", "lora"), 80),
     ("zero3", 4, ("memory", "full", "lora"), 150),  # memory first: a fresh process measures only itself
     ("fsdp2", 4, ("memory", "full", "lora"), 150),
-    ("ddp", 4, ("memory",), 150),  # timed out at 2.5 x 70 s on 4 x H100 (no log kept)
+    ("ddp", 4, ("memory",), 150),  # timed out on 4 x H100 (call 6) and 2 x H100 (call 7): see save_model_once
+    ("ddp", 2, ("memory",), 150),  # the same per-GPU figure where only 2 GPUs are lent (DDP replicates everything)
     ("zero2", 2, ("full", "lora"), 100),
 ]
 SMOKE_CASES = [("zero3", 2, ("full", "lora"), 200), ("zero2", 2, ("full", "lora"), 200)]
@@ -112,9 +113,11 @@ def save_model_once(config, tokenizer, path: Path, dtype) -> str:
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from prorl_trl.reset.gathered import barrier
+    from accelerate import PartialState
 
-    if int(os.environ.get("RANK", 0)) == 0 and not (path / "config.json").exists():
+    state = PartialState()  # joins this launch's process group now: a barrier before it is a no-op, and under DDP
+    # rank 1 read the folder while rank 0 was still writing it (call 7: rank 1 died, rank 0 hung until the timeout)
+    if state.is_main_process and not (path / "config.json").exists():
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             model = Qwen2ForCausalLM(config).to(dtype)
@@ -122,7 +125,7 @@ def save_model_once(config, tokenizer, path: Path, dtype) -> str:
         model.save_pretrained(path)
         tokenizer.save_pretrained(path)
         del model
-    barrier()
+    state.wait_for_everyone()
     return str(path)
 
 
