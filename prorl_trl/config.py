@@ -309,7 +309,7 @@ class ProRLConfig(GRPOConfig):
         metadata={
             "help": "Generate rollouts with prorl_trl.rollout's own decode loop: one prefill, then decode steps "
             "captured as CUDA graphs and replayed back to back (transformers' sampling distribution, sort-free top-p, "
-            "stop checked every 16 steps); 2.4x `compiled_generation`'s decode rate at the seed's Initial shape on an "
+            "stop checked every 16 steps); 3.4x `compiled_generation`'s decode rate at the seed's Initial shape on an "
             "H100 (benchmarks/results/rollout_engine.md). CUDA only: on CPU, with vLLM, FSDP, ZeRO-3 or an unsupported "
             "model or setting it falls back to TRL's path (with a warning). The recipes turn it on."
         },
