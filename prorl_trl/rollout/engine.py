@@ -14,11 +14,11 @@ longest completion (so at most the cap).
 What makes a new capture (`capture_reasons`, logged with its time): the batch size, cache length (prompt budget +
 cap), the sampler's static layout, the autocast dtype, `lora_decode.FUSE_LORA`, `fused_weights.FUSE_BASE`, the
 model's parameter storage (data pointers, shapes, dtypes: a LoRA rank/target change, `.data` swaps; the first call
-re-points q/k/v and gate/up into one allocation each, `decoder.refresh_fusions`) or LoRA state (merged, disabled, active adapter,
-scaling, variant, dropout, input casting), and the KV buffers' address: they are freed after every generation (so training gets the memory back, as with `generate`), and
-when the allocator hands them back elsewhere the graph is recaptured (no recompilation; how often that happens inside
-the trainer is not measured yet). Optimizer steps update parameters in place: the graph reads the live storage,
-no recapture. Values that change between calls (temperature, top_p, min_p, min_new_tokens, the seed, the prompts and
+re-points q/k/v and gate/up into one allocation each, `decoder.refresh_fusions`) or LoRA state (merged, disabled,
+active adapter, scaling, variant, dropout, input casting), and the KV buffers' address: they are freed after every
+generation (so training gets the memory back, as with `generate`), and when the allocator hands them back elsewhere
+the graph is recaptured (no recompilation; how often that happens inside the trainer is not measured yet). Optimizer
+steps update parameters in place: the graph reads the live storage, no recapture. Values that change between calls (temperature, top_p, min_p, min_new_tokens, the seed, the prompts and
 their padding) are copied into tensors the graph reads.
 
 Off CUDA (or with `cuda_graphs=False`) the same step function runs eagerly, chunk by chunk: that is what the CPU
@@ -300,7 +300,7 @@ class RolloutEngine:
         self.prompt_budget = prompt_budget or 0
         self.release_cache = release_cache
         self.require_compile = require_compile
-        self.compile_options = dict(compile_options or {})
+        self.compile_options = dict(compile_options) if compile_options else None
         self.stats = EngineStats()
         self._capture_record: CaptureRecord | None = None
         self._kv: torch.Tensor | None = None
@@ -434,7 +434,7 @@ class RolloutEngine:
         """One side stream per device for every warm-up and capture of this engine. Why: cuBLAS keeps a workspace
         (32 MiB on Hopper) per stream it has run on, for the life of the process; a new stream per capture (and
         `torch.cuda.graph`'s own capture stream) added 64 MiB of allocated memory per capture, which training saw
-        as +0.06-0.16 GiB of peak (benchmarks/results/memory.md)."""
+        as +0.06-0.16 GiB of peak (benchmarks/results/rollout_engine.md, third session)."""
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
@@ -445,7 +445,7 @@ class RolloutEngine:
         cache_key = (id(parts.model), layout, compile_step)
         if cache_key not in self._steps:
             self._steps[cache_key] = DecodeStep(
-                parts, layout, compile_step, self.require_compile, self.compile_options or None
+                parts, layout, compile_step, self.require_compile, self.compile_options
             )
         return self._steps[cache_key]
 

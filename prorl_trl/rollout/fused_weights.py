@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -48,11 +49,7 @@ class FusedLinear:
 
 
 def _offsets(sizes: Sequence[int]) -> list[int]:
-    offsets, total = [], 0
-    for size in sizes:
-        offsets.append(total)
-        total += size
-    return offsets
+    return [0, *accumulate(sizes[:-1])]
 
 
 def _is_slice(part: torch.Tensor | None, whole: torch.Tensor, row: int) -> bool:
