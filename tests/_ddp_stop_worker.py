@@ -16,6 +16,7 @@ from peft import LoraConfig  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from prorl_trl.config import ProRLConfig  # noqa: E402
+from prorl_trl.recipe.run import leave_process_group  # noqa: E402
 from prorl_trl.tiny import build_tiny  # noqa: E402
 from prorl_trl.trainer import ProRLTrainer  # noqa: E402
 from prorl_trl.trainer.interrupt import RunInterrupted  # noqa: E402
@@ -56,6 +57,7 @@ def main(out: Path) -> None:
         result = {"interrupted": True, "reason": stop.reason, "global_step": stop.global_step,
                   "checkpoint": str(stop.checkpoint)}  # fmt: skip
     (out / f"rank{trainer.accelerator.process_index}.json").write_text(json.dumps(result))
+    leave_process_group()
 
 
 if __name__ == "__main__":

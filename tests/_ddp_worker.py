@@ -23,11 +23,12 @@ from datasets import Dataset  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from prorl_trl.trainer.callbacks import HardResetCallback  # noqa: E402
 from prorl_trl.config import ProRLConfig  # noqa: E402
+from prorl_trl.recipe.run import leave_process_group  # noqa: E402
 from prorl_trl.reset import lora_parameters, merge_lora_in_place, reinit_adapter  # noqa: E402
 from prorl_trl.tiny import build_tiny  # noqa: E402
 from prorl_trl.trainer import ProRLTrainer  # noqa: E402
+from prorl_trl.trainer.callbacks import HardResetCallback  # noqa: E402
 
 
 def token_hash_reward(completion_ids, **kwargs):
@@ -116,6 +117,7 @@ def main(out_path, rollout_engine=False):
     results["reset_without_broadcast"] = compare_ranks(trainer.model)
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results, indent=1))
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ def _worker(out_dir: str) -> None:
     from transformers import TrainerCallback
 
     from prorl_trl import PhaseConfig, ProRLTrainer
+    from prorl_trl.recipe.run import leave_process_group
 
     def correctness(prompts, completion_ids, kind, **kwargs):
         return [1.0 if k == "easy" else 0.0 if k == "hard" else float(i % 2) for i, k in enumerate(kind)]
@@ -72,6 +73,7 @@ def _worker(out_dir: str) -> None:
     record["weights"] = weights[:: max(1, weights.numel() // 2000)].tolist()
     rank = trainer.accelerator.process_index
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(record))
+    leave_process_group()
 
 
 if __name__ == "__main__":

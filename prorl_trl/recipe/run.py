@@ -231,6 +231,7 @@ def run_train(
                 f"resume with:\n  {command}",
                 flush=True,
             )
+        leave_process_group()  # every rank stopped at the same step (the stop is agreed across processes)
         return 130 if stop.reason == "SIGINT" else 143
     except Exception as error:
         if not is_disk_full(error, output_dir):
@@ -238,8 +239,33 @@ def run_train(
         if main:
             print(_disk_full_message(output_dir, error, command), file=sys.stderr, flush=True)
         return 1
-    if not main:
-        return 0
+    if main:
+        _report(trainer, recipe, recipe_path, overrides, base_model, output_dir, started)
+    leave_process_group()
+    return 0
+
+
+def leave_process_group() -> None:
+    """Wait for every process, then tear the process group down while the interpreter is still whole.
+
+    A gloo rank that exits with its group alive can abort in interpreter finalization (SIGABRT, "terminate called
+    without an active exception") while rank 0 is still writing the summary; the launcher then kills rank 0 and a
+    finished run exits as failed. No-op without a process group.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _report(
+    trainer: Any, recipe: Recipe, recipe_path: str, overrides: list[str], base_model: str, output_dir: Path,
+    started: float,
+) -> None:  # fmt: skip
+    """Main process: write `run_summary.json` and the final model's card, print where the outputs are."""
+    from ..reset.checkpoint import write_text_atomically
+
     log_history = trainer.prorl_log_history  # the whole run, also across a resume
     summary = summarize_log(log_history)
     summary.update(recipe=str(recipe_path), overrides=list(overrides), seconds=round(time.time() - started, 1))
@@ -256,7 +282,6 @@ def run_train(
     print(f"  final model:  {final}/" + ("" if final.exists() else " (not written)"))
     print(f"  recipe:       {output_dir / 'recipe.yaml'}")
     print(f"  summary:      {output_dir / 'run_summary.json'}")
-    return 0
 
 
 def _disk_full_message(output_dir: Path, error: BaseException, command: str) -> str:
