@@ -161,3 +161,5 @@ def test_early_stop_zeroes_an_off_policy_microbatch(tmp_path):
     grads = [p.grad for p in trainer.model.parameters() if p.requires_grad]
     assert all(g is not None and g.abs().sum() == 0 for g in grads), "zeroed, but still part of the graph (DDP)"
     assert trainer._metrics["train"]["prorl/importance_ratio"][-1] == pytest.approx(math.exp(3.0), rel=1e-4)
+    trainer.log({"loss": 0.0})  # the count is logged under DESIGN.md's name, then starts again
+    assert trainer.prorl_log_history[-1]["prorl/early_stopped_microbatches"] == 1 and trainer._early_stopped == 0

@@ -745,7 +745,7 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         """TRL's log plus the `prorl/*` keys; every entry is also kept in `prorl_log_history` (whole run)."""
         self._add_prorl_keys(logs)
         if self.args.early_stop_importance_ratio is not None and self.model.training:
-            logs["prorl/early_stopped"] = self._early_stopped
+            logs["prorl/early_stopped_microbatches"] = self._early_stopped
             self._early_stopped = 0
         super().log(logs, start_time)
         self._keep_last_log_entry()
