@@ -3,8 +3,9 @@
 Real PEFT adapters on the tiny model, lora_B perturbed (a fresh adapter's B is zero and would hide any error): the
 fused projections equal calling the modules (float32: to 1e-6; bf16 base + PEFT's float32 adapters: within one bf16
 ulp, mostly identical), for q,k targets, all linear layers, and ranks and scalings that differ inside a group; layers
-the path cannot reproduce (DoRA, several active adapters, merged, disabled) are called as modules. `decode_logits`
-fused equals unfused and traces without a graph break. About 10 s on 2 cores.
+the path cannot reproduce (DoRA, several active adapters, merged, disabled) are called as modules. The same with the
+products as `lora_gemm` GEMMs. `decode_logits` fused (reductions or GEMMs) equals unfused and traces without a graph
+break. About 15 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from prorl_trl.rollout import lora_decode
+from prorl_trl.rollout import lora_decode, lora_gemm
 from prorl_trl.rollout.decoder import decode_logits, decoder_parts
 from prorl_trl.tiny import build_tiny
 
@@ -50,8 +51,11 @@ def bf16_ulp(values: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("products", ["reductions", "gemm"])
 @torch.no_grad()
-def test_fused_projections_equal_peft_modules(case, dtype):
+def test_fused_projections_equal_peft_modules(case, dtype, products, monkeypatch):
+    """`products="gemm"`: the `lora_gemm` path (on CPU its torch reference; the kernel is tested in test_lora_gemm)."""
+    monkeypatch.setattr(lora_gemm, "MIN_ROWS", 1 if products == "gemm" else None)
     model = adapted_model(dtype, **CASES[case])
     generator = torch.Generator().manual_seed(1)
     fused = identical = compared = 0
@@ -129,3 +133,12 @@ def test_decode_logits_fused_equals_unfused_and_traces_whole(monkeypatch):
     monkeypatch.setattr(lora_decode, "FUSE_LORA", True)
     explanation = torch._dynamo.explain(step)()
     assert explanation.graph_break_count == 0, explanation.break_reasons
+    monkeypatch.setattr(lora_gemm, "MIN_ROWS", batch)  # the GEMM path (its torch reference on CPU): same logits
+    by_gemm = step()
+    assert not torch.equal(by_gemm[0], fused[0])
+    for ours, reference in zip(by_gemm, unfused, strict=True):
+        torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+    explanation = torch._dynamo.explain(step)()
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    monkeypatch.setattr(lora_gemm, "MIN_ROWS", batch + 1)  # fewer rows than the switch asks for: the reductions
+    assert torch.equal(step()[0], fused[0])

@@ -22,7 +22,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from prorl_trl.rollout import lora_decode
+from prorl_trl.rollout import lora_decode, lora_gemm
 from prorl_trl.rollout.decode_attention import gqa_decode_attention_reference, triton_available
 from prorl_trl.rollout.engine import RolloutEngine, resolved_generation_config, unsupported_reason
 from prorl_trl.rollout.sampler import (
@@ -323,7 +323,7 @@ def test_same_seed_same_tokens(tiny):
 
 def test_recapture_decisions(tiny, monkeypatch):
     """What would make a new CUDA graph (computed on CPU too): shapes and static settings, new parameter storage,
-    LoRA state (including what the fused LoRA path reads), the fused-LoRA switch; not in-place optimizer steps,
+    LoRA state (including what the fused LoRA path reads), the A/B switches; not in-place optimizer steps,
     temperature/top_p values or new prompts of the same width budget."""
     from peft import LoraConfig, get_peft_model
 
@@ -359,6 +359,8 @@ def test_recapture_decisions(tiny, monkeypatch):
     query.cast_input_dtype_enabled = True
     monkeypatch.setattr(lora_decode, "FUSE_LORA", False)
     assert any(r.startswith("fuse_lora") for r in reasons(base))
+    monkeypatch.setattr(lora_gemm, "MIN_ROWS", 1)
+    assert any(r.startswith("lora_gemm_rows None -> 1") for r in reasons(base))
     model.delete_adapter("default")
     model.add_adapter("default", LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
     model.set_adapter("default")

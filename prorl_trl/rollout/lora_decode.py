@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import lora_gemm
 from .fused_weights import FusedLinear
 
 FUSE_LORA = True  # False: every projection is called as a module (tests, A/B benchmarks); read when a step is traced
@@ -85,8 +86,11 @@ def _adapted(x: torch.Tensor, factors: Sequence[LoraFactors], bases: Sequence[to
     concatenated A weights, then per module the B product, one reduction with the scaling, the base output's addition
     and the cast fused. (Laid out weight-major instead, `(weight rows, batch rows)`, inductor's kernels were slower:
     2.02 -> 2.09 ms a step at 32 x 4,096 and 4.47 -> 5.73 at 64 x 6,144 with r64 all-linear on an H100,
-    benchmarks/results/rollout_engine.md.)"""
-    rows = x.reshape(-1, x.shape[-1]).to(factors[0].down.dtype)
+    benchmarks/results/rollout_engine.md.) Where `lora_gemm.applies`, the products are its GEMMs instead."""
+    flat = x.reshape(-1, x.shape[-1])
+    if lora_gemm.applies(flat, [weight for factor in factors for weight in (factor.down, factor.up)]):
+        return _adapted_by_gemm(flat, factors, bases)
+    rows = flat.to(factors[0].down.dtype)
     down = torch.cat([factor.down for factor in factors])  # (sum of ranks, in_features): fused into the loads
     reduced = (rows[:, None, :] * down).sum(-1)  # every lora_A(x), side by side
     outputs, offset = [], 0
@@ -95,6 +99,24 @@ def _adapted(x: torch.Tensor, factors: Sequence[LoraFactors], bases: Sequence[to
         delta = (reduced[:, None, offset : offset + rank] * factor.up).sum(-1) * factor.scaling  # lora_B(.) * scaling
         offset += rank
         outputs.append((base + delta.view(base.shape)).to(base.dtype))  # added in the promoted dtype, as PEFT does
+    return outputs
+
+
+def _adapted_by_gemm(
+    rows: torch.Tensor, factors: Sequence[LoraFactors], bases: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """`_adapted`'s function as `lora_gemm.lora_product` calls on `rows` (the input, `(rows, features)`): one A product
+    over the concatenated A weights (the cast to float32 inside it), then per module the B product with the scaling,
+    the base output's addition and the cast fused."""
+    down = torch.cat([factor.down for factor in factors]) if len(factors) > 1 else factors[0].down
+    reduced = lora_gemm.lora_product(rows, down)  # every lora_A(x), side by side, float32
+    outputs, offset = [], 0
+    for factor, base in zip(factors, bases, strict=True):
+        rank = factor.down.shape[0]
+        flat = base.reshape(-1, base.shape[-1])
+        adapted = lora_gemm.lora_product(reduced[:, offset : offset + rank], factor.up, flat, factor.scaling)
+        offset += rank
+        outputs.append(adapted.view(base.shape))
     return outputs
 
 

@@ -1,0 +1,101 @@
+"""Triton kernel of `lora_gemm.lora_product` (imported only where Triton is installed).
+
+`out = epilogue(x @ weight.T)` for a few rows `x (M, K)` against a float32 LoRA factor `weight (N, K)`, tiled like a
+GEMM: a program computes a `(BLOCK_M, BLOCK_N)` tile of the output from a `BLOCK_K`-wide slice of `K` at a time, so
+each weight element is read once per launch (per row tile) instead of once per row, as inductor's reductions do. Where
+`K` is long and `N` short (the A product of `down_proj`), programs also split `K`; each writes its partial tile and the
+last split of a tile to arrive (an arrival counter, acquire-release after a barrier, as `decode_attention_triton`)
+sums the partials in split order, so the result does not depend on which program finishes last. The products are
+IEEE float32 (no TF32), as PEFT's float32 adapters compute them; only the summation order differs.
+
+The epilogue is PEFT's: `acc * scaling`, then `base + that` in float32 and a cast to `base`'s dtype (the A product:
+scaling 1, no base, float32 out).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _finish(acc, Base, Out, rows, cols, M, N, stride_bm, stride_bn, scaling, HAS_BASE: tl.constexpr):
+    inside = (rows < M)[:, None] & (cols < N)[None, :]
+    out = acc * scaling
+    if HAS_BASE:
+        base = tl.load(Base + rows[:, None] * stride_bm + cols[None, :] * stride_bn, mask=inside, other=0.0)
+        out = base.to(tl.float32) + out
+    tl.store(Out + rows[:, None] * N + cols[None, :], out.to(Out.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _product_kernel(
+    X, W, Base, Partial, Arrivals, Out,
+    M, N, stride_xm, stride_wn, stride_bm, stride_bn, scaling,
+    K: tl.constexpr, SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BASE: tl.constexpr,
+):
+    tile_m = tl.program_id(0)
+    tile_n = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offsets = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for step in range(0, SPLIT, BLOCK_K):
+        ks = split * SPLIT + step + offsets
+        live = ks < K
+        x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=(rows < M)[:, None] & live[None, :], other=0.0)
+        w = tl.load(W + cols[:, None] * stride_wn + ks[None, :], mask=(cols < N)[:, None] & live[None, :], other=0.0)
+        acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+    if NUM_SPLITS == 1:
+        _finish(acc, Base, Out, rows, cols, M, N, stride_bm, stride_bn, scaling, HAS_BASE)
+    else:
+        tile = tile_m * tl.num_programs(1) + tile_n
+        local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(Partial + (tile * NUM_SPLITS + split) * BLOCK_M * BLOCK_N + local, acc)
+        tl.debug_barrier()  # every thread's stores precede the release below
+        arrived = tl.atomic_add(Arrivals + tile, 1, sem="acq_rel")
+        if arrived == NUM_SPLITS - 1:  # the last split of this tile: the others' partials are written
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for other in range(NUM_SPLITS):  # in split order, whoever arrives last
+                partial = Partial + (tile * NUM_SPLITS + other) * BLOCK_M * BLOCK_N + local
+                total += tl.load(partial, cache_modifier=".cg")  # past L1: other SMs wrote it during this launch
+            _finish(total, Base, Out, rows, cols, M, N, stride_bm, stride_bn, scaling, HAS_BASE)
+            tl.atomic_xchg(Arrivals + tile, 0)  # ready for the next launch (or graph replay)
+
+
+_ARRIVALS: dict[tuple[str, int], torch.Tensor] = {}  # per (device, tiles): zero between launches
+
+
+def _arrivals(device: torch.device, count: int) -> torch.Tensor:
+    """Arrival counters, allocated once per device and size; a launch leaves them at 0 (graph replays need no memset).
+    Launches on one stream run one after another, so call sites can share them."""
+    key = (str(device), count)
+    if key not in _ARRIVALS:
+        _ARRIVALS[key] = torch.zeros(count, dtype=torch.int32, device=device)
+    return _ARRIVALS[key]
+
+
+def launch_lora_product(
+    x: torch.Tensor, weight: torch.Tensor, base: torch.Tensor | None, scaling: float, layout: tuple[int, int, int, int]
+) -> torch.Tensor:
+    """`x (M, K)` (unit stride along K) times `weight (N, K)` float32 (unit stride along K), PEFT's epilogue with
+    `base (M, N)`; `layout` is `(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT)` from `lora_gemm.tile_layout`."""
+    rows, depth = x.shape
+    outputs = weight.shape[0]
+    block_m, block_n, block_k, split = layout
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(outputs, block_n), triton.cdiv(depth, split))
+    tiles = grid[0] * grid[1]
+    out = torch.empty(rows, outputs, dtype=torch.float32 if base is None else base.dtype, device=x.device)
+    partial_size = tiles * grid[2] * block_m * block_n if grid[2] > 1 else 1
+    partial = torch.empty(partial_size, dtype=torch.float32, device=x.device)
+    _product_kernel[grid](
+        x, weight, out if base is None else base, partial, _arrivals(x.device, tiles), out,
+        rows, outputs, x.stride(0), weight.stride(0),
+        0 if base is None else base.stride(0), 0 if base is None else base.stride(1), scaling,
+        K=depth, SPLIT=split, NUM_SPLITS=grid[2], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BASE=base is not None, num_warps=4,
+    )  # fmt: skip
+    return out
