@@ -69,9 +69,15 @@ def train_then_generate(engine, model, tokenizer, params, lr: float, before: tor
     return updated
 
 
-def test_graphs_follow_weights_like_generate(lora_model):
+@pytest.mark.parametrize("products", ["reductions", "gemm"])
+def test_graphs_follow_weights_like_generate(lora_model, products, monkeypatch):
     """Greedy tokens equal `generate` (float32) after capture, after in-place AdamW steps (no recapture), after a
-    `.data` swap and a merge (recaptured), and each change changed the output (else the test proves nothing)."""
+    `.data` swap and a merge (recaptured), and each change changed the output (else the test proves nothing). With
+    `products="gemm"` the LoRA products run as `lora_gemm` kernels (its concatenated A weights are rebuilt from the
+    live storage on every replay)."""
+    from prorl_trl.rollout import lora_gemm
+
+    monkeypatch.setattr(lora_gemm, "MIN_ROWS", 1 if products == "gemm" else None)
     model, tokenizer = lora_model
     input_ids, mask = inputs(tokenizer.pad_token_id)
     config = greedy_config(tokenizer)
@@ -109,23 +115,6 @@ def test_graphs_follow_full_fine_tuning_of_fused_weights():
     assert all(f is not None and f.holds() for f in parts.fused_qkv + parts.fused_gate_up)
     assert torch.equal(before, reference(model, input_ids, mask, config))
     train_then_generate(engine, model, tokenizer, list(model.parameters()), 0.05, before)
-
-
-def test_lora_gemm_path_follows_weights_like_generate(lora_model, monkeypatch):
-    """With the LoRA products as `lora_gemm` kernels (switched on for every row count): greedy tokens equal
-    `generate` (float32), and in-place AdamW steps reach the graph without a recapture (the concatenated A weights
-    are rebuilt from the live storage on every replay)."""
-    from prorl_trl.rollout import lora_gemm
-
-    monkeypatch.setattr(lora_gemm, "MIN_ROWS", 1)
-    model, tokenizer = lora_model
-    input_ids, mask = inputs(tokenizer.pad_token_id)
-    config = greedy_config(tokenizer)
-    engine = RolloutEngine(steps_per_graph=8)
-    before = engine.generate(model, input_ids, mask, config).tokens
-    assert engine.stats.captures == 1 and engine.stats.compile_error is None, engine.stats
-    assert torch.equal(before, reference(model, input_ids, mask, config))
-    train_then_generate(engine, model, tokenizer, [p for p in model.parameters() if p.requires_grad], 0.5, before)
 
 
 def test_same_seed_same_tokens_with_and_without_graphs(lora_model):
