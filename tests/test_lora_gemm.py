@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from prorl_trl.rollout.decode_attention import triton_available
-from prorl_trl.rollout.lora_gemm import TARGET_PROGRAMS, lora_product_reference, tile_layout
+from prorl_trl.rollout.lora_gemm import MIN_SLICES_PER_SPLIT, TARGET_PROGRAMS, lora_product_reference, tile_layout
 
 # (rows, outputs, depth): the seed's reset-4 products at 64 rows with r64 on all linear layers of Qwen2-0.5B (A of
 # q/k/v together, A of down_proj, B of gate_proj), the Initial phase's q,k at 32 rows, and ragged ones
@@ -27,14 +27,16 @@ SHAPES = [(64, 192, 896), (64, 64, 4864), (64, 4864, 64), (32, 64, 896), (32, 89
 def test_tile_layout_covers_k_without_empty_splits(shape):
     rows, outputs, depth = shape
     block_m, block_n, block_k, split = tile_layout(rows, outputs, depth)
-    assert block_m in (16, 32, 64) and block_m >= min(rows, 64) and block_k in (16, 32, 64) and block_n == 32
+    assert block_m in (16, 32, 64) and block_m >= min(rows, 64) and block_k in (16, 32, 64) and block_n >= 16
     assert split % block_k == 0
     splits = math.ceil(depth / split)
     assert (splits - 1) * split < depth <= splits * split  # every split has columns to sum
     tiles = math.ceil(rows / block_m) * math.ceil(outputs / block_n)
     assert splits == 1 or tiles * splits <= 2 * TARGET_PROGRAMS  # split only up to about the target
-    if depth > block_k and tiles < TARGET_PROGRAMS // 4:
+    if depth > block_k * MIN_SLICES_PER_SPLIT and tiles < TARGET_PROGRAMS // 4:
         assert splits > 1, "few tiles and a long K: K must be split for enough programs"
+    if depth >= block_k * MIN_SLICES_PER_SPLIT:
+        assert split >= block_k * MIN_SLICES_PER_SPLIT, "thin splits make the merge the long pole"
 
 
 def test_reference_is_pefts_function():

@@ -21,7 +21,12 @@ import torch
 from .decode_attention import triton_available
 
 MIN_ROWS: int | None = None  # products of at least this many rows go to the kernel; None: never
-TARGET_PROGRAMS = 264  # programs per launch that splitting K aims at (2 per H100/H200 SM)
+# Tiling (not yet tuned on a GPU: benchmarks/lora_gemm_kernel.py sweeps these): outputs per tile, programs per launch
+# that splitting K aims at (2 per H100/H200 SM), and the fewest 64-wide K slices a split sums (the last split to
+# arrive reads every split's partial tile, so many thin splits make its merge the long pole).
+BLOCK_N = 32
+TARGET_PROGRAMS = 264
+MIN_SLICES_PER_SPLIT = 2
 
 
 def applies(rows: torch.Tensor, weights: list[torch.Tensor]) -> bool:
@@ -41,15 +46,15 @@ def _power_of_two(value: int, low: int, high: int) -> int:
 
 
 def tile_layout(rows: int, outputs: int, depth: int) -> tuple[int, int, int, int]:
-    """`(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT)`: row tiles up to 64, 32 outputs a tile, K in 64-wide slices, and K split
-    (SPLIT columns a program, a multiple of BLOCK_K) until there are about `TARGET_PROGRAMS` programs."""
+    """`(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT)`: row tiles up to 64, `BLOCK_N` outputs a tile, K in slices up to 64 wide,
+    and K split (SPLIT columns a program, a multiple of BLOCK_K, at least `MIN_SLICES_PER_SPLIT` slices where K has
+    them) until there are about `TARGET_PROGRAMS` programs."""
     block_m = _power_of_two(rows, 16, 64)
-    block_n = 32
     block_k = _power_of_two(depth, 16, 64)
-    tiles = math.ceil(rows / block_m) * math.ceil(outputs / block_n)
+    tiles = math.ceil(rows / block_m) * math.ceil(outputs / BLOCK_N)
     slices = math.ceil(depth / block_k)
-    splits = min(slices, max(1, math.ceil(TARGET_PROGRAMS / tiles)))
-    return block_m, block_n, block_k, math.ceil(slices / splits) * block_k
+    splits = min(max(1, slices // MIN_SLICES_PER_SPLIT), max(1, math.ceil(TARGET_PROGRAMS / tiles)))
+    return block_m, BLOCK_N, block_k, math.ceil(slices / splits) * block_k
 
 
 def lora_product_reference(
