@@ -26,6 +26,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _graph_timing import replay_microseconds  # noqa: E402
 
 from prorl_trl.rollout import lora_decode, lora_gemm  # noqa: E402
 from prorl_trl.rollout.lora_decode import LoraFactors  # noqa: E402
@@ -110,14 +113,7 @@ def time_path(function, groups: list[tuple], replays: int, graphs: bool) -> tupl
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outputs = compiled(groups)
-    graph.replay()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return 1000 * begin.elapsed_time(end) / replays, [output.clone() for output in outputs]
+    return replay_microseconds(graph, replays), [output.clone() for output in outputs]
 
 
 def max_difference(outputs: list[torch.Tensor], reference: list[torch.Tensor]) -> float:

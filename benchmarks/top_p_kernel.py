@@ -13,10 +13,16 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
+from pathlib import Path
 
 import torch
 
-from prorl_trl.rollout import top_p_triton
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _graph_timing import replay_microseconds  # noqa: E402
+
+from prorl_trl.rollout import top_p_triton  # noqa: E402
 
 
 def probabilities(rows: int, vocab: int, sharpness: float, device: torch.device) -> torch.Tensor:
@@ -32,15 +38,9 @@ def time_config(probs: torch.Tensor, top_p: torch.Tensor, splits: int, replays: 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = top_p_triton.launch_top_p_threshold(probs, top_p, splits=splits)
-    graph.replay()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
+    micros = replay_microseconds(graph, replays)
     assert torch.equal(captured, tau)
-    return 1000 * begin.elapsed_time(end) / replays, tau
+    return micros, tau
 
 
 def main() -> None:
