@@ -14,8 +14,8 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from prorl_trl.rollout import lora_decode, lora_gemm
-from prorl_trl.rollout.decoder import decode_logits, decoder_parts
+from prorl_trl.rollout import fused_mlp, lora_decode, lora_gemm
+from prorl_trl.rollout.decoder import decode_logits, decoder_parts, refresh_fusions
 from prorl_trl.tiny import build_tiny
 
 CASES = {
@@ -84,6 +84,33 @@ def test_fused_projections_equal_peft_modules(case, dtype, products, monkeypatch
         assert identical >= 0.9 * compared, f"{identical}/{compared} outputs identical"
 
 
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@torch.no_grad()
+def test_fused_gated_activation_equals_the_mlp(case, dtype, monkeypatch):
+    """`fused_mlp.FUSED_MLP` (on CPU its torch reference; the kernel is tested in test_fused_mlp): the MLP through
+    `gated_mlp` equals calling it, with and without LoRA on gate/up (ranks differing inside the group)."""
+    monkeypatch.setattr(fused_mlp, "FUSED_MLP", True)
+    model = adapted_model(dtype, **CASES[case])
+    parts = decoder_parts(model)
+    refresh_fusions(parts)
+    generator = torch.Generator().manual_seed(3)
+    for layer, fused in zip(parts.layers, parts.fused_gate_up, strict=True):
+        x = torch.randn(5, 1, layer.mlp.gate_proj.in_features, generator=generator).to(dtype)
+        assert lora_decode._fused_gated_activation(layer.mlp, x, fused) is not None  # the fused path is taken
+        ours, reference = lora_decode.gated_mlp(layer.mlp, x, fused), layer.mlp(x)
+        assert ours.dtype == reference.dtype and ours.shape == reference.shape
+        if dtype == torch.float32:
+            torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+        else:  # bf16 roundings of gate, up and their product: a few ulps after down_proj
+            torch.testing.assert_close(ours.float(), reference.float(), atol=0.05, rtol=0.02)
+    mlp = parts.layers[0].mlp
+    x = torch.randn(3, 1, mlp.gate_proj.in_features, generator=generator).to(dtype)
+    mlp.act_fn = torch.nn.GELU()  # not SiLU: the projections run as before, the MLP's function kept
+    assert lora_decode._fused_gated_activation(mlp, x, parts.fused_gate_up[0]) is None
+    torch.testing.assert_close(lora_decode.gated_mlp(mlp, x, parts.fused_gate_up[0]), mlp(x), atol=1e-5, rtol=1e-5)
+
+
 @torch.no_grad()
 def test_layers_the_path_cannot_reproduce_are_called_as_modules():
     """DoRA, two active adapters, merged or disabled adapters: `lora_factors` declines and `project` returns exactly
@@ -124,21 +151,24 @@ def test_decode_logits_fused_equals_unfused_and_traces_whole(monkeypatch):
         keys, values = [cache[0].clone() for cache in caches], [cache[1].clone() for cache in caches]
         return decode_logits(parts, tokens, start, write_index, keys, values), keys, values
 
+    def same_step_another_way(switched, reference):
+        """The step with a switch flipped: other kernels (not bit-identical: the switch took effect), same values,
+        and still one graph for the compiler."""
+        for ours, expected in zip(switched, reference, strict=True):
+            torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+        assert not torch.equal(switched[0], fused[0])
+        explanation = torch._dynamo.explain(step)()
+        assert explanation.graph_break_count == 0, explanation.break_reasons
+
     fused = step()
     monkeypatch.setattr(lora_decode, "FUSE_LORA", False)
     unfused = step()
-    assert not torch.equal(fused[0], unfused[0])  # different kernels, so not bit-identical: the switch took effect
-    for ours, reference in zip(fused, unfused, strict=True):
-        torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
     monkeypatch.setattr(lora_decode, "FUSE_LORA", True)
-    explanation = torch._dynamo.explain(step)()
-    assert explanation.graph_break_count == 0, explanation.break_reasons
-    monkeypatch.setattr(lora_gemm, "MIN_ROWS", batch)  # the GEMM path (its torch reference on CPU): same logits
-    by_gemm = step()
-    assert not torch.equal(by_gemm[0], fused[0])
-    for ours, reference in zip(by_gemm, unfused, strict=True):
-        torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
-    explanation = torch._dynamo.explain(step)()
-    assert explanation.graph_break_count == 0, explanation.break_reasons
+    same_step_another_way(unfused, fused)
+    monkeypatch.setattr(lora_gemm, "MIN_ROWS", batch)  # the GEMM path (its torch reference on CPU)
+    same_step_another_way(step(), unfused)
     monkeypatch.setattr(lora_gemm, "MIN_ROWS", batch + 1)  # fewer rows than the switch asks for: the reductions
     assert torch.equal(step()[0], fused[0])
+    monkeypatch.setattr(fused_mlp, "FUSED_MLP", True)  # the MLP's first half as one function (reference on CPU)
+    refresh_fusions(parts)
+    same_step_another_way(step(), unfused)

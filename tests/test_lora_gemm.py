@@ -10,7 +10,6 @@ test_rollout_engine_gpu (graphs).
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -87,13 +86,9 @@ def check_kernel(device: str) -> None:
 
 @pytest.mark.skipif(not triton_available(), reason="Triton not installed (CPU torch); runs on the GPU machine")
 def test_kernel_matches_reference_in_triton_interpreter():
-    from test_rollout_engine import interpreter_runs_runtime_loops, run_in_triton_interpreter
+    from test_rollout_engine import run_check_in_triton_interpreter
 
-    if not interpreter_runs_runtime_loops():
-        pytest.skip("Triton's interpreter fails on run-time loop bounds with numpy >= 2.4")
-    tests = str(Path(__file__).resolve().parent)
-    run_in_triton_interpreter(f"import sys; sys.path.insert(0, {tests!r})\n"
-                              "from test_lora_gemm import check_kernel; check_kernel('cpu'); print('ok')")
+    run_check_in_triton_interpreter("test_lora_gemm", "check_kernel('cpu')")
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and triton_available()), reason="needs CUDA and Triton")

@@ -22,7 +22,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from prorl_trl.rollout import lora_decode, lora_gemm
+from prorl_trl.rollout import fused_mlp, lora_decode, lora_gemm
 from prorl_trl.rollout.decode_attention import gqa_decode_attention_reference, triton_available
 from prorl_trl.rollout.engine import RolloutEngine, resolved_generation_config, unsupported_reason
 from prorl_trl.rollout.sampler import (
@@ -361,6 +361,8 @@ def test_recapture_decisions(tiny, monkeypatch):
     assert any(r.startswith("fuse_lora") for r in reasons(base))
     monkeypatch.setattr(lora_gemm, "MIN_ROWS", 1)
     assert any(r.startswith("lora_gemm_rows None -> 1") for r in reasons(base))
+    monkeypatch.setattr(fused_mlp, "FUSED_MLP", True)
+    assert any(r.startswith("fused_mlp False -> True") for r in reasons(base))
     model.delete_adapter("default")
     model.add_adapter("default", LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
     model.set_adapter("default")
@@ -375,6 +377,18 @@ def run_in_triton_interpreter(code: str) -> None:
     env = dict(__import__("os").environ, TRITON_INTERPRET="1")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
+
+
+def run_check_in_triton_interpreter(module: str, call: str) -> None:
+    """`from <module> import *; <call>` (a kernel check in tests/) under Triton's CPU interpreter; skips where numpy
+    is too new for it."""
+    from pathlib import Path
+
+    if not interpreter_runs_runtime_loops():
+        pytest.skip("Triton's interpreter fails on run-time loop bounds with numpy >= 2.4")
+    tests = str(Path(__file__).resolve().parent)
+    code = f"import sys, torch; sys.path.insert(0, {tests!r})\nfrom {module} import *\n{call}\nprint('ok')"
+    run_in_triton_interpreter(code)
 
 
 def interpreter_runs_runtime_loops() -> bool:

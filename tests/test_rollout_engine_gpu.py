@@ -69,15 +69,16 @@ def train_then_generate(engine, model, tokenizer, params, lr: float, before: tor
     return updated
 
 
-@pytest.mark.parametrize("products", ["reductions", "gemm"])
+@pytest.mark.parametrize("products", ["reductions", "gemm", "fused_mlp"])
 def test_graphs_follow_weights_like_generate(lora_model, products, monkeypatch):
     """Greedy tokens equal `generate` (float32) after capture, after in-place AdamW steps (no recapture), after a
     `.data` swap and a merge (recaptured), and each change changed the output (else the test proves nothing). With
     `products="gemm"` the LoRA products run as `lora_gemm` kernels (its concatenated A weights are rebuilt from the
-    live storage on every replay)."""
-    from prorl_trl.rollout import lora_gemm
+    live storage on every replay); with "fused_mlp" the MLP's first half (up_proj adapted) is `fused_mlp`'s kernel."""
+    from prorl_trl.rollout import fused_mlp, lora_gemm
 
     monkeypatch.setattr(lora_gemm, "MIN_ROWS", 1 if products == "gemm" else None)
+    monkeypatch.setattr(fused_mlp, "FUSED_MLP", products == "fused_mlp")
     model, tokenizer = lora_model
     input_ids, mask = inputs(tokenizer.pad_token_id)
     config = greedy_config(tokenizer)

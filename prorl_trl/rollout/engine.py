@@ -11,16 +11,16 @@ sync per token around a ~0.5 ms graph; ../shared/notes/rollout-engine.md). Here 
 It returns what `generate` returns after the prompt: `(batch, n)` tokens, the pad token after each row's EOS, `n` the
 longest completion (so at most the cap).
 
-What makes a new capture (`capture_reasons`, logged with its time): the batch size, cache length (prompt budget +
-cap), the sampler's static layout, the autocast dtype, the A/B switches (`lora_decode.FUSE_LORA`,
-`fused_weights.FUSE_BASE`, `lora_gemm.MIN_ROWS`), the model's parameter storage (data pointers, shapes, dtypes: a LoRA
+What makes a new capture (`capture_reasons`, logged with its time): the batch size, cache length (prompt budget + cap),
+the sampler's static layout, the autocast dtype, the A/B switches (`lora_decode.FUSE_LORA`, `fused_weights.FUSE_BASE`,
+`lora_gemm.MIN_ROWS`, `fused_mlp.FUSED_MLP`), the model's parameter storage (data pointers, shapes, dtypes: a LoRA
 rank/target change, `.data` swaps; the first call re-points q/k/v and gate/up into one allocation each,
 `decoder.refresh_fusions`) or LoRA state (merged, disabled, active adapter, scaling, variant, dropout, input casting),
 and the KV buffers' address: they are freed after every generation (so training gets the memory back, as with
-`generate`), and when the allocator hands them back elsewhere the graph is recaptured (no recompilation; how often
-that happens inside the trainer is not measured yet). Optimizer
-steps update parameters in place: the graph reads the live storage, no recapture. Values that change between calls (temperature, top_p, min_p, min_new_tokens, the seed, the prompts and
-their padding) are copied into tensors the graph reads.
+`generate`), and when the allocator hands them back elsewhere the graph is recaptured (no recompilation; how often that
+happens inside the trainer is not measured yet). Optimizer steps update parameters in place: the graph reads the live
+storage, no recapture. Values that change between calls (temperature, top_p, min_p, min_new_tokens, the seed, the
+prompts and their padding) are copied into tensors the graph reads.
 
 Off CUDA (or with `cuda_graphs=False`) the same step function runs eagerly, chunk by chunk: that is what the CPU
 tests exercise. Dropout active in train mode is refused (generation would apply it); with every dropout at 0 the loop
@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import fused_weights, lora_decode, lora_gemm
+from . import fused_mlp, fused_weights, lora_decode, lora_gemm
 from .compiled import raise_recompile_limit
 from .decoder import (
     DecoderParts, UnsupportedModel, decode_logits, decoder_parts, generation_target, prefill, refresh_fusions,
@@ -162,6 +162,7 @@ class CaptureKey:
     fuse_lora: bool  # lora_decode.FUSE_LORA when traced (A/B benchmarks flip it)
     fuse_base: bool  # fused_weights.FUSE_BASE, likewise
     lora_gemm_rows: int | None  # lora_gemm.MIN_ROWS, likewise
+    fused_mlp: bool  # fused_mlp.FUSED_MLP, likewise
 
 
 class CaptureRecord(NamedTuple):
@@ -408,6 +409,7 @@ class RolloutEngine:
             chunks=chunks, layout=settings.layout, kv_dtype=prompt_kv[0][0].dtype, autocast_dtype=autocast_dtype,
             model=id(parts.model), cuda_graphs=use_graphs, fuse_lora=lora_decode.FUSE_LORA,
             fuse_base=fused_weights.FUSE_BASE, lora_gemm_rows=lora_gemm.MIN_ROWS,
+            fused_mlp=fused_mlp.FUSED_MLP,
         )  # fmt: skip
         kv_shape = (2, len(parts.layers), batch, parts.num_kv_heads, key.cache_len, parts.head_dim)
         if self._kv is None or self._kv.shape != kv_shape or self._kv.dtype != key.kv_dtype:

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import lora_gemm
+from . import fused_mlp, lora_gemm
 from .fused_weights import FusedLinear
 
 FUSE_LORA = True  # False: every projection is called as a module (tests, A/B benchmarks); read when a step is traced
@@ -82,42 +82,37 @@ def base_linear(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def _adapted(x: torch.Tensor, factors: Sequence[LoraFactors], bases: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """PEFT's output for each module from its base output: the A products of all of them one reduction over their
-    concatenated A weights, then per module the B product, one reduction with the scaling, the base output's addition
-    and the cast fused. (Laid out weight-major instead, `(weight rows, batch rows)`, inductor's kernels were slower:
-    2.02 -> 2.09 ms a step at 32 x 4,096 and 4.47 -> 5.73 at 64 x 6,144 with r64 all-linear on an H100,
+    """PEFT's output for each module from its base output: the A products of all of them at once (`_lora_hidden`),
+    then per module the B product, one reduction with the scaling, the base output's addition and the cast fused.
+    (Laid out weight-major instead, `(weight rows, batch rows)`, inductor's kernels were slower: 2.02 -> 2.09 ms a
+    step at 32 x 4,096 and 4.47 -> 5.73 at 64 x 6,144 with r64 all-linear on an H100,
     benchmarks/results/rollout_engine.md.) Where `lora_gemm.applies`, the products are its GEMMs instead."""
     flat = x.reshape(-1, x.shape[-1])
-    if lora_gemm.applies(flat, [weight for factor in factors for weight in (factor.down, factor.up)]):
-        return _adapted_by_gemm(flat, factors, bases)
-    rows = flat.to(factors[0].down.dtype)
-    down = torch.cat([factor.down for factor in factors])  # (sum of ranks, in_features): fused into the loads
-    reduced = (rows[:, None, :] * down).sum(-1)  # every lora_A(x), side by side
+    by_gemm = lora_gemm.applies(flat, [weight for factor in factors for weight in (factor.down, factor.up)])
+    hidden = _lora_hidden(flat, factors, by_gemm)
     outputs, offset = [], 0
     for factor, base in zip(factors, bases, strict=True):
         rank = factor.down.shape[0]
-        delta = (reduced[:, None, offset : offset + rank] * factor.up).sum(-1) * factor.scaling  # lora_B(.) * scaling
+        part = hidden[:, offset : offset + rank]  # lora_A(x) of this module
         offset += rank
-        outputs.append((base + delta.view(base.shape)).to(base.dtype))  # added in the promoted dtype, as PEFT does
+        if by_gemm:  # B product, scaling, base addition and cast in one kernel
+            rows = base.reshape(-1, base.shape[-1])
+            outputs.append(lora_gemm.lora_product(part, factor.up, rows, factor.scaling).view(base.shape))
+        else:
+            delta = (part[:, None, :] * factor.up).sum(-1) * factor.scaling  # lora_B(.) * scaling
+            outputs.append((base + delta.view(base.shape)).to(base.dtype))  # added in the promoted dtype, as PEFT does
     return outputs
 
 
-def _adapted_by_gemm(
-    rows: torch.Tensor, factors: Sequence[LoraFactors], bases: Sequence[torch.Tensor]
-) -> list[torch.Tensor]:
-    """`_adapted`'s function as `lora_gemm.lora_product` calls on `rows` (the input, `(rows, features)`): one A product
-    over the concatenated A weights (the cast to float32 inside it), then per module the B product with the scaling,
-    the base output's addition and the cast fused."""
-    down = torch.cat([factor.down for factor in factors]) if len(factors) > 1 else factors[0].down
-    reduced = lora_gemm.lora_product(rows, down)  # every lora_A(x), side by side, float32
-    outputs, offset = [], 0
-    for factor, base in zip(factors, bases, strict=True):
-        rank = factor.down.shape[0]
-        flat = base.reshape(-1, base.shape[-1])
-        adapted = lora_gemm.lora_product(reduced[:, offset : offset + rank], factor.up, flat, factor.scaling)
-        offset += rank
-        outputs.append(adapted.view(base.shape))
-    return outputs
+def _lora_hidden(rows: torch.Tensor, factors: Sequence[LoraFactors], by_gemm: bool) -> torch.Tensor:
+    """Every `lora_A(x)` side by side, `(rows, sum of ranks)` in the adapters' dtype: one product over the
+    concatenated A weights (`by_gemm`: `lora_gemm.lora_product`, which casts the input itself; else a reduction, the
+    `torch.cat` fused into its loads)."""
+    if by_gemm:
+        down = torch.cat([factor.down for factor in factors]) if len(factors) > 1 else factors[0].down
+        return lora_gemm.lora_product(rows, down)
+    down = torch.cat([factor.down for factor in factors])  # (sum of ranks, in_features)
+    return (rows.to(factors[0].down.dtype)[:, None, :] * down).sum(-1)
 
 
 def project(
@@ -151,8 +146,41 @@ def project(
 
 def gated_mlp(mlp: torch.nn.Module, x: torch.Tensor, fused: FusedLinear | None = None) -> torch.Tensor:
     """The Llama/Qwen MLP's forward, `down(act(gate(x)) * up(x))`, with gate and up projected together (`fused`: their
-    base layers stored as one); an MLP without that layout is called as a module."""
+    base layers stored as one; with `fused_mlp.FUSED_MLP`, the whole first half one kernel where it applies); an MLP
+    without that layout is called as a module."""
     if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         return mlp(x)
-    gate, up = project(x, (mlp.gate_proj, mlp.up_proj), fused)
-    return project(mlp.act_fn(gate) * up, (mlp.down_proj,))[0]
+    activated = _fused_gated_activation(mlp, x, fused)
+    if activated is None:
+        gate, up = project(x, (mlp.gate_proj, mlp.up_proj), fused)
+        activated = mlp.act_fn(gate) * up
+    return project(activated, (mlp.down_proj,))[0]
+
+
+def _fused_gated_activation(mlp: torch.nn.Module, x: torch.Tensor, fused: FusedLinear | None) -> torch.Tensor | None:
+    """`act_fn(gate(x)) * up(x)` as `fused_mlp.gated_activation` where that is exactly this MLP's function (switched
+    on, SiLU, gate/up base weights stored as one without biases, each projection a plain `Linear` or a LoRA layer
+    `lora_factors` reproduces with float32 adapters); None otherwise (the caller runs the projections)."""
+    modules = (mlp.gate_proj, mlp.up_proj)
+    if not fused_mlp.FUSED_MLP or fused is None or fused.bias is not None or not fused_mlp.is_silu(mlp.act_fn):
+        return None
+    if fused.members != tuple(base_linear(module) for module in modules) or x.dtype != fused.weight.dtype:
+        return None
+    factors = [lora_factors(module, x) for module in modules]
+    for module, factor in zip(modules, factors, strict=True):
+        if factor is None and type(module) is not torch.nn.Linear:
+            return None  # a LoRA layer this path cannot reproduce: it is called as a module
+        if factor is not None and not (factor.down.dtype == factor.up.dtype == torch.float32):
+            return None
+    rows = x.reshape(-1, x.shape[-1])
+    adapted = [factor for factor in factors if factor is not None]
+    deltas: list[fused_mlp.LoraDelta | None] = [None, None]
+    if adapted:
+        hidden = _lora_hidden(rows, adapted, lora_gemm.applies(rows, [factor.down for factor in adapted]))
+        offset = 0
+        for index, factor in enumerate(factors):
+            if factor is not None:
+                rank = factor.down.shape[0]
+                deltas[index] = fused_mlp.LoraDelta(hidden[:, offset : offset + rank], factor.up, factor.scaling)
+                offset += rank
+    return fused_mlp.gated_activation(rows, fused.weight, *deltas).view(*x.shape[:-1], -1)

@@ -21,7 +21,7 @@ import torch
 from .decode_attention import triton_available
 
 MIN_ROWS: int | None = None  # products of at least this many rows go to the kernel; None: never
-# Tiling (not yet tuned on a GPU: benchmarks/lora_gemm_kernel.py sweeps these): outputs per tile, programs per launch
+# Tiling (not yet tuned on a GPU: benchmarks/decode_kernels.py sweeps these): outputs per tile, programs per launch
 # that splitting K aims at (2 per H100/H200 SM), and the fewest 64-wide K slices a split sums (the last split to
 # arrive reads every split's partial tile, so many thin splits make its merge the long pole).
 BLOCK_N = 32

@@ -1,0 +1,224 @@
+"""GPU time of one decoder layer's LoRA products and MLP as the rollout engine runs them, per kernel choice.
+
+Two tables for one layer of the Qwen2-0.5B architecture (hidden 896, 2 KV heads of 64, MLP 4,864), each path
+compiled as the engine compiles its step and replayed from a CUDA graph, bf16 weights and float32 adapters, at the
+Initial phase (32 rows, r32 on q,k) and the seed's reset-4 shape (64 rows, r64 on all linear layers):
+
+1. LoRA products (`prorl_trl.rollout.lora_decode`, groups that share an input: q/k/v, o, gate/up, down; bf16 base
+   outputs as views of one fused projection output, as the engine's are):
+     reductions  `lora_gemm.MIN_ROWS = None`: inductor's broadcast-multiply-and-sum reductions (the engine's default)
+     gemm        `lora_gemm.MIN_ROWS = 1`: the tiled Triton kernel, for each tiling in `--layouts`
+     cublas      the same products as float32 `torch.matmul` (inductor calls cuBLAS; no TF32)
+2. The whole MLP (`lora_decode.gated_mlp` on transformers' `Qwen2MLP` with PEFT's LoRA layers injected where the shape
+   adapts it, gate/up base weights fused as the engine fuses them):
+     unfused     the engine's default: one cuBLAS GEMM for gate/up, LoRA products, SiLU * up, down_proj
+     fused_mlp   `fused_mlp.FUSED_MLP`: gate/up GEMMs, their LoRA B products and SiLU * up as one Triton kernel
+   each also with `lora_gemm` where the MLP has adapters.
+Every path's outputs are checked against the first row's of its shape (float32 rounding apart). Prints the tables.
+
+    python benchmarks/decode_kernels.py                      # one GPU
+    python benchmarks/decode_kernels.py --layouts 32:264:2,64:264:2,32:132:1,32:528:4
+    python benchmarks/decode_kernels.py --smoke              # CPU, eager, no timing that means anything
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _graph_timing import replay_microseconds  # noqa: E402
+
+from prorl_trl.rollout import fused_mlp, lora_decode, lora_gemm  # noqa: E402
+from prorl_trl.rollout.fused_weights import fuse_linears  # noqa: E402
+from prorl_trl.rollout.lora_decode import LoraFactors, base_linear  # noqa: E402
+
+HIDDEN, KV_WIDTH, MLP = 896, 128, 4864  # Qwen2-0.5B: q 896, k/v 2 x 64, gate/up/down 4,864
+LAYERS = 24
+OUT_FEATURES = {"q": HIDDEN, "k": KV_WIDTH, "v": KV_WIDTH, "o": HIDDEN, "gate": MLP, "up": MLP, "down": HIDDEN}
+IN_FEATURES = {"q": HIDDEN, "k": HIDDEN, "v": HIDDEN, "o": HIDDEN, "gate": HIDDEN, "up": HIDDEN, "down": MLP}
+GROUPS = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))  # projections that share an input
+SHAPES = {  # name: (rows, rank, targets)
+    "initial 32 rows r32 q,k": (32, 32, ("q", "k")),
+    "reset-4 64 rows r64 all-linear": (64, 64, ("q", "k", "v", "o", "gate", "up", "down")),
+}
+
+
+def layer_inputs(rows: int, rank: int, targets: tuple[str, ...], device: torch.device) -> list[tuple]:
+    """Per group with adapters: (input, factors, base outputs), random, the bases views of one fused output."""
+    generator = torch.Generator(device="cpu").manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to(device)
+
+    groups = []
+    for names in GROUPS:
+        adapted = [name for name in names if name in targets]
+        if not adapted:
+            continue
+        x = randn(rows, 1, IN_FEATURES[names[0]]).to(torch.bfloat16)
+        factors = [LoraFactors(randn(rank, IN_FEATURES[n], scale=0.02), randn(OUT_FEATURES[n], rank, scale=0.02),
+                               2.0) for n in adapted]  # fmt: skip
+        fused = randn(rows, 1, sum(OUT_FEATURES[n] for n in adapted)).to(torch.bfloat16)
+        bases = list(fused.split([OUT_FEATURES[n] for n in adapted], dim=-1))
+        groups.append((x, factors, bases))
+    return groups
+
+
+def lora_products(groups: list[tuple]) -> list[torch.Tensor]:
+    """What the decode step runs for one layer's adapters (`lora_decode._adapted` per group)."""
+    return [out for x, factors, bases in groups for out in lora_decode._adapted(x, factors, bases)]
+
+
+def cublas_products(groups: list[tuple]) -> list[torch.Tensor]:
+    """The same function with float32 matmuls (cuBLAS under inductor)."""
+    outputs = []
+    for x, factors, bases in groups:
+        rows = x.reshape(-1, x.shape[-1]).float()
+        reduced = rows @ torch.cat([factor.down for factor in factors]).T
+        offset = 0
+        for factor, base in zip(factors, bases, strict=True):
+            rank = factor.down.shape[0]
+            delta = (reduced[:, offset : offset + rank] @ factor.up.T) * factor.scaling
+            offset += rank
+            outputs.append((base + delta.view(base.shape)).to(base.dtype))
+    return outputs
+
+
+def gated_mlp_layer(rows: int, rank: int, targets: tuple[str, ...], device: torch.device):
+    """transformers' `Qwen2MLP` in bf16 with PEFT LoRA layers (float32, B random) on its targeted projections, its
+    gate/up base weights fused as the engine fuses them, and an input; returns `(mlp, fused, x)`."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
+
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=HIDDEN, intermediate_size=MLP, hidden_act="silu")
+    mlp = Qwen2MLP(config).to(device=device, dtype=torch.bfloat16)
+    adapted = [f"{name}_proj" for name in ("gate", "up", "down") if name in targets]
+    if adapted:
+        mlp = inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=adapted), mlp)
+        for name, parameter in mlp.named_parameters():
+            if "lora_" in name:
+                parameter.data = parameter.data.float()  # PEFT's adapters on a 16-bit base are float32
+            if "lora_B" in name:
+                torch.nn.init.normal_(parameter, std=0.02)
+    fused = fuse_linears((base_linear(mlp.gate_proj), base_linear(mlp.up_proj)))
+    x = torch.randn(rows, 1, HIDDEN, device=device).to(torch.bfloat16)
+    return mlp.eval(), fused, x
+
+
+@contextlib.contextmanager
+def switches(min_rows: int | None, layout: tuple[int, int, int] | None, whole_mlp: bool = False):
+    saved = (lora_gemm.MIN_ROWS, lora_gemm.BLOCK_N, lora_gemm.TARGET_PROGRAMS, lora_gemm.MIN_SLICES_PER_SPLIT,
+             fused_mlp.FUSED_MLP)  # fmt: skip
+    lora_gemm.MIN_ROWS, fused_mlp.FUSED_MLP = min_rows, whole_mlp
+    if layout is not None:
+        lora_gemm.BLOCK_N, lora_gemm.TARGET_PROGRAMS, lora_gemm.MIN_SLICES_PER_SPLIT = layout
+    try:
+        yield
+    finally:
+        (lora_gemm.MIN_ROWS, lora_gemm.BLOCK_N, lora_gemm.TARGET_PROGRAMS, lora_gemm.MIN_SLICES_PER_SPLIT,
+         fused_mlp.FUSED_MLP) = saved  # fmt: skip
+
+
+def time_path(function, argument, replays: int, graphs: bool) -> tuple[float, list[torch.Tensor]]:
+    """Microseconds per `function(argument)` (CUDA graph replays on a GPU; wall clock, eager, on CPU), its outputs."""
+    if not graphs:
+        begin = time.perf_counter()
+        outputs = function(argument)
+        return 1e6 * (time.perf_counter() - begin), outputs
+    torch._dynamo.reset()  # switches are read when the function is traced
+    compiled = torch.compile(function, dynamic=False)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            compiled(argument)  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = compiled(argument)
+    return replay_microseconds(graph, replays), [output.clone() for output in outputs]
+
+
+def max_difference(outputs: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    return max(float((a.float() - b.float()).abs().max()) for a, b in zip(outputs, reference, strict=True))
+
+
+def parse_layouts(text: str) -> list[tuple[int, int, int]]:
+    layouts = []
+    for item in text.split(","):
+        parts = item.split(":")
+        if len(parts) != 3 or not all(part.isdigit() and int(part) > 0 for part in parts):
+            raise SystemExit(f"--layouts: {item!r} is not BLOCK_N:TARGET_PROGRAMS:MIN_SLICES_PER_SPLIT (e.g. 32:264:2)")
+        layouts.append(tuple(int(part) for part in parts))
+    return layouts
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layouts", default="32:264:2,64:264:2,32:132:1,32:528:4,16:264:2",
+                        help="Kernel tilings to time, BLOCK_N:TARGET_PROGRAMS:MIN_SLICES_PER_SPLIT, comma-separated.")
+    parser.add_argument("--replays", type=int, default=200, help="Graph replays per timing.")
+    parser.add_argument("--smoke", action="store_true", help="CPU, eager: checks that the script runs (no timings).")
+    args = parser.parse_args(argv)
+    layouts = parse_layouts(args.layouts)
+    graphs = not args.smoke
+    if graphs and not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU (or --smoke on CPU)")
+    device = torch.device("cuda" if graphs else "cpu")
+    name = torch.cuda.get_device_name() if graphs else "CPU (smoke)"
+    print(f"{name}, torch {torch.__version__}: one layer, x {LAYERS} layers for a decode step")
+    rows = []
+
+    def report(table: str, shape: str, path: str, layout: str, micros: float, outputs, reference) -> None:
+        difference = max_difference(outputs, reference)
+        rows.append(dict(table=table, shape=shape, path=path, layout=layout, us=micros, difference=difference))
+        print(f"| {shape} | {path} | {layout} | {micros:.1f} | {micros * LAYERS / 1000:.3f} | {difference:.1e} |")
+
+    header = ("| shape | path | BLOCK_N:TARGET:MIN_SLICES | us per layer | ms per step (x24) "
+              "| max abs diff vs first row |")
+    print("\n**LoRA products**\n\n" + header + "\n|---|---|---|---:|---:|---:|")
+    with torch.no_grad():
+        for shape, (batch, rank, targets) in SHAPES.items():
+            groups = layer_inputs(batch, rank, targets, device)
+            with switches(None, None):
+                micros, reference = time_path(lora_products, groups, args.replays, graphs)
+            report("lora", shape, "reductions", "-", micros, reference, reference)
+            micros, outputs = time_path(cublas_products, groups, args.replays, graphs)
+            report("lora", shape, "cublas", "-", micros, outputs, reference)
+            for layout in layouts:
+                with switches(1, layout):
+                    micros, outputs = time_path(lora_products, groups, args.replays, graphs)
+                report("lora", shape, "gemm", ":".join(map(str, layout)), micros, outputs, reference)
+
+        print("\n**The whole MLP** (`gated_mlp`)\n\n" + header + "\n|---|---|---|---:|---:|---:|")
+        for shape, (batch, rank, targets) in SHAPES.items():
+            mlp, fused, x = gated_mlp_layer(batch, rank, targets, device)
+
+            def whole(argument, mlp=mlp, fused=fused):
+                return [lora_decode.gated_mlp(mlp, argument, fused)]
+
+            adapted = any(name in targets for name in ("gate", "up", "down"))
+            reference = None
+            paths = (("unfused", None, False), ("unfused + lora_gemm", 1, False),
+                     ("fused_mlp", None, True), ("fused_mlp + lora_gemm", 1, True))  # fmt: skip
+            for path, min_rows, whole_mlp in paths:
+                if min_rows is not None and not adapted:
+                    continue  # no adapter in the MLP: lora_gemm changes nothing
+                with switches(min_rows, None, whole_mlp):
+                    micros, outputs = time_path(whole, x, args.replays, graphs)
+                reference = outputs if reference is None else reference
+                report("mlp", shape, path, "default" if min_rows else "-", micros, outputs, reference)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""`prorl_trl.rollout.fused_mlp`: the gated-MLP kernel against its torch reference.
+
+Under Triton's CPU interpreter where Triton is installed (float32 and float16: Triton 3.6's interpreter multiplies
+bf16 operands of `tl.dot` wrongly, so bf16 runs on CUDA only) and on CUDA: with LoRA on gate, up, both or neither,
+ranks below a block, strided inputs, rows over one tile, reproducible launches and graph replays. Where the path sits
+in the decode step: test_lora_decode (CPU) and test_rollout_engine_gpu (graphs).
+"""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from prorl_trl.rollout.decode_attention import triton_available
+from prorl_trl.rollout.fused_mlp import LoraDelta, gated_activation_reference, is_silu, tile_layout
+
+
+def test_reference_is_the_mlps_function():
+    """SiLU(gate) * up with PEFT's additions, from the fused gate/up weight: equal to the projections called apart."""
+    generator = torch.Generator().manual_seed(0)
+    gate_proj, up_proj = torch.nn.Linear(24, 10, bias=False), torch.nn.Linear(24, 10, bias=False)
+    x = torch.randn(4, 24, generator=generator)
+    hidden, lora_up = torch.randn(4, 3, generator=generator), torch.randn(10, 3, generator=generator)
+    with torch.no_grad():
+        expected = torch.nn.functional.silu(gate_proj(x)) * (up_proj(x) + (hidden @ lora_up.T) * 0.5)
+        weight = torch.cat([gate_proj.weight, up_proj.weight])
+        ours = gated_activation_reference(x, weight, None, LoraDelta(hidden, lora_up, 0.5))
+        torch.testing.assert_close(ours, expected)
+    assert is_silu(torch.nn.SiLU()) and not is_silu(torch.nn.GELU())
+    assert tile_layout(32, 4864) == (32, 32) and tile_layout(70, 100) == (64, 32) and tile_layout(1, 8)[0] == 16
+
+
+def check_kernel(device: str, dtypes: tuple[torch.dtype, ...]) -> None:
+    """The kernel against the reference on `device`; on CUDA also 20 graph replays, bit-identical."""
+    from prorl_trl.rollout.fused_mlp_triton import launch_gated_activation
+
+    generator = torch.Generator().manual_seed(0)
+    cases = [(5, 40, 300, 8, 0), (64, 96, 64, 64, 64), (70, 33, 20, 0, 4), (32, 64, 256, 0, 0), (64, 4864, 896, 0, 64)]
+    for dtype in dtypes:
+        for rows, intermediate, depth, gate_rank, up_rank in cases:
+            if device == "cpu" and intermediate > 100:
+                continue  # the interpreter is slow; the model-sized case runs on CUDA
+            x = torch.randn(rows, depth + 5, generator=generator).to(dtype)[:, 2 : 2 + depth].to(device)
+            weight = (torch.randn(2 * intermediate, depth, generator=generator) * 0.1).to(dtype).to(device)
+            hidden = torch.randn(rows, gate_rank + up_rank + 3, generator=generator).to(device)  # A products, strided
+
+            def lora_up(rank):
+                return (torch.randn(intermediate, rank, generator=generator) * 0.1).to(device)
+
+            gate = LoraDelta(hidden[:, :gate_rank], lora_up(gate_rank), 2.0) if gate_rank else None
+            up = LoraDelta(hidden[:, gate_rank : gate_rank + up_rank], lora_up(up_rank), 0.5) if up_rank else None
+            layout = tile_layout(rows, intermediate)
+            first = launch_gated_activation(x, weight, gate, up, layout)
+            assert torch.equal(launch_gated_activation(x, weight, gate, up, layout), first), "not reproducible"
+            want = gated_activation_reference(x, weight, gate, up)
+            assert first.dtype == want.dtype == dtype and first.shape == want.shape
+            if dtype == torch.float32:
+                torch.testing.assert_close(first, want, atol=1e-4, rtol=1e-5)
+            else:  # gate/up rounded to 16 bits in both: a summation-order difference can move one by an ulp
+                torch.testing.assert_close(first.float(), want.float(), atol=0.05, rtol=2**-6)
+            if device == "cuda":
+                static = torch.empty_like(first)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    static.copy_(launch_gated_activation(x, weight, gate, up, layout))
+                for _ in range(20):
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    assert torch.equal(static, first)
+
+
+@pytest.mark.skipif(not triton_available(), reason="Triton not installed (CPU torch); runs on the GPU machine")
+def test_kernel_matches_reference_in_triton_interpreter():
+    from test_rollout_engine import run_check_in_triton_interpreter
+
+    run_check_in_triton_interpreter("test_fused_mlp", "check_kernel('cpu', (torch.float32, torch.float16))")
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and triton_available()), reason="needs CUDA and Triton")
+def test_kernel_matches_reference_on_cuda_and_replays_from_a_graph():
+    check_kernel("cuda", (torch.bfloat16, torch.float16, torch.float32))
