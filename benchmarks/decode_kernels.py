@@ -164,7 +164,7 @@ def parse_layouts(text: str) -> list[tuple[int, int, int]]:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layouts", default="32:264:2,64:264:2,32:132:1,32:528:4,16:264:2",
+    parser.add_argument("--layouts", default="32:264:2,64:264:2,32:528:4",
                         help="Kernel tilings to time, BLOCK_N:TARGET_PROGRAMS:MIN_SLICES_PER_SPLIT, comma-separated.")
     parser.add_argument("--replays", type=int, default=200, help="Graph replays per timing.")
     parser.add_argument("--smoke", action="store_true", help="CPU, eager: checks that the script runs (no timings).")

@@ -21,6 +21,7 @@ GPU machine needs no TRL):
                        that reads each adapter once, instead of inductor's per-row reductions; off by default).
   rollout_engine_fused_mlp  A/B: rollout_engine with `fused_mlp.FUSED_MLP` on (gate/up GEMMs, their LoRA B products and
                        SiLU(gate) * up as one Triton kernel; off by default).
+  rollout_engine_lora_gemm_fused_mlp  A/B: both of the above.
   continuous_batching  `model.generate_batch(prompt_ids, generation_config=..., continuous_batching_config=
                        ContinuousBatchingConfig(max_memory_percent=0.5))` as TRL's `use_transformers_continuous_batching`.
 Continuous batching runs last for each model: it reserves half the free GPU memory for its paged cache.
@@ -69,6 +70,7 @@ METHODS = (
     "rollout_engine_autotune",
     "rollout_engine_lora_gemm",
     "rollout_engine_fused_mlp",
+    "rollout_engine_lora_gemm_fused_mlp",
 )
 QWEN2_05B_EOS, QWEN2_05B_PAD = 151645, 151643
 
@@ -176,8 +178,8 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
             switches = lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, lora_gemm.MIN_ROWS, fused_mlp.FUSED_MLP
             lora_decode.FUSE_LORA = method != "rollout_engine_unfused"  # the A/B switches
             fused_weights.FUSE_BASE = method != "rollout_engine_separate"
-            lora_gemm.MIN_ROWS = 1 if method == "rollout_engine_lora_gemm" else lora_gemm.MIN_ROWS
-            fused_mlp.FUSED_MLP = method == "rollout_engine_fused_mlp" or fused_mlp.FUSED_MLP
+            lora_gemm.MIN_ROWS = 1 if "_lora_gemm" in method else lora_gemm.MIN_ROWS
+            fused_mlp.FUSED_MLP = method.endswith("_fused_mlp") or fused_mlp.FUSED_MLP
             try:
                 output = engine.generate(model, input_ids, attention_mask, config)
             finally:

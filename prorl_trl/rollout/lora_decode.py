@@ -15,7 +15,9 @@ cuBLAS (fp32 rounding; no TF32). `lora_factors` takes this path only where that 
 other layer (DoRA and other variants, several active adapters, merged or disabled adapters, bias, train-mode dropout,
 autocast) is called as a module. What it reads is covered by the engine's `model_fingerprint` (a change recaptures;
 dynamo's guards recompile). Uncompiled (CPU tests, a failed compile) the products materialise
-`rows x rank x features` temporaries: small at decode sizes.
+`rows x rank x features` temporaries: small at decode sizes. Two kernels can take over, both off until measured on a
+GPU: `lora_gemm` (the products as tiled GEMMs that read each adapter once) and `fused_mlp` (the gated MLP's gate/up
+GEMMs, their B products and SiLU(gate) * up in one pass).
 """
 
 from __future__ import annotations
