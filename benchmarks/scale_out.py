@@ -21,6 +21,11 @@ Every case is one `accelerate launch --config_file recipes/accelerate/<engine>.y
   model: hidden 1536, 28 layers, vocab 151,936, untied head), bf16, the RLinf recipe's micro-batch (8), optimizer
   and gradient checkpointing, completions forced to `--memory-tokens` tokens; 2 steps, no final merged save. Peak per-GPU
   `torch.cuda.max_memory_allocated` / `max_memory_reserved` (the largest rank).
+* `memory7b`: the same for the Logic-RL recipe's full fine-tuning (`--peft.enabled false`, its README line): the
+  Qwen2.5-7B architecture (hidden 3584, 28 layers, 4 KV heads, MLP 18,944, vocab 152,064, untied head), the recipe's
+  micro-batch (4) and beta 0.001 (a reference model, sharded like the policy), so the figure includes the reference
+  and the weights gathered for generation. On 2 GPUs ZeRO-3/FSDP2 hold ~8 GB of weights, ~8 GB of gradients and ~46 GB
+  of fp32 masters and Adam moments each before activations: it needs 2 x H200 (or 4 GPUs).
 
 The driver runs the cases in priority order inside `--budget` seconds, writes every worker's JSON as it lands (and
 `--json-dir`), skips what no longer fits, and prints one table (with the skipped cases) at the end. `--smoke` runs
@@ -65,6 +70,8 @@ GPU_CASES = [
     ("ddp", 4, ("memory",), 150),  # timed out on 4 x H100 (call 6) and 2 x H100 (call 7): see save_model_once
     ("ddp", 2, ("memory",), 150),  # the same per-GPU figure where only 2 GPUs are lent (DDP replicates everything)
     ("zero2", 2, ("full", "lora"), 100),
+    ("zero3", 2, ("memory7b",), 420),  # needs 2 x H200 (see the module docstring)
+    ("fsdp2", 2, ("memory7b",), 420),
 ]
 SMOKE_CASES = [("zero3", 2, ("full", "lora"), 200), ("zero2", 2, ("full", "lora"), 200)]
 STEPS_PER_PHASE = 3  # smoke: 2
@@ -96,20 +103,35 @@ def small_config(tokenizer, smoke: bool):
     )  # fmt: skip
 
 
-def rlinf_15b_config(tokenizer):
-    """DeepSeek-R1-Distill-Qwen-1.5B's architecture (Qwen2.5-Math-1.5B), the RLinf recipe's model."""
+def _published_qwen2(tokenizer, layers: int, hidden: int, mlp: int, heads: int, kv_heads: int, vocab: int,
+                     rope_theta: float, max_positions: int):
+    """A Qwen2 config of a published model's sizes (untied head, RMSNorm eps 1e-6), the tiny tokenizer's special ids."""
     from transformers import Qwen2Config
 
     return Qwen2Config(
-        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-        num_key_value_heads=2, max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, max_position_embeddings=max_positions, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
     )  # fmt: skip
 
 
-def save_model_once(config, tokenizer, path: Path, dtype) -> str:
-    """Rank 0 writes a random-init model + tokenizer to `path` (once per launch); every rank then loads it by path."""
+def rlinf_15b_config(tokenizer):
+    """DeepSeek-R1-Distill-Qwen-1.5B's architecture (Qwen2.5-Math-1.5B), the RLinf recipe's model."""
+    return _published_qwen2(tokenizer, layers=28, hidden=1536, mlp=8960, heads=12, kv_heads=2, vocab=151936,
+                            rope_theta=10000.0, max_positions=131072)  # fmt: skip
+
+
+def logic_rl_7b_config(tokenizer):
+    """Qwen2.5-7B's architecture (the Logic-RL recipe's Qwen2.5-7B-Instruct-1M apart from its long-context RoPE)."""
+    return _published_qwen2(tokenizer, layers=28, hidden=3584, mlp=18944, heads=28, kv_heads=4, vocab=152064,
+                            rope_theta=1000000.0, max_positions=32768)  # fmt: skip
+
+
+def save_model_once(config, tokenizer, path: Path, dtype, init_device: str = "cpu") -> str:
+    """Rank 0 writes a random-init model + tokenizer to `path` (once per launch); every rank then loads it by path.
+    `init_device="cuda"`: initialised on rank 0's GPU in `dtype` (a 7B model in float32 on the CPU takes minutes),
+    then freed before anything is measured."""
     import torch
     from transformers import Qwen2ForCausalLM
 
@@ -118,13 +140,24 @@ def save_model_once(config, tokenizer, path: Path, dtype) -> str:
     state = PartialState()  # joins this launch's process group now: a barrier before it is a no-op, and under DDP
     # rank 1 read the folder while rank 0 was still writing it (call 7: rank 1 died, rank 0 hung until the timeout)
     if state.is_main_process and not (path / "config.json").exists():
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[] if init_device == "cpu" else None):
             torch.manual_seed(0)
-            model = Qwen2ForCausalLM(config).to(dtype)
+            if init_device == "cpu":
+                model = Qwen2ForCausalLM(config).to(dtype)
+            else:
+                previous = torch.get_default_dtype()
+                torch.set_default_dtype(dtype)
+                try:
+                    with torch.device(init_device):
+                        model = Qwen2ForCausalLM(config)
+                finally:
+                    torch.set_default_dtype(previous)
         model.generation_config.pad_token_id, model.generation_config.eos_token_id = config.pad_token_id, config.eos_token_id
         model.save_pretrained(path)
         tokenizer.save_pretrained(path)
         del model
+        if init_device != "cpu":
+            torch.cuda.empty_cache()
     state.wait_for_everyone()
     return str(path)
 
@@ -197,15 +230,20 @@ def run_mode(mode: str, engine: str, smoke: bool, workdir: Path, tokenizer) -> d
     from transformers import TrainerCallback
 
     from prorl_trl.config import ProRLConfig
-    from prorl_trl.reset import gathered_state_dict, unwrap_model
+    from prorl_trl.reset import gathered_state_dict
     from prorl_trl.trainer import ProRLTrainer
     from prorl_trl.trainer.callbacks import HardResetCallback
 
     device_type = "cpu" if smoke else "cuda"
     dtype = torch.float32 if smoke else torch.bfloat16
-    memory = mode == "memory"
-    config = rlinf_15b_config(tokenizer) if memory and not smoke else small_config(tokenizer, smoke)
-    model_path = save_model_once(config, tokenizer, workdir / ("model-1.5b" if memory else "model-small"), dtype)
+    memory = mode in ("memory", "memory7b")
+    if smoke or not memory:
+        config, folder, init_device = small_config(tokenizer, smoke), "model-small", "cpu"
+    elif mode == "memory":
+        config, folder, init_device = rlinf_15b_config(tokenizer), "model-1.5b", "cpu"
+    else:
+        config, folder, init_device = logic_rl_7b_config(tokenizer), "model-7b", device_type
+    model_path = save_model_once(config, tokenizer, workdir / folder, dtype, init_device)
     out_dir = workdir / f"run-{mode}"
     probe = torch.tensor([tokenizer.encode("Question 7: add 7 and 10. Answer:")] * 2)
     record: dict = {"mode": mode, "resets": [], "step_s": [], "resume": None, "errors": []}
@@ -275,7 +313,7 @@ def run_mode(mode: str, engine: str, smoke: bool, workdir: Path, tokenizer) -> d
     def reward(completion_ids, **kwargs):
         return [(sum(ids) % 13) / 13 for ids in completion_ids]
 
-    per_device = 8 if (memory or not smoke) else 2
+    per_device = 4 if mode == "memory7b" and not smoke else 8 if (memory or not smoke) else 2  # the recipes' micro-batches
     completion = (args_cli.memory_tokens if memory else 32) if not smoke else 6
     steps = 2 if memory or smoke else STEPS_PER_PHASE
     phases = [{"name": f"phase-{i}", "max_steps": steps} for i in range(1 if memory else 3)]
@@ -294,7 +332,8 @@ def run_mode(mode: str, engine: str, smoke: bool, workdir: Path, tokenizer) -> d
             output_dir=str(out_dir), per_device_train_batch_size=per_device, num_generations=per_device,
             max_completion_length=completion, generation_kwargs={"min_new_tokens": completion},
             learning_rate=(2e-6 if memory else 1e-5) if mode != "lora" else 1e-4,
-            beta=0.0 if memory or mode == "lora" else 0.04, logging_steps=1, save_strategy="no", report_to=[],
+            beta={"memory": 0.0, "memory7b": 0.001, "lora": 0.0}.get(mode, 0.04), logging_steps=1, save_strategy="no",
+            report_to=[],
             bf16=not smoke, gradient_checkpointing=memory, disable_tqdm=True, seed=0, phases=phases,
             model_init_kwargs={"dtype": dtype}, ddp_timeout=180,
             accelerator_config={"use_configured_state": True} if smoke else None,
@@ -468,9 +507,10 @@ def table(results: list[dict], skipped: list[str], smoke: bool, started: float) 
         if "error" in r:
             lines.append(f"| {r['engine']} | {r['processes']} | {r['mode']} | ERROR: {r['error'][:160]} |||||||")
             continue
-        if r["mode"] == "memory":
+        if r["mode"] in ("memory", "memory7b"):
+            model = "1.5B full FT" if r["mode"] == "memory" else "7B full FT, beta 0.001"
             lines.append(
-                f"| {r['engine']} | {r['processes']} | memory 1.5B full FT | - | - | - | - | {fmt(r.get('median_step_s'))} | "
+                f"| {r['engine']} | {r['processes']} | memory {model} | - | - | - | - | {fmt(r.get('median_step_s'))} | "
                 f"{fmt(r.get('completions_per_s'), '.1f')} | - | {fmt(r.get('peak_allocated_gb'), '.1f')} / "
                 f"{fmt(r.get('peak_reserved_gb'), '.1f')} |"
             )
@@ -498,12 +538,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=560.0, help="Seconds for the whole matrix (cases that no "
                         "longer fit are skipped and listed).")  # fmt: skip
     parser.add_argument("--cases", default=None, help="Comma list of engine:processes (default: the whole matrix).")
-    parser.add_argument("--memory-tokens", type=int, default=128, help="Completion tokens in the 1.5B memory runs.")
+    parser.add_argument("--memory-tokens", type=int, default=128, help="Completion tokens in the memory runs.")
     parser.add_argument("--out", type=Path, default=None, help="Also write the table (and raw JSON) here.")
     parser.add_argument("--json-dir", type=Path, default=None, help="Copy every worker's JSON lines and its output log here.")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--engine", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--modes", default=None, help="Comma list of modes to keep (full, lora, memory).")
+    parser.add_argument("--modes", default=None, help="Comma list of modes to keep (full, lora, memory, memory7b).")
     parser.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
     args_cli = parser.parse_args(argv)
     if args_cli.worker:
@@ -547,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     if args_cli.out:
         args_cli.out.parent.mkdir(parents=True, exist_ok=True)
         args_cli.out.write_text(text + "\n\nRaw:\n\n```json\n" + json.dumps(results, indent=1) + "\n```\n")
-    ok = [verdicts(r, args_cli.smoke) for r in results if "error" not in r and r["mode"] != "memory"]
+    ok = [verdicts(r, args_cli.smoke) for r in results if "error" not in r and not r["mode"].startswith("memory")]
     return 0 if ok and all(v["a"] and v["b"] and v["c"] for v in ok) and not any("error" in r for r in results) else 1
 
 

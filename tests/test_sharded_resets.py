@@ -292,3 +292,22 @@ def test_fsdp2_models_load_on_the_process_device_and_strays_are_moved():
     assert move_stray_tensors_(model, torch.device("cpu")) == ["<accelerate dispatch hooks>"]
     assert not any(hasattr(module, "_hf_hook") for module in model.modules())
     assert move_stray_tensors_(model, torch.device("cpu")) == []
+
+
+def test_memory_runs_build_the_recipes_model_sizes():
+    """The memory modes' random models have the published sizes (Qwen2.5-7B: 7.62B parameters; DeepSeek-R1-Distill-
+    Qwen-1.5B: 1.78B), built on the meta device; the table names what each memory row measured."""
+    from transformers import Qwen2ForCausalLM
+
+    from prorl_trl.tiny import build_tiny
+
+    scale_out = load_benchmark("scale_out")
+    tokenizer = build_tiny()[1]
+    sizes = {}
+    for name, config in (("7b", scale_out.logic_rl_7b_config(tokenizer)), ("1.5b", scale_out.rlinf_15b_config(tokenizer))):
+        with torch.device("meta"):
+            sizes[name] = sum(p.numel() for p in Qwen2ForCausalLM(config).parameters())
+    assert abs(sizes["7b"] / 1e9 - 7.62) < 0.01 and abs(sizes["1.5b"] / 1e9 - 1.78) < 0.01, sizes
+    row = {"engine": "zero3", "processes": 2, "mode": "memory7b", "median_step_s": 1.0, "completions_per_s": 1.0,
+           "peak_allocated_gb": 1.0, "peak_reserved_gb": 2.0}  # a rendering check, not a measurement
+    assert "| zero3 | 2 | memory 7B full FT, beta 0.001 |" in scale_out.table([row], [], smoke=False, started=0.0)
