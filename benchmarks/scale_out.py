@@ -24,8 +24,9 @@ Every case is one `accelerate launch --config_file recipes/accelerate/<engine>.y
 * `memory7b`: the same for the Logic-RL recipe's full fine-tuning (`--peft.enabled false`, its README line): the
   Qwen2.5-7B architecture (hidden 3584, 28 layers, 4 KV heads, MLP 18,944, vocab 152,064, untied head), the recipe's
   micro-batch (4) and beta 0.001 (a reference model, sharded like the policy), so the figure includes the reference
-  and the weights gathered for generation. On 2 GPUs ZeRO-3/FSDP2 hold ~8 GB of weights, ~8 GB of gradients and ~46 GB
-  of fp32 masters and Adam moments each before activations: it needs 2 x H200 (or 4 GPUs).
+  and the weights gathered for generation. On 2 GPUs the sharded training state alone is ~61 GB a GPU (16 bytes a
+  parameter: bf16 weights and gradients + fp32 masters and Adam moments under ZeRO-3, fp32 weights, gradients and
+  moments under FSDP2), before the reference, activations and gathers: it needs 2 x H200 (or 4 GPUs).
 
 The driver runs the cases in priority order inside `--budget` seconds, writes every worker's JSON as it lands (and
 `--json-dir`), skips what no longer fits, and prints one table (with the skipped cases) at the end. `--smoke` runs
