@@ -17,10 +17,11 @@ the sampler's static layout, the autocast dtype, the A/B switches (`lora_decode.
 rank/target change, `.data` swaps; the first call re-points q/k/v and gate/up into one allocation each,
 `decoder.refresh_fusions`) or LoRA state (merged, disabled, active adapter, scaling, variant, dropout, input casting),
 and the KV buffers' address: they are freed after every generation (so training gets the memory back, as with
-`generate`), and when the allocator hands them back elsewhere the graph is recaptured (no recompilation; how often that
-happens inside the trainer is not measured yet). Optimizer steps update parameters in place: the graph reads the live
-storage, no recapture. Values that change between calls (temperature, top_p, min_p, min_new_tokens, the seed, the
-prompts and their padding) are copied into tensors the graph reads.
+`generate`), and when the allocator hands them back elsewhere the graph is recaptured (no recompilation; in
+`benchmarks/step_time.py`'s trainer run at the Initial shape on an H100 it did not happen: 1 capture in 3 steps).
+Optimizer steps update parameters in place: the graph reads the live storage, no recapture. Values that change between
+calls (temperature, top_p, min_p, min_new_tokens, the seed, the prompts and their padding) are copied into tensors the
+graph reads.
 
 Off CUDA (or with `cuda_graphs=False`) the same step function runs eagerly, chunk by chunk: that is what the CPU
 tests exercise. Dropout active in train mode is refused (generation would apply it); with every dropout at 0 the loop
