@@ -9,11 +9,17 @@ returns), adds each LoRA delta `(hidden @ B.T) * scaling` in IEEE float32 and ro
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from .fused_mlp import LoraDelta
+
+class _Delta(NamedTuple):  # `fused_mlp.LoraDelta`'s fields (that module imports this one: no import back)
+    hidden: torch.Tensor
+    up: torch.Tensor
+    scaling: float
 
 
 @triton.jit
@@ -65,7 +71,7 @@ def _gated_kernel(
     tl.store(Out + rows[:, None] * N + cols[None, :], activated.to(Out.dtype.element_ty), mask=inside)
 
 
-def _rank_block(delta: LoraDelta | None) -> tuple[int, int]:
+def _rank_block(delta: _Delta | None) -> tuple[int, int]:
     if delta is None:
         return 0, 16
     rank = delta.up.shape[1]
@@ -73,11 +79,12 @@ def _rank_block(delta: LoraDelta | None) -> tuple[int, int]:
 
 
 def launch_gated_activation(
-    x: torch.Tensor, weight: torch.Tensor, gate: LoraDelta | None, up: LoraDelta | None, layout: tuple[int, int],
+    x: torch.Tensor, weight: torch.Tensor, gate: tuple | None, up: tuple | None, layout: tuple[int, int],
     block_k: int = 128,
 ) -> torch.Tensor:
     """`x (rows, in)` with unit stride along `in`; `weight (2 x intermediate, in)` contiguous, gate rows first; LoRA
-    `hidden (rows, rank)` float32 with unit stride along `rank`, `up (intermediate, rank)` float32 contiguous."""
+    `hidden (rows, rank)` float32 with unit stride along `rank`, `up (intermediate, rank)` float32 contiguous (each a
+    `fused_mlp.LoraDelta`, or None)."""
     rows, depth = x.shape
     intermediate = weight.shape[0] // 2
     if x.stride(1) != 1:
@@ -86,8 +93,8 @@ def launch_gated_activation(
     deltas = []
     for delta in (gate, up):
         if delta is not None:
-            delta = LoraDelta(delta.hidden if delta.hidden.stride(1) == 1 else delta.hidden.contiguous(),
-                              delta.up.contiguous(), float(delta.scaling))  # fmt: skip
+            hidden, up_weight, scaling = delta
+            delta = _Delta(hidden if hidden.stride(1) == 1 else hidden.contiguous(), up_weight.contiguous(), float(scaling))
         deltas.append(delta)
     gate, up = deltas
     (gate_rank, gate_block), (up_rank, up_block) = _rank_block(gate), _rank_block(up)
