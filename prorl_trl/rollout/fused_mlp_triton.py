@@ -94,7 +94,8 @@ def launch_gated_activation(
     for delta in (gate, up):
         if delta is not None:
             hidden, up_weight, scaling = delta
-            delta = _Delta(hidden if hidden.stride(1) == 1 else hidden.contiguous(), up_weight.contiguous(), float(scaling))
+            hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+            delta = _Delta(hidden, up_weight.contiguous(), float(scaling))
         deltas.append(delta)
     gate, up = deltas
     (gate_rank, gate_block), (up_rank, up_block) = _rank_block(gate), _rank_block(up)
