@@ -2,6 +2,8 @@
 
     python benchmarks/learning.py --out runs/learning            # GPU (cuda + bf16): ~20M-parameter Qwen2, <= 8 min
     python benchmarks/learning.py --out /tmp/learning --smoke    # CPU, tiny model, < 60 s: checks the script runs
+    python benchmarks/learning.py --out runs/learning --compare-rollout-engine   # also (a), (b) with the engine: one
+                                                                 # table, same warm start and seed, one GPU
 
 Everything happens in one process, offline:
 1. A Qwen2 of tens of millions of parameters (`prorl_trl.tiny.build_tiny_model`, random init, byte-level tokenizer) is
@@ -14,6 +16,10 @@ Everything happens in one process, offline:
 3. Both runs validate pass@1 (`ValidationCallback`: samples at temperature 1.0 on held-out problems) every
    `--eval-steps`. Outputs in `--out`: `validation.png` (both curves, phase boundaries of (a)), `learning.md` (one
    table: device, warm start, (a) final, (b) final, wall times), `learning.json` (curves and settings).
+With `--compare-rollout-engine`, (a) and (b) run again with `rollout_engine` from the same warm start and seed (issue
+14: the same result within noise, faster): one table row per generation path and a line per run saying whether the
+engine's final pass@1 is within two standard errors of the first path's, with both wall times; the plots show the
+first path.
 Targets: (a) >= 20 points above the warm start. Whether (a) beats (b) is reported as measured, not assumed: "yes"
 only when the gap exceeds two standard errors (each validation problem counted as one Bernoulli trial, conservative).
 Both runs share the seed, so their curves nearly coincide until (a)'s first reset.
@@ -71,6 +77,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--rollout-engine", action="store_true", help="CUDA-graph decode loop for rollouts and validation (GPU; ProRLConfig)"
     )
+    parser.add_argument(
+        "--compare-rollout-engine", action="store_true",
+        help="run (a) and (b) again with the rollout engine from the same warm start: one row each in the table",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     args.steps = args.steps or (3 if args.smoke else 240)
@@ -142,7 +152,8 @@ def warm_start(args, tokenizer, device_kwargs, out: Path) -> tuple[Path, float, 
     return path, time.time() - started, parameters, stopper.accuracy
 
 
-def rl_run(args, name: str, phases: list[PhaseConfig], warm: Path, tokenizer, device_kwargs, out: Path):
+def rl_run(args, name: str, phases: list[PhaseConfig], warm: Path, tokenizer, device_kwargs, out: Path,
+           rollout_engine: bool):
     """One ProRLTrainer run from the warm start; returns (log history, wall seconds)."""
     started = time.time()
     train = make_arithmetic_dataset(256 if args.smoke else 20000, seed=args.seed + 1, **TASK)
@@ -165,7 +176,7 @@ def rl_run(args, name: str, phases: list[PhaseConfig], warm: Path, tokenizer, de
         save_strategy="no",
         save_merged_on_reset=False,
         compiled_generation=args.compiled_generation,
-        rollout_engine=args.rollout_engine,
+        rollout_engine=rollout_engine,
         report_to=[],
         logging_steps=1,
         disable_tqdm=True,
@@ -224,18 +235,36 @@ def main(argv: list[str] | None = None) -> dict:
         PhaseConfig(name=f"phase-{i}", max_steps=base + (1 if i < extra else 0), hard_reset=i > 0)
         for i in range(args.phases)
     ]
-    history_a, seconds_a = rl_run(args, "a_prorl_resets", prorl_phases, warm, tokenizer, device_kwargs, out)
-    history_b, seconds_b = rl_run(
-        args, "b_no_reset", [PhaseConfig(name="single", max_steps=args.steps)], warm, tokenizer, device_kwargs, out
-    )
+    first_path = "rollout_engine" if args.rollout_engine else (
+        "compiled_generation" if args.compiled_generation else "generate")  # fmt: skip
+    paths = [first_path] + (["rollout_engine"] if args.compare_rollout_engine and not args.rollout_engine else [])
+    runs = []
+    for path in paths:
+        suffix = "" if path == first_path else f"_{path}"  # the first path keeps the folder names it always had
+        engine = path == "rollout_engine"
+        history_a, seconds_a = rl_run(args, "a_prorl_resets" + suffix, prorl_phases, warm, tokenizer, device_kwargs,
+                                      out, engine)  # fmt: skip
+        history_b, seconds_b = rl_run(args, "b_no_reset" + suffix, [PhaseConfig(name="single", max_steps=args.steps)],
+                                      warm, tokenizer, device_kwargs, out, engine)  # fmt: skip
+        curve_a, curve_b = series(history_a, ("eval_pass@1",)), series(history_b, ("eval_pass@1",))
+        runs.append({
+            "generation": path, "warm_start_pass@1": curve_a[1][0],
+            "a_final_pass@1": curve_a[1][-1], "b_final_pass@1": curve_b[1][-1],
+            "a_best_pass@1": max(curve_a[1]), "b_best_pass@1": max(curve_b[1]),
+            "seconds": {"warm_start": round(sft_seconds, 1), "a": round(seconds_a, 1), "b": round(seconds_b, 1)},
+            "curves": {"a": curve_a, "b": curve_b}, "history_a": history_a,
+        })  # fmt: skip
 
-    curve_a, curve_b = series(history_a, ("eval_pass@1",)), series(history_b, ("eval_pass@1",))
-    start = curve_a[1][0]
+    first = runs[0]
+    history_a = first.pop("history_a")  # the plots show the first path's runs
     training_a = [entry for entry in history_a if "reward" in entry]
+    for run in runs[1:]:
+        run.pop("history_a")
     plots = plot_training_curves(
         training_a,
         out,
-        validation={f"(a) ProRL, {args.phases} phases + resets": curve_a, "(b) one phase, no reset": curve_b},
+        validation={f"(a) ProRL, {args.phases} phases + resets": first["curves"]["a"],
+                    "(b) one phase, no reset": first["curves"]["b"]},  # fmt: skip
         boundaries=phase_boundaries(history_a),
         prefix="",
     )
@@ -247,17 +276,10 @@ def main(argv: list[str] | None = None) -> dict:
         "learning_rate": args.learning_rate,
         "beta": args.beta,
         "smoke": args.smoke,
-        "generation": "rollout_engine" if args.rollout_engine else
-                      "compiled_generation" if args.compiled_generation else "generate",  # fmt: skip
         "validation_problems": validation_problems(args),
         "warm_start_greedy_accuracy": sft_accuracy,
-        "warm_start_pass@1": start,
-        "a_final_pass@1": curve_a[1][-1],
-        "b_final_pass@1": curve_b[1][-1],
-        "a_best_pass@1": max(curve_a[1]),
-        "b_best_pass@1": max(curve_b[1]),
-        "seconds": {"warm_start": round(sft_seconds, 1), "a": round(seconds_a, 1), "b": round(seconds_b, 1)},
-        "curves": {"a": curve_a, "b": curve_b},
+        **first,  # the first path's figures at the top level, as before
+        "runs": runs,
         "plots": [p.name for p in plots],
     }
     table = render_table(result)
@@ -268,30 +290,48 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def render_table(r: dict) -> str:
-    gain_a, gain_b = (
-        100 * (r["a_final_pass@1"] - r["warm_start_pass@1"]),
-        100 * (r["b_final_pass@1"] - r["warm_start_pass@1"]),
-    )
-    a, b, n = r["a_final_pass@1"], r["b_final_pass@1"], r["validation_problems"]
-    two_se = 2 * math.sqrt((a * (1 - a) + b * (1 - b)) / n)
-    if a - b > two_se:
-        verdict = f"yes, {100 * (a - b):+.1f} pts (2 s.e. {100 * two_se:.1f})"
-    elif b - a > two_se:
-        verdict = f"no, (b) is better: {100 * (a - b):+.1f} pts (2 s.e. {100 * two_se:.1f})"
-    else:
-        verdict = f"not significantly: {100 * (a - b):+.1f} pts (2 s.e. {100 * two_se:.1f})"
+    """One header and one row per generation path (`r["runs"]`; results from before it are one run at the top level)."""
+    runs = r.get("runs") or [r]
+    several = len(runs) > 1
     header = (
-        f"| {r['device']}{' (smoke)' if r['smoke'] else ''}, {r['parameters'] / 1e6:.1f}M params, {r['steps']} RL steps, "
-        f"{r.get('generation', 'generate')} "
-        "| warm start pass@1 | (a) ProRL final | (b) no-reset final | (a) beats (b)? | wall time warm start / (a) / (b) (s) |"
+        f"| {r['device']}{' (smoke)' if r['smoke'] else ''}, {r['parameters'] / 1e6:.1f}M params, {r['steps']} RL steps"
+        + (" " if several else f", {runs[0].get('generation', 'generate')} ")
+        + "| warm start pass@1 | (a) ProRL final | (b) no-reset final | (a) beats (b)? | wall time warm start / (a) / (b) (s) |"
     )
-    row = (
-        f"| validation pass@1 (T=1.0), (a) = {r['phases']} phases + hard resets "
-        f"| {r['warm_start_pass@1']:.1%} | {r['a_final_pass@1']:.1%} ({gain_a:+.1f} pts) "
-        f"| {r['b_final_pass@1']:.1%} ({gain_b:+.1f} pts) | {verdict} "
-        f"| {r['seconds']['warm_start']:.0f} / {r['seconds']['a']:.0f} / {r['seconds']['b']:.0f} |"
-    )
-    return "\n".join([header, "| --- | --- | --- | --- | --- | --- |", row])
+    rows = []
+    for run in runs:
+        gain_a, gain_b = (
+            100 * (run["a_final_pass@1"] - run["warm_start_pass@1"]),
+            100 * (run["b_final_pass@1"] - run["warm_start_pass@1"]),
+        )
+        a, b, n = run["a_final_pass@1"], run["b_final_pass@1"], r["validation_problems"]
+        two_se = 2 * math.sqrt((a * (1 - a) + b * (1 - b)) / n)
+        if a - b > two_se:
+            verdict = f"yes, {100 * (a - b):+.1f} pts (2 s.e. {100 * two_se:.1f})"
+        elif b - a > two_se:
+            verdict = f"no, (b) is better: {100 * (a - b):+.1f} pts (2 s.e. {100 * two_se:.1f})"
+        else:
+            verdict = f"not significantly: {100 * (a - b):+.1f} pts (2 s.e. {100 * two_se:.1f})"
+        seconds = run["seconds"]
+        rows.append(
+            f"| validation pass@1 (T=1.0), (a) = {r['phases']} phases + hard resets"
+            + (f", {run['generation']} " if several else " ")
+            + f"| {run['warm_start_pass@1']:.1%} | {run['a_final_pass@1']:.1%} ({gain_a:+.1f} pts) "
+            f"| {run['b_final_pass@1']:.1%} ({gain_b:+.1f} pts) | {verdict} "
+            f"| {seconds['warm_start']:.0f} / {seconds['a']:.0f} / {seconds['b']:.0f} |"
+        )
+    lines = [header, "| --- | --- | --- | --- | --- | --- |", *rows]
+    for run in runs[1:]:  # the same runs on another generation path: same result within noise, and how fast
+        lines.append("")
+        for key, label in (("a", "(a)"), ("b", "(b)")):
+            first, other = runs[0][f"{key}_final_pass@1"], run[f"{key}_final_pass@1"]
+            two_se = 2 * math.sqrt((first * (1 - first) + other * (1 - other)) / r["validation_problems"])
+            same = "within noise" if abs(other - first) <= two_se else "NOT within noise"
+            lines.append(
+                f"{label} {run['generation']} vs {runs[0]['generation']}: {100 * (other - first):+.1f} pts "
+                f"(2 s.e. {100 * two_se:.1f}, {same}); wall {runs[0]['seconds'][key]:.0f} -> {run['seconds'][key]:.0f} s"
+            )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
