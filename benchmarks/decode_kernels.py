@@ -14,6 +14,10 @@ Initial phase (32 rows, r32 on q,k) and the seed's reset-4 shape (64 rows, r64 o
      unfused     the engine's default: one cuBLAS GEMM for gate/up, LoRA products, SiLU * up, down_proj
      fused_mlp   `fused_mlp.FUSED_MLP`: gate/up GEMMs, their LoRA B products and SiLU * up as one Triton kernel
    each also with `lora_gemm` where the MLP has adapters.
+3. Attention (`decode_attention_triton`) at the Initial shape (32 rows, 14 query / 2 KV heads of 64, a 4,352-column
+   cache, left padding up to 100) with 200, 2,000 and 4,096 decoded tokens, per `--attention-configs`
+   (BLOCK_N:TARGET_PROGRAMS:NUM_WARPS:fixed|live; `live` = `decode_attention.LIVE_SPLITS`), relative error vs the
+   float32 reference.
 Every path's outputs are checked against the first row's of its shape (float32 rounding apart). Prints the tables.
 
     python benchmarks/decode_kernels.py                      # one GPU
@@ -166,10 +170,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layouts", default="32:264:2,64:264:2,32:528:4",
                         help="Kernel tilings to time, BLOCK_N:TARGET_PROGRAMS:MIN_SLICES_PER_SPLIT, comma-separated.")
+    parser.add_argument("--attention-configs", default="64:512:4:fixed,64:512:4:live,32:512:4:live,128:512:4:live,"
+                        "64:1024:4:live,64:512:8:live", help="Attention kernel settings to time, "
+                        "BLOCK_N:TARGET_PROGRAMS:NUM_WARPS:fixed|live, comma-separated.")  # fmt: skip
     parser.add_argument("--replays", type=int, default=200, help="Graph replays per timing.")
     parser.add_argument("--smoke", action="store_true", help="CPU, eager: checks that the script runs (no timings).")
     args = parser.parse_args(argv)
     layouts = parse_layouts(args.layouts)
+    attention_configs = parse_attention_configs(args.attention_configs)
     graphs = not args.smoke
     if graphs and not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (or --smoke on CPU)")
@@ -217,7 +225,68 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     micros, outputs = time_path(whole, x, args.replays, graphs)
                 reference = outputs if reference is None else reference
                 report("mlp", shape, path, "default" if min_rows else "-", micros, outputs, reference)
+
+        print("\n**Attention** (32 rows, cache 4,352)\n")
+        print("| decoded tokens | BLOCK_N:TARGET:WARPS:splits | keys a split | us per layer | ms per step (x24) "
+              "| relative error vs float32 |\n|---:|---|---:|---:|---:|---:|")  # fmt: skip
+        for decoded in (200, 2000, 4096):
+            for config in attention_configs:
+                micros, split, error = time_attention(config, decoded, args.replays, graphs, device)
+                label = ":".join(map(str, config))
+                rows.append(dict(table="attention", shape=str(decoded), path=label, layout=str(split), us=micros,
+                                 difference=error))  # fmt: skip
+                print(f"| {decoded} | {label} | {split} | {micros:.1f} | "
+                      f"{micros * LAYERS / 1000:.3f} | {error:.1e} |")  # fmt: skip
     return rows
+
+
+ATTENTION_SHAPE = dict(batch=32, kv_heads=2, groups=7, head_dim=64, cache_len=4352, prompt=256)
+
+
+def time_attention(config, decoded: int, replays: int, graphs: bool, device) -> tuple[float, int, float]:
+    """(microseconds per launch, keys a split, relative error vs the float32 reference) for one kernel setting."""
+    from prorl_trl.rollout.decode_attention import gqa_decode_attention_reference, split_size
+
+    block, target, warps, mode = config
+    shape = ATTENTION_SHAPE
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    batch, kv_heads, head_dim = shape["batch"], shape["kv_heads"], shape["head_dim"]
+    query = torch.randn(batch, kv_heads * shape["groups"], 1, head_dim, generator=generator)
+    keys, values = torch.randn(2, batch, kv_heads, shape["cache_len"], head_dim, generator=generator)
+    query, keys, values = (t.to(device=device, dtype=torch.bfloat16) for t in (query, keys, values))
+    start = torch.randint(0, 101, (batch,), generator=generator).to(device)  # left padding
+    end = torch.tensor([shape["prompt"] + decoded - 1], device=device)
+    split = split_size(batch, kv_heads, shape["cache_len"], target=target, block=block)
+    reference = gqa_decode_attention_reference(query.float(), keys.float(), values.float(), start, end, 0.125)
+    if graphs:
+        from prorl_trl.rollout.decode_attention_triton import launch_gqa_decode
+
+        def launch():
+            return launch_gqa_decode(query, keys, values, start, end, 0.125, split, block, mode == "live", warps)
+
+        launch()  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            output = launch()
+        micros = replay_microseconds(graph, replays)
+    else:
+        begin = time.perf_counter()
+        output = gqa_decode_attention_reference(query, keys, values, start, end, 0.125)
+        micros = 1e6 * (time.perf_counter() - begin)
+    error = float((output.float() - reference).norm() / reference.norm())
+    return micros, split, error
+
+
+def parse_attention_configs(text: str) -> list[tuple[int, int, int, str]]:
+    configs = []
+    for item in text.split(","):
+        parts = item.split(":")
+        numbers_ok = len(parts) == 4 and all(part.isdigit() and int(part) > 0 for part in parts[:3])
+        if not numbers_ok or parts[3] not in ("fixed", "live"):
+            raise SystemExit(f"--attention-configs: {item!r} is not BLOCK_N:TARGET_PROGRAMS:NUM_WARPS:fixed|live")
+        configs.append((int(parts[0]), int(parts[1]), int(parts[2]), parts[3]))
+    return configs
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ GPU machine needs no TRL):
   rollout_engine_fused_mlp  A/B: rollout_engine with `fused_mlp.FUSED_MLP` on (gate/up GEMMs, their LoRA B products and
                        SiLU(gate) * up as one Triton kernel; off by default).
   rollout_engine_lora_gemm_fused_mlp  A/B: both of the above.
+  rollout_engine_live_splits  A/B: rollout_engine with `decode_attention.LIVE_SPLITS` on (attention's splits over equal
+                       shares of each row's live keys instead of fixed column ranges; off by default).
   continuous_batching  `model.generate_batch(prompt_ids, generation_config=..., continuous_batching_config=
                        ContinuousBatchingConfig(max_memory_percent=0.5))` as TRL's `use_transformers_continuous_batching`.
 Continuous batching runs last for each model: it reserves half the free GPU memory for its paged cache.
@@ -71,6 +73,7 @@ METHODS = (
     "rollout_engine_lora_gemm",
     "rollout_engine_fused_mlp",
     "rollout_engine_lora_gemm_fused_mlp",
+    "rollout_engine_live_splits",
 )
 QWEN2_05B_EOS, QWEN2_05B_PAD = 151645, 151643
 
@@ -167,7 +170,7 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
     top_p = 1.0 if method == "static_compile_top_p1" else args.top_p
     config = trl_generation_config(args, max_new_tokens, eos, pad, top_p)
     if method.startswith("rollout_engine"):
-        from prorl_trl.rollout import fused_mlp, fused_weights, lora_decode, lora_gemm
+        from prorl_trl.rollout import decode_attention, fused_mlp, fused_weights, lora_decode, lora_gemm
         from prorl_trl.rollout.engine import RolloutEngine
 
         cache_len = max(args.cache_len or 0, args.prompt_length + max_new_tokens)
@@ -175,15 +178,18 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
         engine = RolloutEngine(prompt_budget=cache_len - max_new_tokens, compile_options=options)
 
         def run_engine() -> int:
-            switches = lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, lora_gemm.MIN_ROWS, fused_mlp.FUSED_MLP
+            switches = (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, lora_gemm.MIN_ROWS, fused_mlp.FUSED_MLP,
+                        decode_attention.LIVE_SPLITS)  # fmt: skip
             lora_decode.FUSE_LORA = method != "rollout_engine_unfused"  # the A/B switches
             fused_weights.FUSE_BASE = method != "rollout_engine_separate"
             lora_gemm.MIN_ROWS = 1 if "_lora_gemm" in method else lora_gemm.MIN_ROWS
             fused_mlp.FUSED_MLP = method.endswith("_fused_mlp") or fused_mlp.FUSED_MLP
+            decode_attention.LIVE_SPLITS = method == "rollout_engine_live_splits" or decode_attention.LIVE_SPLITS
             try:
                 output = engine.generate(model, input_ids, attention_mask, config)
             finally:
-                lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, lora_gemm.MIN_ROWS, fused_mlp.FUSED_MLP = switches
+                (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, lora_gemm.MIN_ROWS, fused_mlp.FUSED_MLP,
+                 decode_attention.LIVE_SPLITS) = switches  # fmt: skip
             if output.tokens.shape[1] != max_new_tokens:
                 raise RuntimeError(f"generated {output.tokens.shape[1]} tokens per sequence, expected {max_new_tokens}")
             model.train()

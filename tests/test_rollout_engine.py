@@ -22,7 +22,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from prorl_trl.rollout import fused_mlp, lora_decode, lora_gemm
+from prorl_trl.rollout import decode_attention, fused_mlp, lora_decode, lora_gemm
 from prorl_trl.rollout.decode_attention import gqa_decode_attention_reference, triton_available
 from prorl_trl.rollout.engine import RolloutEngine, resolved_generation_config, unsupported_reason
 from prorl_trl.rollout.sampler import (
@@ -363,6 +363,8 @@ def test_recapture_decisions(tiny, monkeypatch):
     assert any(r.startswith("lora_gemm_rows None -> 1") for r in reasons(base))
     monkeypatch.setattr(fused_mlp, "FUSED_MLP", True)
     assert any(r.startswith("fused_mlp False -> True") for r in reasons(base))
+    monkeypatch.setattr(decode_attention, "LIVE_SPLITS", True)
+    assert any(r.startswith("live_splits False -> True") for r in reasons(base))
     model.delete_adapter("default")
     model.add_adapter("default", LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
     model.set_adapter("default")
@@ -405,19 +407,21 @@ def interpreter_runs_runtime_loops() -> bool:
 @pytest.mark.skipif(not triton_available(), reason="Triton not installed (runs on the GPU machine: test_rollout_engine_gpu)")
 @pytest.mark.skipif(not interpreter_runs_runtime_loops(), reason="Triton's interpreter fails on run-time loop bounds with numpy >= 2.4")
 def test_triton_kernel_matches_reference_in_interpreter(monkeypatch):
-    """The split-K kernel under Triton's CPU interpreter (TRITON_INTERPRET=1) against the float32 reference."""
+    """The split-K kernel under Triton's CPU interpreter (TRITON_INTERPRET=1) against the float32 reference, with fixed
+    column splits and with splits over shares of the live keys (10 splits, 100 live keys: most fixed splits idle)."""
     code = (
         "import torch\n"
         "from prorl_trl.rollout.decode_attention import gqa_decode_attention_reference\n"
         "from prorl_trl.rollout.decode_attention_triton import launch_gqa_decode\n"
         "g = torch.Generator().manual_seed(0)\n"
-        "for batch, kv, groups, cache, dim, end, split in [(3, 2, 7, 200, 64, 150, 64), (2, 1, 4, 130, 32, 129, 128)]:\n"
+        "cases = [(3, 2, 7, 200, 64, 150, 64), (2, 1, 4, 130, 32, 129, 128), (3, 2, 7, 640, 64, 100, 64)]\n"
+        "for (batch, kv, groups, cache, dim, end, split), live in [(c, l) for c in cases for l in (False, True)]:\n"
         "    q = torch.randn(batch, kv * groups, 1, dim, generator=g)\n"
         "    k, v = torch.randn(2, batch, kv, cache, dim, generator=g)\n"
         "    start = torch.tensor([0, 5, 70][:batch]); stop = torch.tensor([end])\n"
-        "    got = launch_gqa_decode(q, k, v, start, stop, 0.125, split)\n"
+        "    got = launch_gqa_decode(q, k, v, start, stop, 0.125, split, live_splits=live)\n"
         "    want = gqa_decode_attention_reference(q, k, v, start, stop, 0.125)\n"
-        "    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()\n"
+        "    assert torch.allclose(got, want, atol=1e-5), (live, (got - want).abs().max())\n"
         "print('ok')\n"
     )
     run_in_triton_interpreter(code)

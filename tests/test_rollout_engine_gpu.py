@@ -69,16 +69,18 @@ def train_then_generate(engine, model, tokenizer, params, lr: float, before: tor
     return updated
 
 
-@pytest.mark.parametrize("products", ["reductions", "gemm", "fused_mlp"])
+@pytest.mark.parametrize("products", ["reductions", "gemm", "fused_mlp", "live_splits"])
 def test_graphs_follow_weights_like_generate(lora_model, products, monkeypatch):
     """Greedy tokens equal `generate` (float32) after capture, after in-place AdamW steps (no recapture), after a
     `.data` swap and a merge (recaptured), and each change changed the output (else the test proves nothing). With
     `products="gemm"` the LoRA products run as `lora_gemm` kernels (its concatenated A weights are rebuilt from the
-    live storage on every replay); with "fused_mlp" the MLP's first half (up_proj adapted) is `fused_mlp`'s kernel."""
-    from prorl_trl.rollout import fused_mlp, lora_gemm
+    live storage on every replay); with "fused_mlp" the MLP's first half (up_proj adapted) is `fused_mlp`'s kernel;
+    with "live_splits" attention splits the live keys into shares (`decode_attention.LIVE_SPLITS`)."""
+    from prorl_trl.rollout import decode_attention, fused_mlp, lora_gemm
 
     monkeypatch.setattr(lora_gemm, "MIN_ROWS", 1 if products == "gemm" else None)
     monkeypatch.setattr(fused_mlp, "FUSED_MLP", products == "fused_mlp")
+    monkeypatch.setattr(decode_attention, "LIVE_SPLITS", products == "live_splits")
     model, tokenizer = lora_model
     input_ids, mask = inputs(tokenizer.pad_token_id)
     config = greedy_config(tokenizer)
@@ -163,8 +165,13 @@ def test_compiled_sampler_distribution_matches_exact(lora_model):
         assert stats.chisquare(table_obs[keep], table_exp).pvalue > 1e-3, position
 
 
+@pytest.mark.parametrize("live_splits", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_triton_attention_matches_reference(dtype):
+def test_triton_attention_matches_reference(dtype, live_splits, monkeypatch):
+    """At the recipe's shape, short, medium and full live lengths; with fixed column splits and with live shares."""
+    from prorl_trl.rollout import decode_attention
+
+    monkeypatch.setattr(decode_attention, "LIVE_SPLITS", live_splits)
     generator = torch.Generator(device="cuda").manual_seed(0)
     batch, kv_heads, groups, cache_len, head_dim = 32, 2, 7, 4352, 64
     query = torch.randn(batch, kv_heads * groups, 1, head_dim, device="cuda", generator=generator, dtype=dtype)

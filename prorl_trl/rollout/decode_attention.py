@@ -19,6 +19,11 @@ import torch
 
 BLOCK_N = 64  # keys per inner iteration of the split kernel
 TARGET_PROGRAMS = 512  # programs per launch the split count aims at (about 4 per H100/H200 SM)
+NUM_WARPS = 4
+# Splits over equal shares of each row's live keys instead of fixed column ranges (`decode_attention_triton`): off
+# until measured on a GPU (A/B: benchmarks/decode_kernels.py, generation.py's `rollout_engine_live_splits`). Read at
+# each launch, so part of the engine's capture key.
+LIVE_SPLITS = False
 
 
 def gqa_decode_attention_reference(
@@ -57,10 +62,12 @@ def kernel_supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     )
 
 
-def split_size(batch: int, kv_heads: int, cache_len: int) -> int:
-    """Keys per split: enough splits for about `TARGET_PROGRAMS` programs, a multiple of `BLOCK_N`."""
-    splits = max(1, min(64, math.ceil(TARGET_PROGRAMS / (batch * kv_heads))))
-    return max(BLOCK_N, math.ceil(cache_len / splits / BLOCK_N) * BLOCK_N)
+def split_size(batch: int, kv_heads: int, cache_len: int, target: int | None = None, block: int | None = None) -> int:
+    """Keys per split: enough splits for about `target` (default `TARGET_PROGRAMS`) programs, a multiple of `block`
+    (default `BLOCK_N`)."""
+    target, block = target or TARGET_PROGRAMS, block or BLOCK_N
+    splits = max(1, min(64, math.ceil(target / (batch * kv_heads))))
+    return max(block, math.ceil(cache_len / splits / block) * block)
 
 
 def gqa_decode_attention(
@@ -82,7 +89,8 @@ def _gqa_decode_attention_op(
     from .decode_attention_triton import launch_gqa_decode
 
     batch, kv_heads, cache_len, head_dim = key_cache.shape
-    return launch_gqa_decode(query, key_cache, value_cache, start, end, scale, split_size(batch, kv_heads, cache_len), BLOCK_N)
+    split = split_size(batch, kv_heads, cache_len)
+    return launch_gqa_decode(query, key_cache, value_cache, start, end, scale, split, BLOCK_N, LIVE_SPLITS, NUM_WARPS)
 
 
 @_gqa_decode_attention_op.register_fake

@@ -10,6 +10,12 @@ by `exp(m_s - max m)` in split order and divides by the merged sum, then sets th
 Why not a second kernel: it was 24 launches of ~3.5 us a decode step (3-4% of the step at 32 rows on an H100).
 float32 inputs use IEEE float32 products (no TF32), so tests can compare with the float32 reference; 16-bit inputs
 multiply in 16 bits with float32 accumulation, as SDPA kernels do.
+
+`LIVE` (`decode_attention.LIVE_SPLITS`): split `s` covers the `s`-th equal share of the row's live keys (read from
+`start`/`end` at run time) instead of columns `[s * SPLIT, (s + 1) * SPLIT)`. Why: the split count is fixed by the
+cache length for the graph, so early in a generation only the first splits have live keys (at 32 rows, 8 splits of
+544 columns: 64 of 512 programs work while fewer than 544 keys are live); shares keep every program busy at every
+length. Same merge, so still deterministic (the sums' order differs from the fixed ranges').
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ def _split_kernel(
     scale,
     KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
+    LIVE: tl.constexpr,
 ):
     row_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -34,8 +41,13 @@ def _split_kernel(
     head = row_head % KV_HEADS
     start = tl.load(Start + row).to(tl.int32)
     end = tl.load(End).to(tl.int32)
-    low = tl.maximum(start, split * SPLIT)
-    high = tl.minimum(end + 1, (split + 1) * SPLIT)
+    if LIVE:  # the row's live keys [start, end] in NUM_SPLITS equal chunks (BLOCK multiples): all splits work
+        chunk = tl.cdiv(tl.cdiv(end + 1 - start, NUM_SPLITS), BLOCK) * BLOCK
+        low = start + split * chunk
+        high = tl.minimum(end + 1, low + chunk)
+    else:  # fixed SPLIT-wide column ranges: splits past `end` skip their loop
+        low = tl.maximum(start, split * SPLIT)
+        high = tl.minimum(end + 1, (split + 1) * SPLIT)
 
     groups = tl.arange(0, GROUPS_PAD)
     dims = tl.arange(0, HEAD_DIM)
@@ -119,10 +131,11 @@ def _arrivals(device: torch.device, count: int) -> torch.Tensor:
 
 def launch_gqa_decode(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
-    scale: float, split: int, block: int = 64,
+    scale: float, split: int, block: int = 64, live_splits: bool = False, num_warps: int = 4,
 ) -> torch.Tensor:
     """The split kernel (merging included); `query` is `(batch, heads, [1,] head_dim)`, caches `(batch, kv_heads, cache_len, head_dim)`;
-    `split` keys per program (a multiple of `block`, the keys per inner iteration)."""
+    `split` keys per program (a multiple of `block`, the keys per inner iteration); `live_splits`: the same number of
+    splits, each over an equal share of the row's live keys instead of a fixed column range."""
     batch, kv_heads, cache_len, head_dim = key_cache.shape
     heads = query.numel() // (batch * head_dim)
     groups = heads // kv_heads
@@ -144,6 +157,6 @@ def launch_gqa_decode(
         scale,
         KV_HEADS=kv_heads, GROUPS=groups, GROUPS_PAD=groups_pad, HEAD_DIM=head_dim,
         SPLIT=split, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), BLOCK=block,
-        IEEE=ieee, num_warps=4,
+        IEEE=ieee, LIVE=live_splits, num_warps=num_warps,
     )  # fmt: skip
     return output
