@@ -14,7 +14,9 @@ Initial phase (32 rows, r32 on q,k) and the seed's reset-4 shape (64 rows, r64 o
      unfused     the engine's default: one cuBLAS GEMM for gate/up, LoRA products, SiLU * up, down_proj
      fused_mlp   `fused_mlp.FUSED_MLP`: gate/up GEMMs, their LoRA B products and SiLU * up as one Triton kernel
    each also with `lora_gemm` where the MLP has adapters.
-3. Attention (`decode_attention_triton`) at the Initial shape (32 rows, 14 query / 2 KV heads of 64, a 4,352-column
+3. Base projections (q/k/v with bias, o, gate/up, down, the LM head) in bf16 at 32 and 64 rows: cuBLAS (`F.linear`)
+   vs `skinny_gemm.linear` (the same tiled kernel on tensor cores) for each tiling in `--layouts`.
+4. Attention (`decode_attention_triton`) at the Initial shape (32 rows, 14 query / 2 KV heads of 64, a 4,352-column
    cache, left padding up to 100) with 200, 2,000 and 4,096 decoded tokens, per `--attention-configs`
    (BLOCK_N:TARGET_PROGRAMS:NUM_WARPS:fixed|live; `live` = `decode_attention.LIVE_SPLITS`), relative error vs the
    float32 reference.
@@ -39,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _graph_timing import replay_microseconds  # noqa: E402
 
-from prorl_trl.rollout import fused_mlp, lora_decode, lora_gemm  # noqa: E402
+from prorl_trl.rollout import fused_mlp, lora_decode, lora_gemm, skinny_gemm  # noqa: E402
 from prorl_trl.rollout.fused_weights import fuse_linears  # noqa: E402
 from prorl_trl.rollout.lora_decode import LoraFactors, base_linear  # noqa: E402
 
@@ -48,6 +50,10 @@ LAYERS = 24
 OUT_FEATURES = {"q": HIDDEN, "k": KV_WIDTH, "v": KV_WIDTH, "o": HIDDEN, "gate": MLP, "up": MLP, "down": HIDDEN}
 IN_FEATURES = {"q": HIDDEN, "k": HIDDEN, "v": HIDDEN, "o": HIDDEN, "gate": HIDDEN, "up": HIDDEN, "down": MLP}
 GROUPS = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))  # projections that share an input
+PROJECTIONS = {  # the base GEMMs of a decode step: (out, in, bias), q/k/v and gate/up fused as the engine fuses them
+    "qkv": (HIDDEN + 2 * KV_WIDTH, HIDDEN, True), "o": (HIDDEN, HIDDEN, False), "gate_up": (2 * MLP, HIDDEN, False),
+    "down": (HIDDEN, MLP, False), "lm_head": (151936, HIDDEN, False),
+}
 SHAPES = {  # name: (rows, rank, targets)
     "initial 32 rows r32 q,k": (32, 32, ("q", "k")),
     "reset-4 64 rows r64 all-linear": (64, 64, ("q", "k", "v", "o", "gate", "up", "down")),
@@ -119,17 +125,17 @@ def gated_mlp_layer(rows: int, rank: int, targets: tuple[str, ...], device: torc
 
 
 @contextlib.contextmanager
-def switches(min_rows: int | None, layout: tuple[int, int, int] | None, whole_mlp: bool = False):
+def switches(min_rows: int | None, layout: tuple[int, int, int] | None, whole_mlp: bool = False, skinny: bool = False):
     saved = (lora_gemm.MIN_ROWS, lora_gemm.BLOCK_N, lora_gemm.TARGET_PROGRAMS, lora_gemm.MIN_SLICES_PER_SPLIT,
-             fused_mlp.FUSED_MLP)  # fmt: skip
-    lora_gemm.MIN_ROWS, fused_mlp.FUSED_MLP = min_rows, whole_mlp
+             fused_mlp.FUSED_MLP, skinny_gemm.SKINNY_BASE)  # fmt: skip
+    lora_gemm.MIN_ROWS, fused_mlp.FUSED_MLP, skinny_gemm.SKINNY_BASE = min_rows, whole_mlp, skinny
     if layout is not None:
         lora_gemm.BLOCK_N, lora_gemm.TARGET_PROGRAMS, lora_gemm.MIN_SLICES_PER_SPLIT = layout
     try:
         yield
     finally:
         (lora_gemm.MIN_ROWS, lora_gemm.BLOCK_N, lora_gemm.TARGET_PROGRAMS, lora_gemm.MIN_SLICES_PER_SPLIT,
-         fused_mlp.FUSED_MLP) = saved  # fmt: skip
+         fused_mlp.FUSED_MLP, skinny_gemm.SKINNY_BASE) = saved  # fmt: skip
 
 
 def time_path(function, argument, replays: int, graphs: bool) -> tuple[float, list[torch.Tensor]]:
@@ -225,6 +231,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     micros, outputs = time_path(whole, x, args.replays, graphs)
                 reference = outputs if reference is None else reference
                 report("mlp", shape, path, "default" if min_rows else "-", micros, outputs, reference)
+
+        print("\n**Base projections** (bf16)\n\n" + header + "\n|---|---|---|---:|---:|---:|")
+        for batch in (32, 64):
+            for name, (outputs, depth, with_bias) in PROJECTIONS.items():
+                generator = torch.Generator(device="cpu").manual_seed(0)
+                weight = (torch.randn(outputs, depth, generator=generator) * depth**-0.5).to(device, torch.bfloat16)
+                bias = torch.randn(outputs, generator=generator).to(device, torch.bfloat16) if with_bias else None
+                x = torch.randn(batch, 1, depth, generator=generator).to(device, torch.bfloat16)
+
+                def base(argument, weight=weight, bias=bias):
+                    return [skinny_gemm.linear(argument, weight, bias)]
+
+                shape = f"{batch} rows, {name} {outputs}x{depth}"
+                with switches(None, None):
+                    micros, reference = time_path(base, x, args.replays, graphs)
+                report("base", shape, "cublas", "-", micros, reference, reference)
+                for layout in layouts:
+                    with switches(None, layout, skinny=True):
+                        micros, outputs_ = time_path(base, x, args.replays, graphs)
+                    report("base", shape, "skinny", ":".join(map(str, layout)), micros, outputs_, reference)
 
         print("\n**Attention** (32 rows, cache 4,352)\n")
         print("| decoded tokens | BLOCK_N:TARGET:WARPS:splits | keys a split | us per layer | ms per step (x24) "

@@ -24,6 +24,9 @@ GPU machine needs no TRL):
   rollout_engine_lora_gemm_fused_mlp  A/B: both of the above.
   rollout_engine_live_splits  A/B: rollout_engine with `decode_attention.LIVE_SPLITS` on (attention's splits over equal
                        shares of each row's live keys instead of fixed column ranges; off by default).
+  rollout_engine_skinny  A/B: rollout_engine with `skinny_gemm.SKINNY_BASE` on (16-bit base projections as one Triton
+                       kernel each instead of cuBLAS; off by default).
+  rollout_engine_all   A/B: every switch above on at once.
   continuous_batching  `model.generate_batch(prompt_ids, generation_config=..., continuous_batching_config=
                        ContinuousBatchingConfig(max_memory_percent=0.5))` as TRL's `use_transformers_continuous_batching`.
 Continuous batching runs last for each model: it reserves half the free GPU memory for its paged cache.
@@ -74,6 +77,8 @@ METHODS = (
     "rollout_engine_fused_mlp",
     "rollout_engine_lora_gemm_fused_mlp",
     "rollout_engine_live_splits",
+    "rollout_engine_skinny",
+    "rollout_engine_all",
 )
 QWEN2_05B_EOS, QWEN2_05B_PAD = 151645, 151643
 
@@ -170,7 +175,7 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
     top_p = 1.0 if method == "static_compile_top_p1" else args.top_p
     config = trl_generation_config(args, max_new_tokens, eos, pad, top_p)
     if method.startswith("rollout_engine"):
-        from prorl_trl.rollout import decode_attention, fused_mlp, fused_weights, lora_decode, lora_gemm
+        from prorl_trl.rollout import decode_attention, fused_mlp, fused_weights, lora_decode, lora_gemm, skinny_gemm
         from prorl_trl.rollout.engine import RolloutEngine
 
         cache_len = max(args.cache_len or 0, args.prompt_length + max_new_tokens)
@@ -179,17 +184,19 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
 
         def run_engine() -> int:
             switches = (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, lora_gemm.MIN_ROWS, fused_mlp.FUSED_MLP,
-                        decode_attention.LIVE_SPLITS)  # fmt: skip
+                        decode_attention.LIVE_SPLITS, skinny_gemm.SKINNY_BASE)  # fmt: skip
+            every = method == "rollout_engine_all"
             lora_decode.FUSE_LORA = method != "rollout_engine_unfused"  # the A/B switches
             fused_weights.FUSE_BASE = method != "rollout_engine_separate"
-            lora_gemm.MIN_ROWS = 1 if "_lora_gemm" in method else lora_gemm.MIN_ROWS
-            fused_mlp.FUSED_MLP = method.endswith("_fused_mlp") or fused_mlp.FUSED_MLP
-            decode_attention.LIVE_SPLITS = method == "rollout_engine_live_splits" or decode_attention.LIVE_SPLITS
+            lora_gemm.MIN_ROWS = 1 if "_lora_gemm" in method or every else lora_gemm.MIN_ROWS
+            fused_mlp.FUSED_MLP = method.endswith("_fused_mlp") or every or fused_mlp.FUSED_MLP
+            decode_attention.LIVE_SPLITS = method == "rollout_engine_live_splits" or every or decode_attention.LIVE_SPLITS
+            skinny_gemm.SKINNY_BASE = method == "rollout_engine_skinny" or every or skinny_gemm.SKINNY_BASE
             try:
                 output = engine.generate(model, input_ids, attention_mask, config)
             finally:
                 (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, lora_gemm.MIN_ROWS, fused_mlp.FUSED_MLP,
-                 decode_attention.LIVE_SPLITS) = switches  # fmt: skip
+                 decode_attention.LIVE_SPLITS, skinny_gemm.SKINNY_BASE) = switches  # fmt: skip
             if output.tokens.shape[1] != max_new_tokens:
                 raise RuntimeError(f"generated {output.tokens.shape[1]} tokens per sequence, expected {max_new_tokens}")
             model.train()

@@ -20,6 +20,10 @@ def test_smoke_times_every_path_for_both_shapes(bench, capsys):
                                                       ("fused_mlp", "-"), ("fused_mlp + lora_gemm", "default"))}
     assert {(r["shape"], r["path"], r["layout"]) for r in rows if r["table"] == "lora"} == lora
     assert {(r["shape"], r["path"], r["layout"]) for r in rows if r["table"] == "mlp"} == mlp
+    base = {(r["shape"].split(",")[0], r["path"], r["layout"]) for r in rows if r["table"] == "base"}
+    assert base == {(f"{n} rows", p, l) for n in (32, 64) for p, l in (("cublas", "-"), ("skinny", "32:264:2"),
+                                                                        ("skinny", "64:132:1"))}  # fmt: skip
+    assert len([r for r in rows if r["table"] == "base"]) == 2 * len(bench.PROJECTIONS) * 3
     attention = {(r["shape"], r["path"]) for r in rows if r["table"] == "attention"}
     assert attention == {(d, c) for d in ("200", "2000", "4096") for c in ("64:512:4:fixed", "32:256:8:live")}
     for row in rows:
@@ -27,9 +31,12 @@ def test_smoke_times_every_path_for_both_shapes(bench, capsys):
         if row["table"] == "attention":  # bf16 inputs against the float32 reference
             assert row["difference"] < 1e-2, row
             continue
+        if row["table"] == "base":  # on the CPU both are F.linear
+            assert row["difference"] == 0, row
+            continue
         # bf16 outputs: float32 summation order (and, in the MLP, the rounding of gate/up) may move one by an ulp
         assert row["difference"] <= (2**-5 if row["table"] == "lora" else 2**-3), row
-    assert sum(row["difference"] > 0 for row in rows if row["path"] not in ("reductions", "unfused")) > 0
+    assert sum(row["difference"] > 0 for row in rows if row["path"] not in ("reductions", "unfused", "cublas")) > 0
     out = capsys.readouterr().out
     assert "| reset-4 64 rows r64 all-linear | gemm | 64:132:1 |" in out and "| fused_mlp + lora_gemm |" in out
 

@@ -1,4 +1,5 @@
-"""`prorl_trl.rollout.lora_gemm`: the LoRA-product kernel's tiling, and the kernel against its torch reference.
+"""`prorl_trl.rollout.lora_gemm`: the LoRA-product kernel's tiling, and the kernel against its torch reference; the
+same kernel as `skinny_gemm.linear` runs it for 16-bit base projections, against `F.linear`'s function.
 
 The tiling on CPU; the kernel under Triton's CPU interpreter where Triton is installed (not in CI: the CPU torch does
 not bring it) and on CUDA (the device machine): ragged shapes, K split several ways (the last-arriving split sums the
@@ -84,13 +85,55 @@ def check_kernel(device: str) -> None:
                 assert torch.equal(static, first), "a graph replay differs: the arrival counters were not reset"
 
 
+def check_base_projection(device: str, dtype: torch.dtype) -> None:
+    """The same kernel as `skinny_gemm.linear` runs it: 16-bit weights (tensor cores), a bias, K split or not; equal to
+    `F.linear`'s function (float32 accumulation, bias added, rounded once) within one ulp; on CUDA graph replays."""
+    from prorl_trl.rollout.lora_gemm_triton import launch_lora_product
+
+    generator = torch.Generator().manual_seed(1)
+    cases = [(32, 96, 1000, True, None), (5, 40, 300, False, None), (32, 64, 512, True, (32, 32, 64, 128))]
+    if device == "cuda":  # Qwen2-0.5B's projections at the Initial shape: q/k/v (bias), o, gate/up, down
+        cases += [(32, 1152, 896, True, None), (32, 896, 896, False, None), (32, 9728, 896, False, None),
+                  (32, 896, 4864, False, None), (64, 896, 4864, False, None)]  # fmt: skip
+    for rows, outputs, depth, with_bias, layout in cases:
+        x = torch.randn(rows, depth, generator=generator).to(dtype).to(device)
+        weight = (torch.randn(outputs, depth, generator=generator) * depth**-0.5).to(dtype).to(device)
+        bias = (torch.randn(outputs, generator=generator) * 0.1).to(dtype).to(device) if with_bias else None
+        layout = layout or tile_layout(rows, outputs, depth)
+        got = launch_lora_product(x, weight, None, 1.0, layout, bias=bias, out_dtype=dtype)
+        assert torch.equal(launch_lora_product(x, weight, None, 1.0, layout, bias=bias, out_dtype=dtype), got)
+        want = x.float() @ weight.float().T + (0 if bias is None else bias.float())
+        assert got.dtype == dtype and got.shape == want.shape
+        torch.testing.assert_close(got.float(), want.to(dtype).float(), atol=1e-3, rtol=2**-7)
+        if device == "cuda":
+            torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), atol=1e-3, rtol=2**-7)
+
+
 @pytest.mark.skipif(not triton_available(), reason="Triton not installed (CPU torch); runs on the GPU machine")
 def test_kernel_matches_reference_in_triton_interpreter():
     from test_rollout_engine import run_check_in_triton_interpreter
 
-    run_check_in_triton_interpreter("test_lora_gemm", "check_kernel('cpu')")
+    run_check_in_triton_interpreter(  # bf16 products are wrong in Triton 3.6's interpreter: fp16 stands in for them
+        "test_lora_gemm", "check_kernel('cpu'); check_base_projection('cpu', torch.float16)"
+    )
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and triton_available()), reason="needs CUDA and Triton")
 def test_kernel_matches_reference_on_cuda_and_replays_from_a_graph():
     check_kernel("cuda")
+    check_base_projection("cuda", torch.bfloat16)
+
+
+def test_skinny_linear_applies_to_decode_steps_only(monkeypatch):
+    """`skinny_gemm.applies`: switched on, 16-bit weights with inputs of their dtype, at most `MAX_ROWS` rows; and
+    `linear` is `F.linear` wherever the kernel does not run (here, the CPU)."""
+    from prorl_trl.rollout import skinny_gemm
+
+    weight, bias = torch.randn(12, 8).to(torch.bfloat16), torch.randn(12).to(torch.bfloat16)
+    x = torch.randn(5, 1, 8).to(torch.bfloat16)
+    assert not skinny_gemm.applies(x, weight)  # off by default
+    monkeypatch.setattr(skinny_gemm, "SKINNY_BASE", True)
+    assert skinny_gemm.applies(x, weight)
+    assert not skinny_gemm.applies(x.float(), weight.float())  # float32: cuBLAS
+    assert not skinny_gemm.applies(torch.randn(65, 8).to(torch.bfloat16), weight)  # a prefill-sized input
+    assert torch.equal(skinny_gemm.linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias))

@@ -75,7 +75,8 @@ def test_graphs_follow_weights_like_generate(lora_model, products, monkeypatch):
     `.data` swap and a merge (recaptured), and each change changed the output (else the test proves nothing). With
     `products="gemm"` the LoRA products run as `lora_gemm` kernels (its concatenated A weights are rebuilt from the
     live storage on every replay); with "fused_mlp" the MLP's first half (up_proj adapted) is `fused_mlp`'s kernel;
-    with "live_splits" attention splits the live keys into shares (`decode_attention.LIVE_SPLITS`)."""
+    with "live_splits" attention splits the live keys into shares (`decode_attention.LIVE_SPLITS`). (`skinny_gemm`
+    takes 16-bit weights only: test_bf16_decode_step_with_each_kernel_switch.)"""
     from prorl_trl.rollout import decode_attention, fused_mlp, lora_gemm
 
     monkeypatch.setattr(lora_gemm, "MIN_ROWS", 1 if products == "gemm" else None)
@@ -118,6 +119,58 @@ def test_graphs_follow_full_fine_tuning_of_fused_weights():
     assert all(f is not None and f.holds() for f in parts.fused_qkv + parts.fused_gate_up)
     assert torch.equal(before, reference(model, input_ids, mask, config))
     train_then_generate(engine, model, tokenizer, list(model.parameters()), 0.05, before)
+
+
+@pytest.mark.parametrize("switch", ["lora_gemm", "fused_mlp", "live_splits", "skinny_base", "all"])
+@torch.no_grad()
+def test_bf16_decode_step_with_each_kernel_switch(switch, monkeypatch):
+    """A bf16 model with float32 LoRA adapters on q, k and up (as the recipe loads it): one decode step's logits and KV
+    writes with a kernel switch on equal the default path's within bf16 rounding, and the switch took effect."""
+    from peft import LoraConfig, get_peft_model
+
+    from prorl_trl.rollout import decode_attention, fused_mlp, lora_gemm, skinny_gemm
+    from prorl_trl.rollout.decoder import decode_logits, decoder_parts, refresh_fusions
+
+    model, _ = build_tiny(seed=0)
+    model = get_peft_model(model.cuda().to(torch.bfloat16),
+                           LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "up_proj"]))  # fmt: skip
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(parameter, std=0.05)
+    parts = decoder_parts(model.eval())
+    refresh_fusions(parts)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    batch, columns = 32, 300
+    shape = (batch, parts.num_kv_heads, columns, parts.head_dim)
+    caches = [torch.randn(2, *shape, device="cuda", generator=generator).to(torch.bfloat16) for _ in parts.layers]
+    tokens = torch.randint(3, 250, (batch,), device="cuda", generator=generator)
+    start = torch.randint(0, 40, (batch,), device="cuda", generator=generator)
+    write_index = torch.tensor([120], device="cuda")
+
+    def step():
+        keys, values = [cache[0].clone() for cache in caches], [cache[1].clone() for cache in caches]
+        return decode_logits(parts, tokens, start, write_index, keys, values)
+
+    default = step()
+    settings = {  # switch: (module, attribute, value, the op that must then run; None: the same op, other splits)
+        "lora_gemm": (lora_gemm, "MIN_ROWS", 1, "prorl_rollout::lora_product"),
+        "fused_mlp": (fused_mlp, "FUSED_MLP", True, "prorl_rollout::gated_activation"),
+        "live_splits": (decode_attention, "LIVE_SPLITS", True, None),
+        "skinny_base": (skinny_gemm, "SKINNY_BASE", True, "prorl_rollout::skinny_linear"),
+    }
+    expected_ops = set()
+    for name, (module, attribute, value, op) in settings.items():
+        if switch in (name, "all"):
+            monkeypatch.setattr(module, attribute, value)
+            expected_ops |= {op} - {None}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        switched = step()
+    ran = {event.key for event in profile.key_averages()}
+    assert expected_ops <= ran, expected_ops - ran  # the switch took effect
+    if switch == "live_splits":
+        assert not torch.equal(switched, default)  # other split boundaries, other float32 merge order
+    error = ((switched - default).norm() / default.norm()).item()
+    assert error < 2e-2, error
 
 
 def test_same_seed_same_tokens_with_and_without_graphs(lora_model):

@@ -13,15 +13,15 @@ longest completion (so at most the cap).
 
 What makes a new capture (`capture_reasons`, logged with its time): the batch size, cache length (prompt budget + cap),
 the sampler's static layout, the autocast dtype, the A/B switches (`lora_decode.FUSE_LORA`, `fused_weights.FUSE_BASE`,
-`lora_gemm.MIN_ROWS`, `fused_mlp.FUSED_MLP`, `decode_attention.LIVE_SPLITS`), the model's parameter storage (data
-pointers, shapes, dtypes: a LoRA rank/target change, `.data` swaps; the first call re-points q/k/v and gate/up into one
-allocation each, `decoder.refresh_fusions`) or LoRA state (merged, disabled, active adapter, scaling, variant, dropout,
-input casting), and the KV buffers' address: they are freed after every generation (so training gets the memory back, as
-with `generate`), and when the allocator hands them back elsewhere the graph is recaptured (no recompilation; in
-`benchmarks/step_time.py`'s trainer run at the Initial shape on an H100 it did not happen: 1 capture in 3 steps).
-Optimizer steps update parameters in place: the graph reads the live storage, no recapture. Values that change between
-calls (temperature, top_p, min_p, min_new_tokens, the seed, the prompts and their padding) are copied into tensors the
-graph reads.
+`lora_gemm.MIN_ROWS`, `fused_mlp.FUSED_MLP`, `decode_attention.LIVE_SPLITS`, `skinny_gemm.SKINNY_BASE`), the model's
+parameter storage (data pointers, shapes, dtypes: a LoRA rank/target change, `.data` swaps; the first call re-points
+q/k/v and gate/up into one allocation each, `decoder.refresh_fusions`) or LoRA state (merged, disabled, active adapter,
+scaling, variant, dropout, input casting), and the KV buffers' address: they are freed after every generation (so
+training gets the memory back, as with `generate`), and when the allocator hands them back elsewhere the graph is
+recaptured (no recompilation; in `benchmarks/step_time.py`'s trainer run at the Initial shape on an H100 it did not
+happen: 1 capture in 3 steps). Optimizer steps update parameters in place: the graph reads the live storage, no
+recapture. Values that change between calls (temperature, top_p, min_p, min_new_tokens, the seed, the prompts and their
+padding) are copied into tensors the graph reads.
 
 Off CUDA (or with `cuda_graphs=False`) the same step function runs eagerly, chunk by chunk: that is what the CPU
 tests exercise. Dropout active in train mode is refused (generation would apply it); with every dropout at 0 the loop
@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import decode_attention, fused_mlp, fused_weights, lora_decode, lora_gemm
+from . import decode_attention, fused_mlp, fused_weights, lora_decode, lora_gemm, skinny_gemm
 from .compiled import raise_recompile_limit
 from .decoder import (
     DecoderParts, UnsupportedModel, decode_logits, decoder_parts, generation_target, prefill, refresh_fusions,
@@ -165,6 +165,7 @@ class CaptureKey:
     lora_gemm_rows: int | None  # lora_gemm.MIN_ROWS, likewise
     fused_mlp: bool  # fused_mlp.FUSED_MLP, likewise
     live_splits: bool  # decode_attention.LIVE_SPLITS, likewise (read at capture)
+    skinny_base: bool  # skinny_gemm.SKINNY_BASE, likewise
 
 
 class CaptureRecord(NamedTuple):
@@ -412,6 +413,7 @@ class RolloutEngine:
             model=id(parts.model), cuda_graphs=use_graphs, fuse_lora=lora_decode.FUSE_LORA,
             fuse_base=fused_weights.FUSE_BASE, lora_gemm_rows=lora_gemm.MIN_ROWS,
             fused_mlp=fused_mlp.FUSED_MLP, live_splits=decode_attention.LIVE_SPLITS,
+            skinny_base=skinny_gemm.SKINNY_BASE,
         )  # fmt: skip
         kv_shape = (2, len(parts.layers), batch, parts.num_kv_heads, key.cache_len, parts.head_dim)
         if self._kv is None or self._kv.shape != kv_shape or self._kv.dtype != key.kv_dtype:

@@ -17,7 +17,7 @@ autocast) is called as a module. What it reads is covered by the engine's `model
 dynamo's guards recompile). Uncompiled (CPU tests, a failed compile) the products materialise
 `rows x rank x features` temporaries: small at decode sizes. Two kernels can take over, both off until measured on a
 GPU: `lora_gemm` (the products as tiled GEMMs that read each adapter once) and `fused_mlp` (the gated MLP's gate/up
-GEMMs, their B products and SiLU(gate) * up in one pass).
+GEMMs, their B products and SiLU(gate) * up in one pass); `skinny_gemm` likewise for the base projections.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import fused_mlp, lora_gemm
+from . import fused_mlp, lora_gemm, skinny_gemm
 from .fused_weights import FusedLinear
 
 FUSE_LORA = True  # False: every projection is called as a module (tests, A/B benchmarks); read when a step is traced
@@ -126,15 +126,15 @@ def project(
     factors = [lora_factors(module, x) for module in modules]
     whole = [factor is not None or type(module) is torch.nn.Linear for module, factor in zip(modules, factors)]
     if fused is not None and all(whole) and fused.members == tuple(base_linear(module) for module in modules):
-        bases = fused(x)
+        bases = list(skinny_gemm.linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1))
     else:
-        bases = [None if factor is None else module.base_layer(x) for module, factor in zip(modules, factors)]
+        bases = [None if factor is None else _linear(module.base_layer, x) for module, factor in zip(modules, factors)]
     outputs: list[torch.Tensor | None] = []
     for module, factor, base in zip(modules, factors, bases, strict=True):
         if factor is not None:
             outputs.append(None)  # PEFT's function, from the LoRA groups below
         else:
-            outputs.append(module(x) if base is None else base)  # a plain Linear's base output comes from `fused`
+            outputs.append(_linear(module, x) if base is None else base)  # a plain Linear's may come from `fused`
     groups: dict[tuple, list[int]] = {}  # fused together: same adapter dtype and same base output dtype
     for index, (module, factor) in enumerate(zip(modules, factors)):
         if factor is not None:
@@ -144,6 +144,13 @@ def project(
         for index, output in zip(members, adapted, strict=True):
             outputs[index] = output
     return outputs
+
+
+def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)`; a plain `Linear` through `skinny_gemm.linear` (its own function: `F.linear` unless switched on)."""
+    if type(module) is torch.nn.Linear:
+        return skinny_gemm.linear(x, module.weight, module.bias)
+    return module(x)
 
 
 def gated_mlp(mlp: torch.nn.Module, x: torch.Tensor, fused: FusedLinear | None = None) -> torch.Tensor:
