@@ -21,9 +21,10 @@ import torch
 from .decode_attention import triton_available
 
 MIN_ROWS: int | None = None  # products of at least this many rows go to the kernel; None: never
-# Tiling (not yet tuned on a GPU: benchmarks/decode_kernels.py sweeps these): outputs per tile, programs per launch
-# that splitting K aims at (2 per H100/H200 SM), and the fewest 64-wide K slices a split sums (the last split to
-# arrive reads every split's partial tile, so many thin splits make its merge the long pole).
+# Tiling, also `skinny_gemm`'s (not yet tuned on a GPU: benchmarks/decode_kernels.py sweeps these; read at each
+# launch, so at capture): outputs per tile, programs per launch that splitting K aims at (2 per H100/H200 SM), and the
+# fewest 64-wide K slices a split sums (the last split to arrive reads every split's partial tile, so many thin splits
+# make its merge the long pole).
 BLOCK_N = 32
 TARGET_PROGRAMS = 264
 MIN_SLICES_PER_SPLIT = 2
