@@ -171,7 +171,8 @@ def test_decode_logits_with_fused_bases_equal_separate_gemms(targets, monkeypatc
     assert all(f is not None for f in parts.fused_qkv + parts.fused_gate_up)
     calls = []
     original = fused_weights.FusedLinear.__call__
-    monkeypatch.setattr(fused_weights.FusedLinear, "__call__", lambda self, x: calls.append(self) or original(self, x))
+    monkeypatch.setattr(fused_weights.FusedLinear, "__call__",
+                        lambda self, x, **kwargs: calls.append(self) or original(self, x, **kwargs))  # fmt: skip
     fused = logits()
     assert len(calls) == 2 * len(parts.layers)  # every group ran as one GEMM
     torch.testing.assert_close(fused, separate, rtol=1e-5, atol=1e-5)

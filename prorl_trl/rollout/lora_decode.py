@@ -126,7 +126,7 @@ def project(
     factors = [lora_factors(module, x) for module in modules]
     whole = [factor is not None or type(module) is torch.nn.Linear for module, factor in zip(modules, factors)]
     if fused is not None and all(whole) and fused.members == tuple(base_linear(module) for module in modules):
-        bases = list(skinny_gemm.linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1))
+        bases = fused(x, linear=skinny_gemm.linear)
     else:
         bases = [None if factor is None else _linear(module.base_layer, x) for module, factor in zip(modules, factors)]
     outputs: list[torch.Tensor | None] = []
