@@ -172,6 +172,7 @@ def run_train(
     if plan.finished:
         if main:
             print(f"{plan.state.describe()}: nothing to do; nothing was changed.")
+        leave_process_group()  # every process read the same finished folder
         return 0
     if main:
         print(describe_recipe(recipe, world_size=int(os.environ.get("WORLD_SIZE", "1"))), flush=True)
