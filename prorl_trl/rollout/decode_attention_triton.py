@@ -117,12 +117,13 @@ def _merge_splits(
     tl.store(Out + out_rows, output.to(Out.dtype.element_ty), mask=(groups < GROUPS)[:, None])
 
 
-_ARRIVALS: dict[tuple[str, int], torch.Tensor] = {}  # per (device, programs' rows): zero between launches
+_ARRIVALS: dict[tuple[str, int], torch.Tensor] = {}  # per (device, count): zero between launches
 
 
-def _arrivals(device: torch.device, count: int) -> torch.Tensor:
-    """The arrival counters, allocated once per device and size (a launch leaves them at 0, so a CUDA graph can
-    replay it without a memset)."""
+def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    """Arrival counters for a split kernel's last-to-arrive merge, allocated once per device and size; a launch leaves
+    them at 0, so a CUDA graph replays it without a memset. Launches on one stream run one after another, so every
+    split kernel (this one, `lora_gemm_triton`'s) shares them."""
     key = (str(device), count)
     if key not in _ARRIVALS:
         _ARRIVALS[key] = torch.zeros(count, dtype=torch.int32, device=device)
@@ -151,7 +152,8 @@ def launch_gqa_decode(
     ieee = query.dtype == torch.float32
     output = torch.empty(batch, heads, head_dim, dtype=query.dtype, device=query.device)
     _split_kernel[(batch * kv_heads, num_splits)](
-        query, key_cache, value_cache, start, end, acc, maxima, sums, _arrivals(query.device, batch * kv_heads), output,
+        query, key_cache, value_cache, start, end, acc, maxima, sums,
+        arrival_counters(query.device, batch * kv_heads), output,
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         scale,

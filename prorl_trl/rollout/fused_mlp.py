@@ -18,12 +18,12 @@ Off until measured (`FUSED_MLP`): read when a step is traced, part of the engine
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 
 from .decode_attention import triton_available
+from .lora_gemm import power_of_two
 
 FUSED_MLP = False  # True: `lora_decode.gated_mlp` runs its first half as `gated_activation` where `applies`
 
@@ -75,7 +75,7 @@ def gated_activation(
 def tile_layout(rows: int, intermediate: int) -> tuple[int, int]:
     """`(BLOCK_M, BLOCK_N)`: row tiles up to 64; 32 gate (and 32 up) columns a program (152 programs for Qwen2-0.5B's
     4,864, about one per H100/H200 SM)."""
-    return max(16, min(64, 1 << max(0, math.ceil(math.log2(max(1, rows)))))), 32
+    return power_of_two(rows, 16, 64), 32
 
 
 @torch.library.custom_op("prorl_rollout::gated_activation", mutates_args=())

@@ -92,11 +92,8 @@ def _adapted(x: torch.Tensor, factors: Sequence[LoraFactors], bases: Sequence[to
     flat = x.reshape(-1, x.shape[-1])
     by_gemm = lora_gemm.applies(flat, [weight for factor in factors for weight in (factor.down, factor.up)])
     hidden = _lora_hidden(flat, factors, by_gemm)
-    outputs, offset = [], 0
-    for factor, base in zip(factors, bases, strict=True):
-        rank = factor.down.shape[0]
-        part = hidden[:, offset : offset + rank]  # lora_A(x) of this module
-        offset += rank
+    outputs = []
+    for factor, base, part in zip(factors, bases, _per_module(hidden, factors), strict=True):
         if by_gemm:  # B product, scaling, base addition and cast in one kernel
             rows = base.reshape(-1, base.shape[-1])
             outputs.append(lora_gemm.lora_product(part, factor.up, rows, factor.scaling).view(base.shape))
@@ -104,6 +101,11 @@ def _adapted(x: torch.Tensor, factors: Sequence[LoraFactors], bases: Sequence[to
             delta = (part[:, None, :] * factor.up).sum(-1) * factor.scaling  # lora_B(.) * scaling
             outputs.append((base + delta.view(base.shape)).to(base.dtype))  # added in the promoted dtype, as PEFT does
     return outputs
+
+
+def _per_module(hidden: torch.Tensor, factors: Sequence[LoraFactors]) -> tuple[torch.Tensor, ...]:
+    """`_lora_hidden`'s columns split back into each module's `lora_A(x)` (views)."""
+    return hidden.split([factor.down.shape[0] for factor in factors], dim=-1)
 
 
 def _lora_hidden(rows: torch.Tensor, factors: Sequence[LoraFactors], by_gemm: bool) -> torch.Tensor:
@@ -186,10 +188,6 @@ def _fused_gated_activation(mlp: torch.nn.Module, x: torch.Tensor, fused: FusedL
     deltas: list[fused_mlp.LoraDelta | None] = [None, None]
     if adapted:
         hidden = _lora_hidden(rows, adapted, lora_gemm.applies(rows, [factor.down for factor in adapted]))
-        offset = 0
-        for index, factor in enumerate(factors):
-            if factor is not None:
-                rank = factor.down.shape[0]
-                deltas[index] = fused_mlp.LoraDelta(hidden[:, offset : offset + rank], factor.up, factor.scaling)
-                offset += rank
+        per_module = iter(_per_module(hidden, adapted))
+        deltas = [None if f is None else fused_mlp.LoraDelta(next(per_module), f.up, f.scaling) for f in factors]
     return fused_mlp.gated_activation(rows, fused.weight, *deltas).view(*x.shape[:-1], -1)

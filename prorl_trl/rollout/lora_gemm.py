@@ -42,7 +42,8 @@ def applies(rows: torch.Tensor, weights: list[torch.Tensor]) -> bool:
     )
 
 
-def _power_of_two(value: int, low: int, high: int) -> int:
+def power_of_two(value: int, low: int, high: int) -> int:
+    """The smallest power of two >= `value`, clamped to `[low, high]` (a Triton block size)."""
     return max(low, min(high, 1 << max(0, math.ceil(math.log2(max(1, value))))))
 
 
@@ -50,8 +51,8 @@ def tile_layout(rows: int, outputs: int, depth: int) -> tuple[int, int, int, int
     """`(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT)`: row tiles up to 64, `BLOCK_N` outputs a tile, K in slices up to 64 wide,
     and K split (SPLIT columns a program, a multiple of BLOCK_K, at least `MIN_SLICES_PER_SPLIT` slices where K has
     them) until there are about `TARGET_PROGRAMS` programs."""
-    block_m = _power_of_two(rows, 16, 64)
-    block_k = _power_of_two(depth, 16, 64)
+    block_m = power_of_two(rows, 16, 64)
+    block_k = power_of_two(depth, 16, 64)
     tiles = math.ceil(rows / block_m) * math.ceil(outputs / BLOCK_N)
     slices = math.ceil(depth / block_k)
     splits = min(max(1, slices // MIN_SLICES_PER_SPLIT), max(1, math.ceil(TARGET_PROGRAMS / tiles)))

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .decode_attention_triton import arrival_counters
+
 
 @triton.jit
 def _finish(acc, Base, Bias, Out, rows, cols, M, N, stride_bm, stride_bn, scaling,
@@ -74,18 +76,6 @@ def _product_kernel(
             tl.atomic_xchg(Arrivals + tile, 0)  # ready for the next launch (or graph replay)
 
 
-_ARRIVALS: dict[tuple[str, int], torch.Tensor] = {}  # per (device, tiles): zero between launches
-
-
-def _arrivals(device: torch.device, count: int) -> torch.Tensor:
-    """Arrival counters, allocated once per device and size; a launch leaves them at 0 (graph replays need no memset).
-    Launches on one stream run one after another, so call sites can share them."""
-    key = (str(device), count)
-    if key not in _ARRIVALS:
-        _ARRIVALS[key] = torch.zeros(count, dtype=torch.int32, device=device)
-    return _ARRIVALS[key]
-
-
 def launch_lora_product(
     x: torch.Tensor, weight: torch.Tensor, base: torch.Tensor | None, scaling: float, layout: tuple[int, int, int, int],
     bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
@@ -104,8 +94,8 @@ def launch_lora_product(
     partial_size = tiles * grid[2] * block_m * block_n if grid[2] > 1 else 1
     partial = torch.empty(partial_size, dtype=torch.float32, device=x.device)
     _product_kernel[grid](
-        x, weight, out if base is None else base, out if bias is None else bias, partial, _arrivals(x.device, tiles),
-        out,
+        x, weight, out if base is None else base, out if bias is None else bias, partial,
+        arrival_counters(x.device, tiles), out,
         rows, outputs, x.stride(0), weight.stride(0),
         0 if base is None else base.stride(0), 0 if base is None else base.stride(1), scaling,
         K=depth, SPLIT=split, NUM_SPLITS=grid[2], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
