@@ -1,31 +1,27 @@
-"""GPU time of one decoder layer's LoRA products and MLP as the rollout engine runs them, per kernel choice.
+"""GPU time of one decoder layer's MLP and attention as the rollout engine runs them, per kernel choice.
 
-Two tables for one layer of the Qwen2-0.5B architecture (hidden 896, 2 KV heads of 64, MLP 4,864), each path
-compiled as the engine compiles its step and replayed from a CUDA graph, bf16 weights and float32 adapters, at the
-Initial phase (32 rows, r32 on q,k) and the seed's reset-4 shape (64 rows, r64 on all linear layers):
+For one layer of the Qwen2-0.5B architecture (hidden 896, 2 KV heads of 64, MLP 4,864), each path compiled as the
+engine compiles its step and replayed from a CUDA graph, bf16 weights and float32 adapters:
 
-1. LoRA products (`prorl_trl.rollout.lora_decode`, groups that share an input: q/k/v, o, gate/up, down; bf16 base
-   outputs as views of one fused projection output, as the engine's are):
-     reductions  `lora_gemm.MIN_ROWS = None`: inductor's broadcast-multiply-and-sum reductions (the engine's default)
-     gemm        `lora_gemm.MIN_ROWS = 1`: the tiled Triton kernel, for each tiling in `--layouts`
-     cublas      the same products as float32 `torch.matmul` (inductor calls cuBLAS; no TF32)
-2. The whole MLP (`lora_decode.gated_mlp` on transformers' `Qwen2MLP` with PEFT's LoRA layers injected where the shape
-   adapts it, gate/up base weights fused as the engine fuses them):
-     unfused     the engine's default: one cuBLAS GEMM for gate/up, LoRA products, SiLU * up, down_proj
-     fused_mlp   `fused_mlp.FUSED_MLP`: gate/up GEMMs, their LoRA B products and SiLU * up as one Triton kernel
-   each also with `lora_gemm` where the MLP has adapters.
-3. Base projections (q/k/v with bias, o, gate/up, down, the LM head) in bf16 at 32 and 64 rows: cuBLAS (`F.linear`)
-   vs `skinny_gemm.linear` (the same tiled kernel on tensor cores) for each tiling in `--layouts`.
-4. Attention (`decode_attention_triton`) at the Initial shape (32 rows, 14 query / 2 KV heads of 64, a 4,352-column
+1. The MLP (`lora_decode.gated_mlp` on transformers' `Qwen2MLP` with PEFT's LoRA layers injected where the shape
+   adapts it, gate/up base weights fused as the engine fuses them) at the Initial phase (32 rows, r32 on q,k: no
+   adapter in the MLP) and the seed's reset-4 shape (64 rows, r64 on all linear layers):
+     unfused     `fused_mlp.FUSED_MLP = False`: one cuBLAS GEMM for gate/up, LoRA products, SiLU * up, down_proj
+     fused_mlp   the default: gate/up GEMMs, their LoRA B products and SiLU * up as one Triton kernel where gate/up
+                 carry adapters; where they carry none the engine keeps the unfused path, and the row is the kernel
+                 called directly (the measurement behind that rule)
+2. Attention (`decode_attention_triton`) at the Initial shape (32 rows, 14 query / 2 KV heads of 64, a 4,352-column
    cache, left padding up to 100) with 200, 2,000 and 4,096 decoded tokens, per `--attention-configs`
-   (BLOCK_N:TARGET_PROGRAMS:NUM_WARPS:fixed|live; `live` = `decode_attention.LIVE_SPLITS`), relative error vs the
-   float32 reference.
-Every path's outputs are checked against the first row's of its shape (float32 rounding apart). Prints the tables.
+   (BLOCK_N:TARGET_PROGRAMS:NUM_WARPS:fixed|live; `live` = `decode_attention.LIVE_SPLITS`, the default), relative
+   error vs the float32 reference.
+Every MLP path's outputs are checked against the first row's of its shape (float32 rounding apart). Prints the tables.
+(The fourth session's LoRA-product GEMM and base-projection kernels lost to inductor's reductions and cuBLAS here and
+were removed: benchmarks/results/rollout_engine.md, fifth session.)
 
     python benchmarks/decode_kernels.py                      # one GPU
-    python benchmarks/decode_kernels.py --layouts 32:264:2,64:264:2,32:132:1,32:528:4
     python benchmarks/decode_kernels.py --smoke              # CPU, eager, no timing that means anything
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,64 +37,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _graph_timing import replay_microseconds  # noqa: E402
 
-from prorl_trl.rollout import fused_mlp, lora_decode, lora_gemm, skinny_gemm  # noqa: E402
+from prorl_trl.rollout import fused_mlp, lora_decode  # noqa: E402
 from prorl_trl.rollout.fused_weights import fuse_linears  # noqa: E402
-from prorl_trl.rollout.lora_decode import LoraFactors, base_linear  # noqa: E402
+from prorl_trl.rollout.lora_decode import base_linear  # noqa: E402
 
-HIDDEN, KV_WIDTH, MLP = 896, 128, 4864  # Qwen2-0.5B: q 896, k/v 2 x 64, gate/up/down 4,864
+HIDDEN, MLP = 896, 4864  # Qwen2-0.5B
 LAYERS = 24
-OUT_FEATURES = {"q": HIDDEN, "k": KV_WIDTH, "v": KV_WIDTH, "o": HIDDEN, "gate": MLP, "up": MLP, "down": HIDDEN}
-IN_FEATURES = {"q": HIDDEN, "k": HIDDEN, "v": HIDDEN, "o": HIDDEN, "gate": HIDDEN, "up": HIDDEN, "down": MLP}
-GROUPS = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))  # projections that share an input
-PROJECTIONS = {  # the base GEMMs of a decode step: (out, in, bias), q/k/v and gate/up fused as the engine fuses them
-    "qkv": (HIDDEN + 2 * KV_WIDTH, HIDDEN, True), "o": (HIDDEN, HIDDEN, False), "gate_up": (2 * MLP, HIDDEN, False),
-    "down": (HIDDEN, MLP, False), "lm_head": (151936, HIDDEN, False),
-}
 SHAPES = {  # name: (rows, rank, targets)
     "initial 32 rows r32 q,k": (32, 32, ("q", "k")),
     "reset-4 64 rows r64 all-linear": (64, 64, ("q", "k", "v", "o", "gate", "up", "down")),
 }
-
-
-def layer_inputs(rows: int, rank: int, targets: tuple[str, ...], device: torch.device) -> list[tuple]:
-    """Per group with adapters: (input, factors, base outputs), random, the bases views of one fused output."""
-    generator = torch.Generator(device="cpu").manual_seed(0)
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=generator) * scale).to(device)
-
-    groups = []
-    for names in GROUPS:
-        adapted = [name for name in names if name in targets]
-        if not adapted:
-            continue
-        x = randn(rows, 1, IN_FEATURES[names[0]]).to(torch.bfloat16)
-        factors = [LoraFactors(randn(rank, IN_FEATURES[n], scale=0.02), randn(OUT_FEATURES[n], rank, scale=0.02),
-                               2.0) for n in adapted]  # fmt: skip
-        fused = randn(rows, 1, sum(OUT_FEATURES[n] for n in adapted)).to(torch.bfloat16)
-        bases = list(fused.split([OUT_FEATURES[n] for n in adapted], dim=-1))
-        groups.append((x, factors, bases))
-    return groups
-
-
-def lora_products(groups: list[tuple]) -> list[torch.Tensor]:
-    """What the decode step runs for one layer's adapters (`lora_decode._adapted` per group)."""
-    return [out for x, factors, bases in groups for out in lora_decode._adapted(x, factors, bases)]
-
-
-def cublas_products(groups: list[tuple]) -> list[torch.Tensor]:
-    """The same function with float32 matmuls (cuBLAS under inductor)."""
-    outputs = []
-    for x, factors, bases in groups:
-        rows = x.reshape(-1, x.shape[-1]).float()
-        reduced = rows @ torch.cat([factor.down for factor in factors]).T
-        offset = 0
-        for factor, base in zip(factors, bases, strict=True):
-            rank = factor.down.shape[0]
-            delta = (reduced[:, offset : offset + rank] @ factor.up.T) * factor.scaling
-            offset += rank
-            outputs.append((base + delta.view(base.shape)).to(base.dtype))
-    return outputs
 
 
 def gated_mlp_layer(rows: int, rank: int, targets: tuple[str, ...], device: torch.device):
@@ -125,17 +73,13 @@ def gated_mlp_layer(rows: int, rank: int, targets: tuple[str, ...], device: torc
 
 
 @contextlib.contextmanager
-def switches(min_rows: int | None, layout: tuple[int, int, int] | None, whole_mlp: bool = False, skinny: bool = False):
-    saved = (lora_gemm.MIN_ROWS, lora_gemm.BLOCK_N, lora_gemm.TARGET_PROGRAMS, lora_gemm.MIN_SLICES_PER_SPLIT,
-             fused_mlp.FUSED_MLP, skinny_gemm.SKINNY_BASE)  # fmt: skip
-    lora_gemm.MIN_ROWS, fused_mlp.FUSED_MLP, skinny_gemm.SKINNY_BASE = min_rows, whole_mlp, skinny
-    if layout is not None:
-        lora_gemm.BLOCK_N, lora_gemm.TARGET_PROGRAMS, lora_gemm.MIN_SLICES_PER_SPLIT = layout
+def fused_mlp_switch(on: bool):
+    saved = fused_mlp.FUSED_MLP
+    fused_mlp.FUSED_MLP = on
     try:
         yield
     finally:
-        (lora_gemm.MIN_ROWS, lora_gemm.BLOCK_N, lora_gemm.TARGET_PROGRAMS, lora_gemm.MIN_SLICES_PER_SPLIT,
-         fused_mlp.FUSED_MLP, skinny_gemm.SKINNY_BASE) = saved  # fmt: skip
+        fused_mlp.FUSED_MLP = saved
 
 
 def time_path(function, argument, replays: int, graphs: bool) -> tuple[float, list[torch.Tensor]]:
@@ -162,27 +106,14 @@ def max_difference(outputs: list[torch.Tensor], reference: list[torch.Tensor]) -
     return max(float((a.float() - b.float()).abs().max()) for a, b in zip(outputs, reference, strict=True))
 
 
-def parse_layouts(text: str) -> list[tuple[int, int, int]]:
-    layouts = []
-    for item in text.split(","):
-        parts = item.split(":")
-        if len(parts) != 3 or not all(part.isdigit() and int(part) > 0 for part in parts):
-            raise SystemExit(f"--layouts: {item!r} is not BLOCK_N:TARGET_PROGRAMS:MIN_SLICES_PER_SPLIT (e.g. 32:264:2)")
-        layouts.append(tuple(int(part) for part in parts))
-    return layouts
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layouts", default="32:264:2,64:264:2,32:528:4",
-                        help="Kernel tilings to time, BLOCK_N:TARGET_PROGRAMS:MIN_SLICES_PER_SPLIT, comma-separated.")
     parser.add_argument("--attention-configs", default="64:512:4:fixed,64:512:4:live,32:512:4:live,128:512:4:live,"
                         "64:1024:4:live,64:512:8:live", help="Attention kernel settings to time, "
                         "BLOCK_N:TARGET_PROGRAMS:NUM_WARPS:fixed|live, comma-separated.")  # fmt: skip
     parser.add_argument("--replays", type=int, default=200, help="Graph replays per timing.")
     parser.add_argument("--smoke", action="store_true", help="CPU, eager: checks that the script runs (no timings).")
     args = parser.parse_args(argv)
-    layouts = parse_layouts(args.layouts)
     attention_configs = parse_attention_configs(args.attention_configs)
     graphs = not args.smoke
     if graphs and not torch.cuda.is_available():
@@ -192,65 +123,31 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"{name}, torch {torch.__version__}: one layer, x {LAYERS} layers for a decode step")
     rows = []
 
-    def report(table: str, shape: str, path: str, layout: str, micros: float, outputs, reference) -> None:
+    def report(table: str, shape: str, path: str, micros: float, outputs, reference) -> None:
         difference = max_difference(outputs, reference)
-        rows.append(dict(table=table, shape=shape, path=path, layout=layout, us=micros, difference=difference))
-        print(f"| {shape} | {path} | {layout} | {micros:.1f} | {micros * LAYERS / 1000:.3f} | {difference:.1e} |")
+        rows.append(dict(table=table, shape=shape, path=path, us=micros, difference=difference))
+        print(f"| {shape} | {path} | {micros:.1f} | {micros * LAYERS / 1000:.3f} | {difference:.1e} |")
 
-    header = ("| shape | path | BLOCK_N:TARGET:MIN_SLICES | us per layer | ms per step (x24) "
-              "| max abs diff vs first row |")
-    print("\n**LoRA products**\n\n" + header + "\n|---|---|---|---:|---:|---:|")
+    print("\n**The MLP** (`gated_mlp`)\n\n| shape | path | us per layer | ms per step (x24) "
+          "| max abs diff vs first row |\n|---|---|---:|---:|---:|")  # fmt: skip
     with torch.no_grad():
-        for shape, (batch, rank, targets) in SHAPES.items():
-            groups = layer_inputs(batch, rank, targets, device)
-            with switches(None, None):
-                micros, reference = time_path(lora_products, groups, args.replays, graphs)
-            report("lora", shape, "reductions", "-", micros, reference, reference)
-            micros, outputs = time_path(cublas_products, groups, args.replays, graphs)
-            report("lora", shape, "cublas", "-", micros, outputs, reference)
-            for layout in layouts:
-                with switches(1, layout):
-                    micros, outputs = time_path(lora_products, groups, args.replays, graphs)
-                report("lora", shape, "gemm", ":".join(map(str, layout)), micros, outputs, reference)
-
-        print("\n**The whole MLP** (`gated_mlp`)\n\n" + header + "\n|---|---|---|---:|---:|---:|")
         for shape, (batch, rank, targets) in SHAPES.items():
             mlp, fused, x = gated_mlp_layer(batch, rank, targets, device)
 
             def whole(argument, mlp=mlp, fused=fused):
                 return [lora_decode.gated_mlp(mlp, argument, fused)]
 
-            adapted = any(name in targets for name in ("gate", "up", "down"))
-            reference = None
-            paths = (("unfused", None, False), ("unfused + lora_gemm", 1, False),
-                     ("fused_mlp", None, True), ("fused_mlp + lora_gemm", 1, True))  # fmt: skip
-            for path, min_rows, whole_mlp in paths:
-                if min_rows is not None and not adapted:
-                    continue  # no adapter in the MLP: lora_gemm changes nothing
-                with switches(min_rows, None, whole_mlp):
-                    micros, outputs = time_path(whole, x, args.replays, graphs)
-                reference = outputs if reference is None else reference
-                report("mlp", shape, path, "default" if min_rows else "-", micros, outputs, reference)
+            def kernel_alone(argument, mlp=mlp, fused=fused):  # the kernel where the engine would not take it
+                rows = argument.reshape(-1, argument.shape[-1])
+                return [mlp.down_proj(fused_mlp.gated_activation(rows, fused.weight)).view(argument.shape)]
 
-        print("\n**Base projections** (bf16)\n\n" + header + "\n|---|---|---|---:|---:|---:|")
-        for batch in (32, 64):
-            for name, (outputs, depth, with_bias) in PROJECTIONS.items():
-                generator = torch.Generator(device="cpu").manual_seed(0)
-                weight = (torch.randn(outputs, depth, generator=generator) * depth**-0.5).to(device, torch.bfloat16)
-                bias = torch.randn(outputs, generator=generator).to(device, torch.bfloat16) if with_bias else None
-                x = torch.randn(batch, 1, depth, generator=generator).to(device, torch.bfloat16)
-
-                def base(argument, weight=weight, bias=bias):
-                    return [skinny_gemm.linear(argument, weight, bias)]
-
-                shape = f"{batch} rows, {name} {outputs}x{depth}"
-                with switches(None, None):
-                    micros, reference = time_path(base, x, args.replays, graphs)
-                report("base", shape, "cublas", "-", micros, reference, reference)
-                for layout in layouts:
-                    with switches(None, layout, skinny=True):
-                        micros, outputs_ = time_path(base, x, args.replays, graphs)
-                    report("base", shape, "skinny", ":".join(map(str, layout)), micros, outputs_, reference)
+            with fused_mlp_switch(False):
+                micros, reference = time_path(whole, x, args.replays, graphs)
+            report("mlp", shape, "unfused", micros, reference, reference)
+            adapted = any(name in targets for name in ("gate", "up"))
+            with fused_mlp_switch(True):
+                micros, outputs = time_path(whole if adapted else kernel_alone, x, args.replays, graphs)
+            report("mlp", shape, "fused_mlp" if adapted else "fused_mlp kernel (not taken)", micros, outputs, reference)
 
         print("\n**Attention** (32 rows, cache 4,352)\n")
         print("| decoded tokens | BLOCK_N:TARGET:WARPS:splits | keys a split | us per layer | ms per step (x24) "

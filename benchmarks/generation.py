@@ -17,16 +17,10 @@ GPU machine needs no TRL):
   rollout_engine_separate  A/B: rollout_engine with `fused_weights.FUSE_BASE` off (q/k/v and gate/up base projections
                        as separate GEMMs).
   rollout_engine_autotune  A/B: rollout_engine compiled with inductor's `max_autotune_gemm` (benchmarked GEMMs).
-  rollout_engine_lora_gemm  A/B: rollout_engine with `lora_gemm.MIN_ROWS` = 1 (LoRA products as the tiled Triton GEMM
-                       that reads each adapter once, instead of inductor's per-row reductions; off by default).
-  rollout_engine_fused_mlp  A/B: rollout_engine with `fused_mlp.FUSED_MLP` on (gate/up GEMMs, their LoRA B products and
-                       SiLU(gate) * up as one Triton kernel; off by default).
-  rollout_engine_lora_gemm_fused_mlp  A/B: both of the above.
-  rollout_engine_live_splits  A/B: rollout_engine with `decode_attention.LIVE_SPLITS` on (attention's splits over equal
-                       shares of each row's live keys instead of fixed column ranges; off by default).
-  rollout_engine_skinny  A/B: rollout_engine with `skinny_gemm.SKINNY_BASE` on (16-bit base projections as one Triton
-                       kernel each instead of cuBLAS; off by default).
-  rollout_engine_all   A/B: every switch above on at once.
+  rollout_engine_unfused_mlp  A/B: rollout_engine with `fused_mlp.FUSED_MLP` off (the gated MLP's gate/up GEMM,
+                       their LoRA B products and SiLU(gate) * up as separate kernels where gate/up carry adapters).
+  rollout_engine_fixed_splits  A/B: rollout_engine with `decode_attention.LIVE_SPLITS` off (attention's splits over
+                       fixed column ranges of the cache instead of equal shares of each row's live keys).
   continuous_batching  `model.generate_batch(prompt_ids, generation_config=..., continuous_batching_config=
                        ContinuousBatchingConfig(max_memory_percent=0.5))` as TRL's `use_transformers_continuous_batching`.
 Continuous batching runs last for each model: it reserves half the free GPU memory for its paged cache.
@@ -73,12 +67,8 @@ METHODS = (
     "rollout_engine_unfused",
     "rollout_engine_separate",
     "rollout_engine_autotune",
-    "rollout_engine_lora_gemm",
-    "rollout_engine_fused_mlp",
-    "rollout_engine_lora_gemm_fused_mlp",
-    "rollout_engine_live_splits",
-    "rollout_engine_skinny",
-    "rollout_engine_all",
+    "rollout_engine_unfused_mlp",
+    "rollout_engine_fixed_splits",
 )
 QWEN2_05B_EOS, QWEN2_05B_PAD = 151645, 151643
 
@@ -175,7 +165,7 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
     top_p = 1.0 if method == "static_compile_top_p1" else args.top_p
     config = trl_generation_config(args, max_new_tokens, eos, pad, top_p)
     if method.startswith("rollout_engine"):
-        from prorl_trl.rollout import decode_attention, fused_mlp, fused_weights, lora_decode, lora_gemm, skinny_gemm
+        from prorl_trl.rollout import decode_attention, fused_mlp, fused_weights, lora_decode
         from prorl_trl.rollout.engine import RolloutEngine
 
         cache_len = max(args.cache_len or 0, args.prompt_length + max_new_tokens)
@@ -183,20 +173,17 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
         engine = RolloutEngine(prompt_budget=cache_len - max_new_tokens, compile_options=options)
 
         def run_engine() -> int:
-            switches = (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, lora_gemm.MIN_ROWS, fused_mlp.FUSED_MLP,
-                        decode_attention.LIVE_SPLITS, skinny_gemm.SKINNY_BASE)  # fmt: skip
-            every = method == "rollout_engine_all"
+            switches = (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, fused_mlp.FUSED_MLP,
+                        decode_attention.LIVE_SPLITS)  # fmt: skip
             lora_decode.FUSE_LORA = method != "rollout_engine_unfused"  # the A/B switches
             fused_weights.FUSE_BASE = method != "rollout_engine_separate"
-            lora_gemm.MIN_ROWS = 1 if "_lora_gemm" in method or every else lora_gemm.MIN_ROWS
-            fused_mlp.FUSED_MLP = method.endswith("_fused_mlp") or every or fused_mlp.FUSED_MLP
-            decode_attention.LIVE_SPLITS = method == "rollout_engine_live_splits" or every or decode_attention.LIVE_SPLITS
-            skinny_gemm.SKINNY_BASE = method == "rollout_engine_skinny" or every or skinny_gemm.SKINNY_BASE
+            fused_mlp.FUSED_MLP = method != "rollout_engine_unfused_mlp" and fused_mlp.FUSED_MLP
+            decode_attention.LIVE_SPLITS = method != "rollout_engine_fixed_splits" and decode_attention.LIVE_SPLITS
             try:
                 output = engine.generate(model, input_ids, attention_mask, config)
             finally:
-                (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, lora_gemm.MIN_ROWS, fused_mlp.FUSED_MLP,
-                 decode_attention.LIVE_SPLITS, skinny_gemm.SKINNY_BASE) = switches  # fmt: skip
+                (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, fused_mlp.FUSED_MLP,
+                 decode_attention.LIVE_SPLITS) = switches  # fmt: skip
             if output.tokens.shape[1] != max_new_tokens:
                 raise RuntimeError(f"generated {output.tokens.shape[1]} tokens per sequence, expected {max_new_tokens}")
             model.train()

@@ -17,9 +17,7 @@ def test_smoke_run_measures_every_method_and_renders_the_table(bench, tmp_path, 
     expected = {(model, method) for model in ("base", "lora") for method in
                 ("trl_default", "static_compile", "static_compile_gqa", "static_compile_top_p1", "rollout_engine",
                  "rollout_engine_unfused", "rollout_engine_separate", "rollout_engine_autotune",
-                 "rollout_engine_lora_gemm", "rollout_engine_fused_mlp",
-                 "rollout_engine_lora_gemm_fused_mlp", "rollout_engine_live_splits", "rollout_engine_skinny",
-                 "rollout_engine_all")}
+                 "rollout_engine_unfused_mlp", "rollout_engine_fixed_splits")}
     assert {(row["model"], row["method"]) for row in rows} == expected
     for row in rows:
         assert "error" not in row, row

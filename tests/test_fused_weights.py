@@ -14,7 +14,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from prorl_trl.rollout import fused_weights, lora_decode
+from prorl_trl.rollout import fused_mlp, fused_weights, lora_decode
 from prorl_trl.rollout.decoder import decode_logits, decoder_parts, refresh_fusions
 from prorl_trl.tiny import build_tiny
 
@@ -147,7 +147,9 @@ def test_groups_that_do_not_fit_are_not_fused():
 @pytest.mark.parametrize("targets", [["q_proj", "k_proj"], "all-linear"], ids=str)
 @torch.no_grad()
 def test_decode_logits_with_fused_bases_equal_separate_gemms(targets, monkeypatch):
-    """The whole decode step, LoRA on top of fused bases, against the same step with every base its own GEMM."""
+    """The whole decode step, LoRA on top of fused bases, against the same step with every base its own GEMM. (With
+    gate/up adapted, `fused_mlp` would read the fused weight itself: off here, test_lora_decode covers it.)"""
+    monkeypatch.setattr(fused_mlp, "FUSED_MLP", False)
     torch.manual_seed(0)
     model = get_peft_model(build_tiny(seed=0)[0], LoraConfig(r=4, lora_alpha=8, target_modules=targets)).eval()
     for name, param in model.named_parameters():

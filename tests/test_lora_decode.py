@@ -3,8 +3,8 @@
 Real PEFT adapters on the tiny model, lora_B perturbed (a fresh adapter's B is zero and would hide any error): the
 fused projections equal calling the modules (float32: to 1e-6; bf16 base + PEFT's float32 adapters: within one bf16
 ulp, mostly identical), for q,k targets, all linear layers, and ranks and scalings that differ inside a group; layers
-the path cannot reproduce (DoRA, several active adapters, merged, disabled) are called as modules. The same with the
-products as `lora_gemm` GEMMs. `decode_logits` fused (reductions or GEMMs) equals unfused and traces without a graph
+the path cannot reproduce (DoRA, several active adapters, merged, disabled) are called as modules. The gated MLP as
+`fused_mlp`'s function where gate/up carry adapters. `decode_logits` fused equals unfused and traces without a graph
 break. About 15 s on 2 cores.
 """
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from prorl_trl.rollout import fused_mlp, lora_decode, lora_gemm
+from prorl_trl.rollout import fused_mlp, lora_decode
 from prorl_trl.rollout.decoder import decode_logits, decoder_parts, refresh_fusions
 from prorl_trl.tiny import build_tiny
 
@@ -51,11 +51,8 @@ def bf16_ulp(values: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("products", ["reductions", "gemm"])
 @torch.no_grad()
-def test_fused_projections_equal_peft_modules(case, dtype, products, monkeypatch):
-    """`products="gemm"`: the `lora_gemm` path (on CPU its torch reference; the kernel is tested in test_lora_gemm)."""
-    monkeypatch.setattr(lora_gemm, "MIN_ROWS", 1 if products == "gemm" else None)
+def test_fused_projections_equal_peft_modules(case, dtype):
     model = adapted_model(dtype, **CASES[case])
     generator = torch.Generator().manual_seed(1)
     fused = identical = compared = 0
@@ -89,15 +86,17 @@ def test_fused_projections_equal_peft_modules(case, dtype, products, monkeypatch
 @torch.no_grad()
 def test_fused_gated_activation_equals_the_mlp(case, dtype, monkeypatch):
     """`fused_mlp.FUSED_MLP` (on CPU its torch reference; the kernel is tested in test_fused_mlp): the MLP through
-    `gated_mlp` equals calling it, with and without LoRA on gate/up (ranks differing inside the group)."""
-    monkeypatch.setattr(fused_mlp, "FUSED_MLP", True)
+    `gated_mlp` equals calling it, with LoRA on gate/up (ranks differing inside the group: the fused path) and without
+    (the separate projections: cuBLAS won there)."""
+    assert fused_mlp.FUSED_MLP  # on by default
     model = adapted_model(dtype, **CASES[case])
     parts = decoder_parts(model)
     refresh_fusions(parts)
     generator = torch.Generator().manual_seed(3)
     for layer, fused in zip(parts.layers, parts.fused_gate_up, strict=True):
         x = torch.randn(5, 1, layer.mlp.gate_proj.in_features, generator=generator).to(dtype)
-        assert lora_decode._fused_gated_activation(layer.mlp, x, fused) is not None  # the fused path is taken
+        adapted = hasattr(layer.mlp.up_proj, "lora_A")
+        assert (lora_decode._fused_gated_activation(layer.mlp, x, fused) is not None) == adapted
         ours, reference = lora_decode.gated_mlp(layer.mlp, x, fused), layer.mlp(x)
         assert ours.dtype == reference.dtype and ours.shape == reference.shape
         if dtype == torch.float32:
@@ -165,10 +164,8 @@ def test_decode_logits_fused_equals_unfused_and_traces_whole(monkeypatch):
     unfused = step()
     monkeypatch.setattr(lora_decode, "FUSE_LORA", True)
     same_step_another_way(unfused, fused)
-    monkeypatch.setattr(lora_gemm, "MIN_ROWS", batch)  # the GEMM path (its torch reference on CPU)
-    same_step_another_way(step(), unfused)
-    monkeypatch.setattr(lora_gemm, "MIN_ROWS", batch + 1)  # fewer rows than the switch asks for: the reductions
-    assert torch.equal(step()[0], fused[0])
-    monkeypatch.setattr(fused_mlp, "FUSED_MLP", True)  # the MLP's first half as one function (reference on CPU)
-    refresh_fusions(parts)
+    refresh_fusions(parts)  # gate/up stored as one and adapted: the MLP's first half as `fused_mlp`'s function
+    mlp = parts.layers[0].mlp
+    assert lora_decode._fused_gated_activation(mlp, torch.zeros(batch, 1, mlp.gate_proj.in_features),
+                                               parts.fused_gate_up[0]) is not None  # fmt: skip
     same_step_another_way(step(), unfused)

@@ -22,7 +22,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from prorl_trl.rollout import decode_attention, fused_mlp, lora_decode, lora_gemm, skinny_gemm
+from prorl_trl.rollout import decode_attention, fused_mlp, lora_decode
 from prorl_trl.rollout.decode_attention import gqa_decode_attention_reference, triton_available
 from prorl_trl.rollout.engine import RolloutEngine, resolved_generation_config, unsupported_reason
 from prorl_trl.rollout.sampler import (
@@ -359,14 +359,10 @@ def test_recapture_decisions(tiny, monkeypatch):
     query.cast_input_dtype_enabled = True
     monkeypatch.setattr(lora_decode, "FUSE_LORA", False)
     assert any(r.startswith("fuse_lora") for r in reasons(base))
-    monkeypatch.setattr(lora_gemm, "MIN_ROWS", 1)
-    assert any(r.startswith("lora_gemm_rows None -> 1") for r in reasons(base))
-    monkeypatch.setattr(fused_mlp, "FUSED_MLP", True)
-    assert any(r.startswith("fused_mlp False -> True") for r in reasons(base))
-    monkeypatch.setattr(decode_attention, "LIVE_SPLITS", True)
-    assert any(r.startswith("live_splits False -> True") for r in reasons(base))
-    monkeypatch.setattr(skinny_gemm, "SKINNY_BASE", True)
-    assert any(r.startswith("skinny_base False -> True") for r in reasons(base))
+    monkeypatch.setattr(fused_mlp, "FUSED_MLP", False)
+    assert any(r.startswith("fused_mlp True -> False") for r in reasons(base))
+    monkeypatch.setattr(decode_attention, "LIVE_SPLITS", False)
+    assert any(r.startswith("live_splits True -> False") for r in reasons(base))
     model.delete_adapter("default")
     model.add_adapter("default", LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
     model.set_adapter("default")

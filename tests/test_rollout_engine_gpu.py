@@ -3,8 +3,8 @@
 A graph replays fixed addresses: it must follow in-place optimizer steps without a recapture, and recapture (not
 replay stale memory) after a `.data` swap or a LoRA merge. Also: the Triton split-K attention against the reference
 at the recipe's shapes, same seed -> same tokens (graph vs graph, graph vs the same compiled step without a graph), and
-the compiled sampler's distribution (16-way top-p search) against the exact warped distribution, and the LoRA
-products as `lora_gemm` kernels against `generate` (the kernel itself: test_lora_gemm). Skipped without a GPU
+the compiled sampler's distribution (16-way top-p search) against the exact warped distribution, and the kernel
+switches (`fused_mlp`, live attention splits) on and off against `generate`. Skipped without a GPU
 (CI); on the device machine: `python -m pytest -q tests/test_rollout_engine_gpu.py`.
 """
 
@@ -69,19 +69,16 @@ def train_then_generate(engine, model, tokenizer, params, lr: float, before: tor
     return updated
 
 
-@pytest.mark.parametrize("products", ["reductions", "gemm", "fused_mlp", "live_splits"])
-def test_graphs_follow_weights_like_generate(lora_model, products, monkeypatch):
+@pytest.mark.parametrize("switches", ["defaults", "unfused_mlp", "fixed_splits"])
+def test_graphs_follow_weights_like_generate(lora_model, switches, monkeypatch):
     """Greedy tokens equal `generate` (float32) after capture, after in-place AdamW steps (no recapture), after a
-    `.data` swap and a merge (recaptured), and each change changed the output (else the test proves nothing). With
-    `products="gemm"` the LoRA products run as `lora_gemm` kernels (its concatenated A weights are rebuilt from the
-    live storage on every replay); with "fused_mlp" the MLP's first half (up_proj adapted) is `fused_mlp`'s kernel;
-    with "live_splits" attention splits the live keys into shares (`decode_attention.LIVE_SPLITS`). (`skinny_gemm`
-    takes 16-bit weights only: test_bf16_decode_step_with_each_kernel_switch.)"""
-    from prorl_trl.rollout import decode_attention, fused_mlp, lora_gemm
+    `.data` swap and a merge (recaptured), and each change changed the output (else the test proves nothing). By
+    default the MLP's first half (up_proj adapted) is `fused_mlp`'s kernel and attention splits the live keys into
+    shares; each also switched off."""
+    from prorl_trl.rollout import decode_attention, fused_mlp
 
-    monkeypatch.setattr(lora_gemm, "MIN_ROWS", 1 if products == "gemm" else None)
-    monkeypatch.setattr(fused_mlp, "FUSED_MLP", products == "fused_mlp")
-    monkeypatch.setattr(decode_attention, "LIVE_SPLITS", products == "live_splits")
+    monkeypatch.setattr(fused_mlp, "FUSED_MLP", switches != "unfused_mlp")
+    monkeypatch.setattr(decode_attention, "LIVE_SPLITS", switches != "fixed_splits")
     model, tokenizer = lora_model
     input_ids, mask = inputs(tokenizer.pad_token_id)
     config = greedy_config(tokenizer)
@@ -121,14 +118,14 @@ def test_graphs_follow_full_fine_tuning_of_fused_weights():
     train_then_generate(engine, model, tokenizer, list(model.parameters()), 0.05, before)
 
 
-@pytest.mark.parametrize("switch", ["lora_gemm", "fused_mlp", "live_splits", "skinny_base", "all"])
+@pytest.mark.parametrize("switch", ["fused_mlp", "live_splits", "both"])
 @torch.no_grad()
 def test_bf16_decode_step_with_each_kernel_switch(switch, monkeypatch):
     """A bf16 model with float32 LoRA adapters on q, k and up (as the recipe loads it): one decode step's logits and KV
-    writes with a kernel switch on equal the default path's within bf16 rounding, and the switch took effect."""
+    writes with a kernel switch on equal those with it off within bf16 rounding, and the switch took effect."""
     from peft import LoraConfig, get_peft_model
 
-    from prorl_trl.rollout import decode_attention, fused_mlp, lora_gemm, skinny_gemm
+    from prorl_trl.rollout import decode_attention, fused_mlp
     from prorl_trl.rollout.decoder import decode_logits, decoder_parts, refresh_fusions
 
     model, _ = build_tiny(seed=0)
@@ -151,17 +148,17 @@ def test_bf16_decode_step_with_each_kernel_switch(switch, monkeypatch):
         keys, values = [cache[0].clone() for cache in caches], [cache[1].clone() for cache in caches]
         return decode_logits(parts, tokens, start, write_index, keys, values)
 
-    default = step()
-    settings = {  # switch: (module, attribute, value, the op that must then run; None: the same op, other splits)
-        "lora_gemm": (lora_gemm, "MIN_ROWS", 1, "prorl_rollout::lora_product"),
-        "fused_mlp": (fused_mlp, "FUSED_MLP", True, "prorl_rollout::gated_activation"),
-        "live_splits": (decode_attention, "LIVE_SPLITS", True, None),
-        "skinny_base": (skinny_gemm, "SKINNY_BASE", True, "prorl_rollout::skinny_linear"),
+    settings = {  # switch: (module, attribute, the op that must then run; None: the same op, other splits)
+        "fused_mlp": (fused_mlp, "FUSED_MLP", "prorl_rollout::gated_activation"),
+        "live_splits": (decode_attention, "LIVE_SPLITS", None),
     }
+    for module, attribute, _ in settings.values():
+        monkeypatch.setattr(module, attribute, False)
+    default = step()
     expected_ops = set()
-    for name, (module, attribute, value, op) in settings.items():
-        if switch in (name, "all"):
-            monkeypatch.setattr(module, attribute, value)
+    for name, (module, attribute, op) in settings.items():
+        if switch in (name, "both"):
+            monkeypatch.setattr(module, attribute, True)
             expected_ops |= {op} - {None}
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         switched = step()

@@ -20,10 +20,11 @@ import torch
 BLOCK_N = 64  # keys per inner iteration of the split kernel
 TARGET_PROGRAMS = 512  # programs per launch the split count aims at (about 4 per H100/H200 SM)
 NUM_WARPS = 4
-# Splits over equal shares of each row's live keys instead of fixed column ranges (`decode_attention_triton`): off
-# until measured on a GPU (A/B: benchmarks/decode_kernels.py, generation.py's `rollout_engine_live_splits`). Read at
-# each launch, so part of the engine's capture key.
-LIVE_SPLITS = False
+# Splits over equal shares of each row's live keys instead of fixed column ranges (`decode_attention_triton`). On: at
+# 32 rows x a 4,352-column cache on an H200, 14.0 -> 9.3 us a layer with 200 keys live, 18.7 -> 15.2 with 2,000, equal
+# at 4,096 (benchmarks/results/rollout_engine.md, fifth session). False only for the A/B (generation.py's
+# `rollout_engine_fixed_splits`). Read at each launch, so part of the engine's capture key.
+LIVE_SPLITS = True
 
 
 def gqa_decode_attention_reference(

@@ -123,7 +123,7 @@ _ARRIVALS: dict[tuple[str, int], torch.Tensor] = {}  # per (device, count): zero
 def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
     """Arrival counters for a split kernel's last-to-arrive merge, allocated once per device and size; a launch leaves
     them at 0, so a CUDA graph replays it without a memset. Launches on one stream run one after another, so every
-    split kernel (this one, `lora_gemm_triton`'s) shares them."""
+    split kernel shares them."""
     key = (str(device), count)
     if key not in _ARRIVALS:
         _ARRIVALS[key] = torch.zeros(count, dtype=torch.int32, device=device)

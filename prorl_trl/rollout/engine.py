@@ -13,7 +13,7 @@ longest completion (so at most the cap).
 
 What makes a new capture (`capture_reasons`, logged with its time): the batch size, cache length (prompt budget + cap),
 the sampler's static layout, the autocast dtype, the A/B switches (`lora_decode.FUSE_LORA`, `fused_weights.FUSE_BASE`,
-`lora_gemm.MIN_ROWS`, `fused_mlp.FUSED_MLP`, `decode_attention.LIVE_SPLITS`, `skinny_gemm.SKINNY_BASE`), the model's
+`fused_mlp.FUSED_MLP`, `decode_attention.LIVE_SPLITS`), the model's
 parameter storage (data pointers, shapes, dtypes: a LoRA rank/target change, `.data` swaps; the first call re-points
 q/k/v and gate/up into one allocation each, `decoder.refresh_fusions`) or LoRA state (merged, disabled, active adapter,
 scaling, variant, dropout, input casting), and the KV buffers' address: they are freed after every generation (so
@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import decode_attention, fused_mlp, fused_weights, lora_decode, lora_gemm, skinny_gemm
+from . import decode_attention, fused_mlp, fused_weights, lora_decode
 from .compiled import raise_recompile_limit
 from .decoder import (
     DecoderParts, UnsupportedModel, decode_logits, decoder_parts, generation_target, prefill, refresh_fusions,
@@ -162,10 +162,8 @@ class CaptureKey:
     cuda_graphs: bool
     fuse_lora: bool  # lora_decode.FUSE_LORA when traced (A/B benchmarks flip it)
     fuse_base: bool  # fused_weights.FUSE_BASE, likewise
-    lora_gemm_rows: int | None  # lora_gemm.MIN_ROWS, likewise
     fused_mlp: bool  # fused_mlp.FUSED_MLP, likewise
     live_splits: bool  # decode_attention.LIVE_SPLITS, likewise (read at capture)
-    skinny_base: bool  # skinny_gemm.SKINNY_BASE, likewise
 
 
 class CaptureRecord(NamedTuple):
@@ -411,9 +409,8 @@ class RolloutEngine:
             device=str(device), batch=batch, cache_len=self.prompt_budget + chunks * self.steps_per_graph,
             chunks=chunks, layout=settings.layout, kv_dtype=prompt_kv[0][0].dtype, autocast_dtype=autocast_dtype,
             model=id(parts.model), cuda_graphs=use_graphs, fuse_lora=lora_decode.FUSE_LORA,
-            fuse_base=fused_weights.FUSE_BASE, lora_gemm_rows=lora_gemm.MIN_ROWS,
-            fused_mlp=fused_mlp.FUSED_MLP, live_splits=decode_attention.LIVE_SPLITS,
-            skinny_base=skinny_gemm.SKINNY_BASE,
+            fuse_base=fused_weights.FUSE_BASE, fused_mlp=fused_mlp.FUSED_MLP,
+            live_splits=decode_attention.LIVE_SPLITS,
         )  # fmt: skip
         kv_shape = (2, len(parts.layers), batch, parts.num_kv_heads, key.cache_len, parts.head_dim)
         if self._kv is None or self._kv.shape != kv_shape or self._kv.dtype != key.kv_dtype:

@@ -12,8 +12,11 @@ rounded to the weights' dtype), each LoRA delta `(h @ B.T) * scaling` in float32
 (PEFT's `lora.Linear.forward`), then `SiLU(gate) * up` in float32 rounded once, as inductor fuses the MLP's
 `act_fn(gate) * up`. Only summation orders differ from the unfused step.
 
-Off until measured (`FUSED_MLP`): read when a step is traced, part of the engine's capture key; the A/B method is
-`benchmarks/generation.py`'s `rollout_engine_fused_mlp`.
+Measured on an H200 (benchmarks/results/rollout_engine.md, fifth session): at the reset-4 shape (64 rows, r64 on all
+linear layers) the MLP took 60.9 instead of 87.0 us a layer, and the whole decode loop 13,217 -> 15,192 tokens/s; on
+(`FUSED_MLP`) where gate or up carries an adapter (`lora_decode` decides; without one cuBLAS's GEMM was faster). Read
+when a step is traced, part of the engine's capture key; the A/B method is `benchmarks/generation.py`'s
+`rollout_engine_unfused_mlp`.
 """
 
 from __future__ import annotations
@@ -23,9 +26,8 @@ from typing import NamedTuple
 import torch
 
 from .decode_attention import triton_available
-from .lora_gemm import power_of_two
 
-FUSED_MLP = False  # True: `lora_decode.gated_mlp` runs its first half as `gated_activation` where `applies`
+FUSED_MLP = True  # `lora_decode.gated_mlp` runs its first half as `gated_activation` where that is its function
 
 
 class LoraDelta(NamedTuple):
@@ -70,6 +72,11 @@ def gated_activation(
             up.hidden if up else empty, up.up if up else empty, up.scaling if up else 0.0,
         )  # fmt: skip
     return gated_activation_reference(x, weight, gate, up)
+
+
+def power_of_two(n: int, low: int, high: int) -> int:
+    """The smallest power of two >= n, clamped to [low, high] (Triton block sizes)."""
+    return min(max(low, 1 << max(n - 1, 0).bit_length()), high)
 
 
 def tile_layout(rows: int, intermediate: int) -> tuple[int, int]:

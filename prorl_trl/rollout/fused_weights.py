@@ -18,7 +18,7 @@ and `torch.save` keeps views as views; tests/test_fused_weights.py checks both r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -43,10 +43,9 @@ class FusedLinear:
             for member, offset in zip(self.members, _offsets(self.sizes), strict=True)
         )
 
-    def __call__(self, x: torch.Tensor, linear: Callable = torch.nn.functional.linear) -> list[torch.Tensor]:
-        """Each member's `linear(x)`, from one GEMM (split along the last dimension, no copies); `linear`: what runs
-        the GEMM, `F.linear`'s signature (the decode step passes `skinny_gemm.linear`)."""
-        return list(linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each member's `linear(x)`, from one GEMM (split along the last dimension, no copies)."""
+        return list(torch.nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
 
 
 def _offsets(sizes: Sequence[int]) -> list[int]:

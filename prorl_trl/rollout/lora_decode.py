@@ -15,9 +15,8 @@ cuBLAS (fp32 rounding; no TF32). `lora_factors` takes this path only where that 
 other layer (DoRA and other variants, several active adapters, merged or disabled adapters, bias, train-mode dropout,
 autocast) is called as a module. What it reads is covered by the engine's `model_fingerprint` (a change recaptures;
 dynamo's guards recompile). Uncompiled (CPU tests, a failed compile) the products materialise
-`rows x rank x features` temporaries: small at decode sizes. Two kernels can take over, both off until measured on a
-GPU: `lora_gemm` (the products as tiled GEMMs that read each adapter once) and `fused_mlp` (the gated MLP's gate/up
-GEMMs, their B products and SiLU(gate) * up in one pass); `skinny_gemm` likewise for the base projections.
+`rows x rank x features` temporaries: small at decode sizes. Where gate/up carry adapters, the MLP's first half is
+`fused_mlp`'s one kernel instead (gate/up GEMMs, their B products and SiLU(gate) * up in one pass).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import fused_mlp, lora_gemm, skinny_gemm
+from . import fused_mlp
 from .fused_weights import FusedLinear
 
 FUSE_LORA = True  # False: every projection is called as a module (tests, A/B benchmarks); read when a step is traced
@@ -88,18 +87,13 @@ def _adapted(x: torch.Tensor, factors: Sequence[LoraFactors], bases: Sequence[to
     then per module the B product, one reduction with the scaling, the base output's addition and the cast fused.
     (Laid out weight-major instead, `(weight rows, batch rows)`, inductor's kernels were slower: 2.02 -> 2.09 ms a
     step at 32 x 4,096 and 4.47 -> 5.73 at 64 x 6,144 with r64 all-linear on an H100,
-    benchmarks/results/rollout_engine.md.) Where `lora_gemm.applies`, the products are its GEMMs instead."""
-    flat = x.reshape(-1, x.shape[-1])
-    by_gemm = lora_gemm.applies(flat, [weight for factor in factors for weight in (factor.down, factor.up)])
-    hidden = _lora_hidden(flat, factors, by_gemm)
+    benchmarks/results/rollout_engine.md; so were these products as a tiled Triton GEMM that reads each adapter once:
+    9.1 -> 16.8 us a layer at 32 rows, 74.9 -> 118 at the reset-4 shape on an H200, fifth session.)"""
+    hidden = _lora_hidden(x.reshape(-1, x.shape[-1]), factors)
     outputs = []
     for factor, base, part in zip(factors, bases, _per_module(hidden, factors), strict=True):
-        if by_gemm:  # B product, scaling, base addition and cast in one kernel
-            rows = base.reshape(-1, base.shape[-1])
-            outputs.append(lora_gemm.lora_product(part, factor.up, rows, factor.scaling).view(base.shape))
-        else:
-            delta = (part[:, None, :] * factor.up).sum(-1) * factor.scaling  # lora_B(.) * scaling
-            outputs.append((base + delta.view(base.shape)).to(base.dtype))  # added in the promoted dtype, as PEFT does
+        delta = (part[:, None, :] * factor.up).sum(-1) * factor.scaling  # lora_B(.) * scaling
+        outputs.append((base + delta.view(base.shape)).to(base.dtype))  # added in the promoted dtype, as PEFT does
     return outputs
 
 
@@ -108,13 +102,9 @@ def _per_module(hidden: torch.Tensor, factors: Sequence[LoraFactors]) -> tuple[t
     return hidden.split([factor.down.shape[0] for factor in factors], dim=-1)
 
 
-def _lora_hidden(rows: torch.Tensor, factors: Sequence[LoraFactors], by_gemm: bool) -> torch.Tensor:
-    """Every `lora_A(x)` side by side, `(rows, sum of ranks)` in the adapters' dtype: one product over the
-    concatenated A weights (`by_gemm`: `lora_gemm.lora_product`, which casts the input itself; else a reduction, the
-    `torch.cat` fused into its loads)."""
-    if by_gemm:
-        down = torch.cat([factor.down for factor in factors]) if len(factors) > 1 else factors[0].down
-        return lora_gemm.lora_product(rows, down)
+def _lora_hidden(rows: torch.Tensor, factors: Sequence[LoraFactors]) -> torch.Tensor:
+    """Every `lora_A(x)` side by side, `(rows, sum of ranks)` in the adapters' dtype: one reduction over the
+    concatenated A weights (the `torch.cat` fused into its loads)."""
     down = torch.cat([factor.down for factor in factors])  # (sum of ranks, in_features)
     return (rows.to(factors[0].down.dtype)[:, None, :] * down).sum(-1)
 
@@ -128,15 +118,15 @@ def project(
     factors = [lora_factors(module, x) for module in modules]
     whole = [factor is not None or type(module) is torch.nn.Linear for module, factor in zip(modules, factors)]
     if fused is not None and all(whole) and fused.members == tuple(base_linear(module) for module in modules):
-        bases = fused(x, linear=skinny_gemm.linear)
+        bases = fused(x)
     else:
-        bases = [None if factor is None else _linear(module.base_layer, x) for module, factor in zip(modules, factors)]
+        bases = [None if factor is None else module.base_layer(x) for module, factor in zip(modules, factors)]
     outputs: list[torch.Tensor | None] = []
     for module, factor, base in zip(modules, factors, bases, strict=True):
         if factor is not None:
             outputs.append(None)  # PEFT's function, from the LoRA groups below
         else:
-            outputs.append(_linear(module, x) if base is None else base)  # a plain Linear's may come from `fused`
+            outputs.append(module(x) if base is None else base)  # a plain Linear's may come from `fused`
     groups: dict[tuple, list[int]] = {}  # fused together: same adapter dtype and same base output dtype
     for index, (module, factor) in enumerate(zip(modules, factors)):
         if factor is not None:
@@ -148,16 +138,9 @@ def project(
     return outputs
 
 
-def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`module(x)`; a plain `Linear` through `skinny_gemm.linear` (its own function: `F.linear` unless switched on)."""
-    if type(module) is torch.nn.Linear:
-        return skinny_gemm.linear(x, module.weight, module.bias)
-    return module(x)
-
-
 def gated_mlp(mlp: torch.nn.Module, x: torch.Tensor, fused: FusedLinear | None = None) -> torch.Tensor:
     """The Llama/Qwen MLP's forward, `down(act(gate(x)) * up(x))`, with gate and up projected together (`fused`: their
-    base layers stored as one; with `fused_mlp.FUSED_MLP`, the whole first half one kernel where it applies); an MLP
+    base layers stored as one; where gate/up carry adapters, the whole first half `fused_mlp`'s one kernel); an MLP
     without that layout is called as a module."""
     if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         return mlp(x)
@@ -171,7 +154,9 @@ def gated_mlp(mlp: torch.nn.Module, x: torch.Tensor, fused: FusedLinear | None =
 def _fused_gated_activation(mlp: torch.nn.Module, x: torch.Tensor, fused: FusedLinear | None) -> torch.Tensor | None:
     """`act_fn(gate(x)) * up(x)` as `fused_mlp.gated_activation` where that is exactly this MLP's function (switched
     on, SiLU, gate/up base weights stored as one without biases, each projection a plain `Linear` or a LoRA layer
-    `lora_factors` reproduces with float32 adapters); None otherwise (the caller runs the projections)."""
+    `lora_factors` reproduces with float32 adapters, at least one of them adapted); None otherwise (the caller runs the
+    projections). Without adapters the kernel lost to cuBLAS's GEMM + inductor's SiLU * up (14.8 -> 17.5 us a layer at
+    32 rows on an H200); with them it won (87.0 -> 60.9 us at the reset-4 shape)."""
     modules = (mlp.gate_proj, mlp.up_proj)
     if not fused_mlp.FUSED_MLP or fused is None or fused.bias is not None or not fused_mlp.is_silu(mlp.act_fn):
         return None
@@ -185,9 +170,8 @@ def _fused_gated_activation(mlp: torch.nn.Module, x: torch.Tensor, fused: FusedL
             return None
     rows = x.reshape(-1, x.shape[-1])
     adapted = [factor for factor in factors if factor is not None]
-    deltas: list[fused_mlp.LoraDelta | None] = [None, None]
-    if adapted:
-        hidden = _lora_hidden(rows, adapted, lora_gemm.applies(rows, [factor.down for factor in adapted]))
-        per_module = iter(_per_module(hidden, adapted))
-        deltas = [None if f is None else fused_mlp.LoraDelta(next(per_module), f.up, f.scaling) for f in factors]
+    if not adapted:
+        return None
+    per_module = iter(_per_module(_lora_hidden(rows, adapted), adapted))
+    deltas = [None if f is None else fused_mlp.LoraDelta(next(per_module), f.up, f.scaling) for f in factors]
     return fused_mlp.gated_activation(rows, fused.weight, *deltas).view(*x.shape[:-1], -1)
