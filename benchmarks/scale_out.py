@@ -68,7 +68,7 @@ GPU_CASES = [
     ("single", 1, ("full", "lora"), 80),
     ("zero3", 4, ("memory", "full", "lora"), 150),  # memory first: a fresh process measures only itself
     ("fsdp2", 4, ("memory", "full", "lora"), 150),
-    ("ddp", 4, ("memory",), 150),  # timed out on 4 x H100 (call 6) and 2 x H100 (call 7): see save_model_once
+    ("ddp", 4, ("memory",), 150),  # hung in calls 6-7 (a save race, fixed: save_model_once); ran on 2 GPUs in call 8
     ("ddp", 2, ("memory",), 150),  # the same per-GPU figure where only 2 GPUs are lent (DDP replicates everything)
     ("zero2", 2, ("full", "lora"), 100),
     ("zero3", 2, ("memory7b",), 420),  # needs 2 x H200 (see the module docstring)
@@ -422,6 +422,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def launch_devices(processes: int, visible: str | None) -> str | None:
+    """`CUDA_VISIBLE_DEVICES` for one launch: the first `processes` of the GPUs this driver may use (all of the host's
+    when unset), so two drivers can share a 4-GPU host; None when fewer are visible."""
+    devices = [str(i) for i in range(processes)] if visible is None else [d for d in visible.split(",") if d.strip()]
+    return ",".join(devices[:processes]) if len(devices) >= processes else None
+
+
 def launch(engine: str, processes: int, modes: tuple, smoke: bool, out: Path, workdir: Path, timeout: float,
            memory_tokens: int, log: Path) -> str | None:
     """One `accelerate launch` of the worker, its output in `log`; returns None, or why it failed (and prints the
@@ -435,7 +442,10 @@ def launch(engine: str, processes: int, modes: tuple, smoke: bool, out: Path, wo
     command += ["--mixed_precision", "no"] if smoke else []
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     if not smoke:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(processes))
+        devices = launch_devices(processes, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if devices is None:
+            return f"needs {processes} GPUs, CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} lists fewer"
+        env["CUDA_VISIBLE_DEVICES"] = devices
     else:
         env["CUDA_VISIBLE_DEVICES"] = ""
     print(f"$ [{engine} x{processes} {','.join(modes)}]", " ".join(command + tail), flush=True)

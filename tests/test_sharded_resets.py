@@ -311,3 +311,14 @@ def test_memory_runs_build_the_recipes_model_sizes():
     row = {"engine": "zero3", "processes": 2, "mode": "memory7b", "median_step_s": 1.0, "completions_per_s": 1.0,
            "peak_allocated_gb": 1.0, "peak_reserved_gb": 2.0}  # a rendering check, not a measurement
     assert "| zero3 | 2 | memory 7B full FT, beta 0.001 |" in scale_out.table([row], [], smoke=False, started=0.0)
+
+
+def test_scale_out_driver_launches_on_its_own_gpus():
+    """Two drivers can share a 4-GPU host: each launch takes the first N of its driver's `CUDA_VISIBLE_DEVICES`
+    (all of the host's when unset), and a case that needs more GPUs than that is refused, not run on others."""
+    scale_out = load_benchmark("scale_out")
+    assert scale_out.launch_devices(2, None) == "0,1"
+    assert scale_out.launch_devices(2, "2,3") == "2,3"
+    assert scale_out.launch_devices(1, "3, 2") == "3"
+    assert scale_out.launch_devices(4, "2,3") is None
+    assert scale_out.launch_devices(1, "") is None  # no GPU visible
