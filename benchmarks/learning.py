@@ -289,6 +289,11 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def two_standard_errors(a: float, b: float, problems: int) -> float:
+    """Two standard errors of the difference of two pass rates, each problem one Bernoulli trial (conservative)."""
+    return 2 * math.sqrt((a * (1 - a) + b * (1 - b)) / problems)
+
+
 def render_table(r: dict) -> str:
     """One header and one row per generation path (`r["runs"]`; results from before it are one run at the top level)."""
     runs = r.get("runs") or [r]
@@ -304,8 +309,8 @@ def render_table(r: dict) -> str:
             100 * (run["a_final_pass@1"] - run["warm_start_pass@1"]),
             100 * (run["b_final_pass@1"] - run["warm_start_pass@1"]),
         )
-        a, b, n = run["a_final_pass@1"], run["b_final_pass@1"], r["validation_problems"]
-        two_se = 2 * math.sqrt((a * (1 - a) + b * (1 - b)) / n)
+        a, b = run["a_final_pass@1"], run["b_final_pass@1"]
+        two_se = two_standard_errors(a, b, r["validation_problems"])
         if a - b > two_se:
             verdict = f"yes, {100 * (a - b):+.1f} pts (2 s.e. {100 * two_se:.1f})"
         elif b - a > two_se:
@@ -325,7 +330,7 @@ def render_table(r: dict) -> str:
         lines.append("")
         for key, label in (("a", "(a)"), ("b", "(b)")):
             first, other = runs[0][f"{key}_final_pass@1"], run[f"{key}_final_pass@1"]
-            two_se = 2 * math.sqrt((first * (1 - first) + other * (1 - other)) / r["validation_problems"])
+            two_se = two_standard_errors(first, other, r["validation_problems"])
             same = "within noise" if abs(other - first) <= two_se else "NOT within noise"
             lines.append(
                 f"{label} {run['generation']} vs {runs[0]['generation']}: {100 * (other - first):+.1f} pts "

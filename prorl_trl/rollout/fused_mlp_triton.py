@@ -9,17 +9,9 @@ returns), adds each LoRA delta `(hidden @ B.T) * scaling` in IEEE float32 and ro
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
-
-
-class _Delta(NamedTuple):  # `fused_mlp.LoraDelta`'s fields (that module imports this one: no import back)
-    hidden: torch.Tensor
-    up: torch.Tensor
-    scaling: float
 
 
 @triton.jit
@@ -71,7 +63,7 @@ def _gated_kernel(
     tl.store(Out + rows[:, None] * N + cols[None, :], activated.to(Out.dtype.element_ty), mask=inside)
 
 
-def _rank_block(delta: _Delta | None) -> tuple[int, int]:
+def _rank_block(delta) -> tuple[int, int]:
     if delta is None:
         return 0, 16
     rank = delta.up.shape[1]
@@ -79,8 +71,7 @@ def _rank_block(delta: _Delta | None) -> tuple[int, int]:
 
 
 def launch_gated_activation(
-    x: torch.Tensor, weight: torch.Tensor, gate: tuple | None, up: tuple | None, layout: tuple[int, int],
-    block_k: int = 128,
+    x: torch.Tensor, weight: torch.Tensor, gate, up, layout: tuple[int, int], block_k: int = 128
 ) -> torch.Tensor:
     """`x (rows, in)` with unit stride along `in`; `weight (2 x intermediate, in)` contiguous, gate rows first; LoRA
     `hidden (rows, rank)` float32 with unit stride along `rank`, `up (intermediate, rank)` float32 contiguous (each a
@@ -90,14 +81,12 @@ def launch_gated_activation(
     if x.stride(1) != 1:
         x = x.contiguous()
     weight = weight.contiguous()
-    deltas = []
-    for delta in (gate, up):
-        if delta is not None:
-            hidden, up_weight, scaling = delta
-            hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
-            delta = _Delta(hidden, up_weight.contiguous(), float(scaling))
-        deltas.append(delta)
-    gate, up = deltas
+    gate, up = (
+        None if d is None
+        else d._replace(hidden=d.hidden if d.hidden.stride(1) == 1 else d.hidden.contiguous(), up=d.up.contiguous(),
+                        scaling=float(d.scaling))
+        for d in (gate, up)
+    )  # fmt: skip
     (gate_rank, gate_block), (up_rank, up_block) = _rank_block(gate), _rank_block(up)
     block_m, block_n = layout
     out = torch.empty(rows, intermediate, dtype=x.dtype, device=x.device)

@@ -168,10 +168,10 @@ def _fused_gated_activation(mlp: torch.nn.Module, x: torch.Tensor, fused: FusedL
             return None  # a LoRA layer this path cannot reproduce: it is called as a module
         if factor is not None and not (factor.down.dtype == factor.up.dtype == torch.float32):
             return None
-    rows = x.reshape(-1, x.shape[-1])
     adapted = [factor for factor in factors if factor is not None]
     if not adapted:
         return None
+    rows = x.reshape(-1, x.shape[-1])
     per_module = iter(_per_module(_lora_hidden(rows, adapted), adapted))
     deltas = [None if f is None else fused_mlp.LoraDelta(next(per_module), f.up, f.scaling) for f in factors]
     return fused_mlp.gated_activation(rows, fused.weight, *deltas).view(*x.shape[:-1], -1)
