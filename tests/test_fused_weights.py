@@ -175,8 +175,15 @@ def test_decode_logits_with_fused_bases_equal_separate_gemms(targets, monkeypatc
     original = fused_weights.FusedLinear.__call__
     monkeypatch.setattr(fused_weights.FusedLinear, "__call__",
                         lambda self, x, **kwargs: calls.append(self) or original(self, x, **kwargs))  # fmt: skip
+    folded = []
+    product = lora_decode._float32_product
+    monkeypatch.setattr(lora_decode, "_float32_product",
+                        lambda rows, weight: folded.append(weight) or product(rows, weight))  # fmt: skip
     fused = logits()
-    assert len(calls) == 2 * len(parts.layers)  # every group ran as one GEMM
+    # every group ran as one GEMM: adapted q/k/v (and o, down) with their A products folded in, gate/up plain
+    single = sum(f is not None for f in parts.fused_o + parts.fused_down)  # o, down: fused only to fold
+    assert len(calls) + len(folded) == 2 * len(parts.layers) + single
+    assert len(folded) >= len(parts.layers)
     torch.testing.assert_close(fused, separate, rtol=1e-5, atol=1e-5)
 
 

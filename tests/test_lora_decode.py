@@ -49,6 +49,22 @@ def bf16_ulp(values: torch.Tensor) -> torch.Tensor:
     return torch.exp2(exponent - 7)  # bf16 keeps 7 explicit mantissa bits
 
 
+def assert_outputs_match(ours_list, references, float32_tolerance: float) -> tuple[int, int]:
+    """float32: close to `float32_tolerance`; 16-bit: within one ulp. Returns (identical elements, elements compared)
+    for the 16-bit case ((0, 0) for float32)."""
+    identical = compared = 0
+    for ours, reference in zip(ours_list, references, strict=True):
+        assert ours.dtype == reference.dtype and ours.shape == reference.shape
+        if reference.dtype == torch.float32:
+            torch.testing.assert_close(ours, reference, atol=float32_tolerance, rtol=float32_tolerance)
+            continue
+        difference = (ours.float() - reference.float()).abs()
+        assert (difference <= bf16_ulp(torch.maximum(ours.abs(), reference.abs()))).all()
+        identical += int((ours == reference).sum())
+        compared += reference.numel()
+    return identical, compared
+
+
 @pytest.mark.parametrize("case", CASES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @torch.no_grad()
@@ -64,15 +80,8 @@ def test_fused_projections_equal_peft_modules(case, dtype):
         scalings |= {factor.scaling for factor in factors if factor is not None}
         for factor in factors:
             assert factor is None or factor.down.dtype == torch.float32  # PEFT keeps adapters in float32
-        for ours, reference in zip(lora_decode.project(x, modules), [module(x) for module in modules], strict=True):
-            assert ours.dtype == reference.dtype and ours.shape == reference.shape
-            if dtype == torch.float32:
-                torch.testing.assert_close(ours, reference, atol=1e-6, rtol=1e-6)
-            else:
-                difference = (ours.float() - reference.float()).abs()
-                assert (difference <= bf16_ulp(torch.maximum(ours.abs(), reference.abs()))).all()
-                identical += int((ours == reference).sum())
-                compared += reference.numel()
+        same, count = assert_outputs_match(lora_decode.project(x, modules), [module(x) for module in modules], 1e-6)
+        identical, compared = identical + same, compared + count
     adapted = sum(hasattr(module, "lora_A") for group in projection_groups(model) for module in group)
     assert fused == adapted > 0  # every adapted projection took the fused path
     if case != "q,k":
@@ -169,3 +178,84 @@ def test_decode_logits_fused_equals_unfused_and_traces_whole(monkeypatch):
     assert lora_decode._fused_gated_activation(mlp, torch.zeros(batch, 1, mlp.gate_proj.in_features),
                                                parts.fused_gate_up[0]) is not None  # fmt: skip
     same_step_another_way(step(), unfused)
+
+
+def adapter_down(module) -> torch.Tensor | None:
+    """The active adapter's A weight of a PEFT LoRA layer, else None."""
+    adapters = getattr(module, "lora_A", None)
+    return adapters["default"].weight if isinstance(adapters, torch.nn.ModuleDict) and "default" in adapters else None
+
+
+def folded_groups(parts) -> list[tuple]:
+    """(modules, fused) for every group `refresh_fusions` gave extra A rows: q/k/v, o, down."""
+    groups = []
+    for index, layer in enumerate(parts.layers):
+        attention, mlp = layer.self_attn, layer.mlp
+        qkv = (attention.q_proj, attention.k_proj, attention.v_proj)
+        for modules, fused in ((qkv, parts.fused_qkv[index]), ((attention.o_proj,), parts.fused_o[index]),
+                               ((mlp.down_proj,), parts.fused_down[index])):
+            if fused is not None and fused.extra_rows:
+                groups.append((modules, fused))
+    return groups
+
+
+def assert_folded_equal_modules(parts, dtype, generator) -> tuple[int, int, int]:
+    """Every folded group's `project` against calling its modules (as test_fused_projections_equal_peft_modules);
+    returns (groups that took the fold, identical outputs, outputs compared)."""
+    folds = identical = compared = 0
+    for modules, fused in folded_groups(parts):
+        x = torch.randn(5, 1, modules[0].in_features, generator=generator).to(dtype)
+        factors = [lora_decode.lora_factors(module, x) for module in modules]
+        folds += lora_decode._folded(x, fused, factors) is not None
+        same, count = assert_outputs_match(lora_decode.project(x, modules, fused), [m(x) for m in modules], 1e-5)
+        identical, compared = identical + same, compared + count
+    return folds, identical, compared
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@torch.no_grad()
+def test_folded_a_products_equal_peft_through_updates_and_a_new_rank(case, dtype):
+    """A weights as extra rows of the base GEMM (`fold_rows`, `refresh_folded`, `_folded`): PEFT's outputs (bf16 base:
+    within one ulp, mostly identical; the float32 adapters carried as two bf16 rows to ~2^-16), after an in-place
+    update of A (copied again by the next `refresh_fusions`, as every generation does), and after a hard reset gives
+    the adapters another rank (the groups are fused again with room for it)."""
+    model = adapted_model(dtype, **CASES[case])
+    parts = decoder_parts(model)
+    refresh_fusions(parts)
+    adapted_groups = sum(any(adapter_down(m) is not None for m in modules) for modules in projection_groups(model)
+                         if len(modules) != 2)  # gate/up's A products go to fused_mlp, not folded  # fmt: skip
+    generator = torch.Generator().manual_seed(3)
+    folds, identical, compared = assert_folded_equal_modules(parts, dtype, generator)
+    assert folds == len(folded_groups(parts)) == adapted_groups > 0  # q/k/v (and o, down when adapted) folded
+    for modules, fused in folded_groups(parts):
+        downs = [adapter_down(m) for m in modules if adapter_down(m) is not None]
+        ranks = sum(d.shape[0] for d in downs)
+        high = fused.extra[:ranks].float()
+        carried = high + fused.extra[ranks:].float() if dtype == torch.bfloat16 else high
+        assert fused.extra_rows == ranks * (2 if dtype == torch.bfloat16 else 1)
+        exact = torch.cat(downs)
+        assert (carried - exact).abs().max() <= exact.abs().max() * 2.0**-15
+    if dtype == torch.bfloat16:
+        assert identical >= 0.9 * compared, f"{identical}/{compared} outputs identical"
+
+    for name, param in model.named_parameters():  # an optimizer step, in place
+        if "lora_A" in name:
+            param.mul_(-1.5).add_(0.01)
+    stale = assert_folded_equal_modules
+    with pytest.raises(AssertionError):
+        stale(parts, dtype, torch.Generator().manual_seed(3))  # the rows are copies: stale until refreshed
+    refresh_fusions(parts)
+    assert assert_folded_equal_modules(parts, dtype, torch.Generator().manual_seed(3))[0] == adapted_groups
+
+    # a hard reset with another rank and targets (the layers and their fused base weights stay)
+    model = get_peft_model(model.unload(), LoraConfig(r=6, lora_alpha=8, target_modules=["q_proj", "o_proj"]))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.3)
+    assert all(adapter_down(m).dtype == torch.float32 for m in model.modules() if adapter_down(m) is not None)
+    refresh_fusions(parts)
+    assert {f.extra_rows for _, f in folded_groups(parts)} == {6 * (2 if dtype == torch.bfloat16 else 1)}
+    assert all(f is None for f in parts.fused_down)  # down lost its adapter: a plain GEMM again
+    folds, _, _ = assert_folded_equal_modules(parts, dtype, torch.Generator().manual_seed(4))
+    assert folds == 2 * len(parts.layers)

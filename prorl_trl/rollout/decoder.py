@@ -26,7 +26,7 @@ import torch
 from .decode_attention import gqa_decode_attention
 from . import fused_weights
 from .fused_weights import FusedLinear, fuse_linears
-from .lora_decode import base_linear, gated_mlp, project
+from .lora_decode import base_linear, fold_rows, gated_mlp, project, refresh_folded
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
@@ -50,10 +50,13 @@ class DecoderParts:
     num_kv_heads: int
     head_dim: int
     qk_norm: bool
-    # per layer, the base q/k/v and gate/up projections stored as one (`fused_weights`; None: separate GEMMs), kept
-    # current by `refresh_fusions` before every capture
+    # per layer, the base q/k/v and gate/up projections stored as one (`fused_weights`; None: separate GEMMs), q/k/v,
+    # o and down with their adapters' A weights as extra rows (`lora_decode.fold_rows`; None for o and down without
+    # adapters), kept current by `refresh_fusions` before every generation
     fused_qkv: list[FusedLinear | None] = field(default_factory=list)
     fused_gate_up: list[FusedLinear | None] = field(default_factory=list)
+    fused_o: list[FusedLinear | None] = field(default_factory=list)
+    fused_down: list[FusedLinear | None] = field(default_factory=list)
 
 
 def generation_target(model: Any) -> Any:
@@ -116,10 +119,31 @@ def _mlp_inputs(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
     return tuple(getattr(layer.mlp, name, None) for name in ("gate_proj", "up_proj"))
 
 
+def _output_projection(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    return (layer.self_attn.o_proj,)
+
+
+def _down_projection(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    down = getattr(layer.mlp, "down_proj", None)
+    return () if down is None else (down,)
+
+
+# group name -> its modules in a layer, whether its adapters' A products fold into its GEMM (gate/up's go to
+# `fused_mlp`'s kernel instead), whether it is fused without adapters (one projection: nothing to fuse)
+_GROUPS = (
+    ("fused_qkv", _attention_inputs, True, True),
+    ("fused_gate_up", _mlp_inputs, False, True),
+    ("fused_o", _output_projection, True, False),
+    ("fused_down", _down_projection, True, False),
+)
+
+
 def refresh_fusions(parts: DecoderParts) -> None:
-    """(Re)store each layer's q/k/v and gate/up base weights as one allocation where that is safe (`fuse_linears`);
-    a group something re-pointed since (`FusedLinear.holds`) is fused again. Run before fingerprinting for a capture."""
-    for name, inputs in (("fused_qkv", _attention_inputs), ("fused_gate_up", _mlp_inputs)):
+    """(Re)store each layer's q/k/v and gate/up base weights as one allocation where that is safe (`fuse_linears`),
+    with room for the A weights of q/k/v's, o's and down's adapters (`lora_decode.fold_rows`); a group something
+    re-pointed since (`FusedLinear.holds`) or whose adapters changed shape is fused again; the A rows are copied from
+    the live adapters every time. Run before every generation (before fingerprinting for a capture)."""
+    for name, inputs, folds, always in _GROUPS:
         if not fused_weights.FUSE_BASE:  # the A/B switch: separate GEMMs (the storage stays as it is)
             setattr(parts, name, [])
             continue
@@ -127,11 +151,19 @@ def refresh_fusions(parts: DecoderParts) -> None:
         fresh = []
         for index, layer in enumerate(parts.layers):
             kept = current[index] if index < len(current) else None
-            bases = tuple(base_linear(module) for module in inputs(layer) if module is not None)
-            if kept is not None and kept.members == bases and kept.holds():
-                fresh.append(kept)
+            modules = tuple(module for module in inputs(layer) if module is not None)
+            bases = tuple(base_linear(module) for module in modules)
+            extra_rows = fold_rows(modules) if folds else 0
+            if not (always or extra_rows):
+                fresh.append(None)
+                continue
+            if kept is not None and kept.members == bases and kept.holds() and kept.extra_rows == extra_rows:
+                fused = kept
             else:
-                fresh.append(fuse_linears(bases, previous=kept))
+                fused = fuse_linears(bases, previous=kept, extra_rows=extra_rows)
+            if fused is not None and fused.extra_rows:
+                refresh_folded(fused, modules)
+            fresh.append(fused)
         setattr(parts, name, fresh)
 
 
@@ -178,8 +210,9 @@ def decode_logits(
     hidden = torch.nn.functional.embedding(tokens[:, None], parts.embed_tokens.weight)
     positions = (write_index - start)[:, None]
     cos, sin = parts.rotary_emb(hidden, positions)
-    fused_qkv = parts.fused_qkv or [None] * len(parts.layers)
-    fused_gate_up = parts.fused_gate_up or [None] * len(parts.layers)
+    unfused = [None] * len(parts.layers)
+    fused_qkv, fused_gate_up = parts.fused_qkv or unfused, parts.fused_gate_up or unfused
+    fused_o, fused_down = parts.fused_o or unfused, parts.fused_down or unfused
     for index, (layer, key_cache, value_cache) in enumerate(zip(parts.layers, key_caches, value_caches, strict=True)):
         attention = layer.self_attn
         normed = layer.input_layernorm(hidden)
@@ -193,6 +226,7 @@ def decode_logits(
         key_cache.index_copy_(2, write_index, key.to(key_cache.dtype))
         value_cache.index_copy_(2, write_index, value.transpose(1, 2).to(value_cache.dtype))
         attended = gqa_decode_attention(query, key_cache, value_cache, start, write_index, attention.scaling)
-        hidden = hidden + project(attended.reshape(batch, 1, -1), (attention.o_proj,))[0]
-        hidden = hidden + gated_mlp(layer.mlp, layer.post_attention_layernorm(hidden), fused_gate_up[index])
+        hidden = hidden + project(attended.reshape(batch, 1, -1), (attention.o_proj,), fused_o[index])[0]
+        normed = layer.post_attention_layernorm(hidden)
+        hidden = hidden + gated_mlp(layer.mlp, normed, fused_gate_up[index], fused_down[index])
     return parts.lm_head(parts.norm(hidden))[:, 0].float()

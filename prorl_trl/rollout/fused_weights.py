@@ -14,6 +14,10 @@ flat buffers, FSDP as DTensor shards: left alone, the group runs as separate GEM
 something re-pointed a member since (`module.to`, `load_state_dict(assign=True)`): the engine then fuses again before
 its next capture. transformers' `save_pretrained` clones parameters that share an allocation without overlapping,
 and `torch.save` keeps views as views; tests/test_fused_weights.py checks both round trips.
+
+A group may ask for extra rows after its members' (`extra_rows`; then a single layer is a group too): the decode step
+keeps copies of the group's LoRA A weights there, so the same GEMM computes the adapters' A products
+(`lora_decode.fold_rows`). They belong to no parameter; whoever asked writes them.
 """
 
 from __future__ import annotations
@@ -35,6 +39,18 @@ class FusedLinear:
     weight: torch.Tensor  # (sum of out_features, in_features)
     bias: torch.Tensor | None  # (sum of out_features,) or None when no member has a bias
     sizes: tuple[int, ...]  # out_features per member, in order
+    # `weight`'s rows followed by `extra_rows` more of the same allocation, which belong to no parameter (the decode
+    # step keeps copies of LoRA A weights there: `lora_decode`'s folded products); None: no extra rows
+    stacked: torch.Tensor | None = None
+
+    @property
+    def extra_rows(self) -> int:
+        return 0 if self.stacked is None else self.stacked.shape[0] - self.weight.shape[0]
+
+    @property
+    def extra(self) -> torch.Tensor | None:
+        """The rows after the members' (views; written by whoever asked for them, never by the optimizer)."""
+        return None if self.stacked is None else self.stacked[self.weight.shape[0] :]
 
     def holds(self) -> bool:
         """Every member's weight and bias are still the slices of this allocation (nothing re-pointed them)."""
@@ -78,9 +94,10 @@ def _owns_its_allocation(tensor: torch.Tensor) -> bool:
     )
 
 
-def fusable(linears: Sequence[torch.nn.Module]) -> bool:
-    """Plain `Linear` layers (two or more) on one input width, one dtype and device, all with a bias or none."""
-    if len(linears) < 2 or any(type(linear) is not torch.nn.Linear for linear in linears):
+def fusable(linears: Sequence[torch.nn.Module], single: bool = False) -> bool:
+    """Plain `Linear` layers (two or more; one is enough with `single`) on one input width, one dtype and device, all
+    with a bias or none."""
+    if len(linears) < (1 if single else 2) or any(type(linear) is not torch.nn.Linear for linear in linears):
         return False
     first = linears[0].weight
     with_bias = {linear.bias is not None for linear in linears}
@@ -92,18 +109,23 @@ def fusable(linears: Sequence[torch.nn.Module]) -> bool:
 
 
 @torch.no_grad()
-def fuse_linears(linears: Sequence[torch.nn.Module], previous: FusedLinear | None = None) -> FusedLinear | None:
+def fuse_linears(
+    linears: Sequence[torch.nn.Module], previous: FusedLinear | None = None, extra_rows: int = 0
+) -> FusedLinear | None:
     """The group as one `FusedLinear`, re-pointing its Parameters into one allocation if they are not already there;
     None where that is not safe (see the module docstring) or the layers do not fit (`fusable`). `previous`: this
-    group's earlier fusion, whose allocation members may still point into (when only some were re-pointed)."""
-    if not FUSE_BASE or not fusable(linears):
+    group's earlier fusion, whose allocation members may still point into (when only some were re-pointed).
+    `extra_rows`: that many more rows after the members' in the allocation (`FusedLinear.extra`, zeros when new); with
+    them a single layer is a group too."""
+    if not FUSE_BASE or not fusable(linears, single=extra_rows > 0):
         return None
     members = tuple(linears)
     sizes = tuple(linear.weight.shape[0] for linear in members)
     has_bias = members[0].bias is not None
     weight, bias, rows = members[0].weight, members[0].bias, sum(sizes)
-    if _within_allocation(weight, rows) and (not has_bias or _within_allocation(bias, rows)):
-        already = FusedLinear(members, _rows(weight, rows), _rows(bias, rows) if has_bias else None, sizes)
+    if _within_allocation(weight, rows + extra_rows) and (not has_bias or _within_allocation(bias, rows)):
+        stacked = _rows(weight, rows + extra_rows) if extra_rows else None
+        already = FusedLinear(members, _rows(weight, rows), _rows(bias, rows) if has_bias else None, sizes, stacked)
         if already.holds():
             return already  # fused earlier (by this engine or another): reuse it, no copy
     tensors = [p for linear in members for p in (linear.weight, linear.bias) if p is not None]
@@ -111,13 +133,14 @@ def fuse_linears(linears: Sequence[torch.nn.Module], previous: FusedLinear | Non
                                            if t is not None}  # fmt: skip
     if not all(_owns_its_allocation(t) or t.untyped_storage().data_ptr() in ours for t in tensors):
         return None
-    weight = torch.cat([linear.weight for linear in members])
+    extra = [weight.new_zeros(extra_rows, weight.shape[1])] if extra_rows else []
+    stacked = torch.cat([linear.weight for linear in members] + extra)
     bias = torch.cat([linear.bias for linear in members]) if has_bias else None
     for linear, offset, size in zip(members, _offsets(sizes), sizes, strict=True):
-        linear.weight.data = weight[offset : offset + size]
+        linear.weight.data = stacked[offset : offset + size]
         if has_bias:
             linear.bias.data = bias[offset : offset + size]
-    return FusedLinear(members, weight, bias, sizes)
+    return FusedLinear(members, stacked[:rows], bias, sizes, stacked if extra_rows else None)
 
 
 def _rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:

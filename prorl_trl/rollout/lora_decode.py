@@ -17,6 +17,13 @@ autocast) is called as a module. What it reads is covered by the engine's `model
 dynamo's guards recompile). Uncompiled (CPU tests, a failed compile) the products materialise
 `rows x rank x features` temporaries: small at decode sizes. Where gate/up carry adapters, the MLP's first half is
 `fused_mlp`'s one kernel instead (gate/up GEMMs, their B products and SiLU(gate) * up in one pass).
+
+Folded A products (`FOLD_LORA_A`): where q/k/v, o or down have their base weights in one allocation
+(`fused_weights`), that allocation also holds copies of their adapters' A weights as extra rows (`fold_rows` sizes
+them, `refresh_folded` copies them before every generation), and one GEMM with float32 output gives the base outputs
+and every `lora_A(x)` (`_folded`): the A reduction kernel of each group goes (32 x 4,096 on an H200: 18,551 -> 19,299
+tokens/s; reset-4 shape 3.96 -> 3.28 ms a step). float32 adapters on bf16 weights ride as two bf16 rows (A and its
+remainder), so the products keep float32 precision; the base outputs are rounded once after the bias, as F.linear's.
 """
 
 from __future__ import annotations
@@ -30,6 +37,10 @@ from . import fused_mlp
 from .fused_weights import FusedLinear
 
 FUSE_LORA = True  # False: every projection is called as a module (tests, A/B benchmarks); read when a step is traced
+# Fold the A products of a group's adapters into its base GEMM (`fold_rows`, `refresh_folded`): copies of the A weights
+# ride as extra rows of the fused base weight, so one GEMM gives the base outputs and every `lora_A(x)`, and the A
+# reduction kernel goes. False only for the A/B (generation.py's `rollout_engine_unfolded`); read when fusing/tracing.
+FOLD_LORA_A = True
 
 
 class LoraFactors(NamedTuple):
@@ -82,14 +93,18 @@ def base_linear(module: torch.nn.Module) -> torch.nn.Module:
     return module.base_layer if is_peft_lora_linear(module) else module
 
 
-def _adapted(x: torch.Tensor, factors: Sequence[LoraFactors], bases: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def _adapted(
+    x: torch.Tensor, factors: Sequence[LoraFactors], bases: Sequence[torch.Tensor], hidden: torch.Tensor | None = None
+) -> list[torch.Tensor]:
     """PEFT's output for each module from its base output: the A products of all of them at once (`_lora_hidden`),
     then per module the B product, one reduction with the scaling, the base output's addition and the cast fused.
     (Laid out weight-major instead, `(weight rows, batch rows)`, inductor's kernels were slower: 2.02 -> 2.09 ms a
     step at 32 x 4,096 and 4.47 -> 5.73 at 64 x 6,144 with r64 all-linear on an H100,
     benchmarks/results/rollout_engine.md; so were these products as a tiled Triton GEMM that reads each adapter once:
-    9.1 -> 16.8 us a layer at 32 rows, 74.9 -> 118 at the reset-4 shape on an H200, fifth session.)"""
-    hidden = _lora_hidden(x.reshape(-1, x.shape[-1]), factors)
+    9.1 -> 16.8 us a layer at 32 rows, 74.9 -> 118 at the reset-4 shape on an H200, fifth session.) `hidden`: the A
+    products already computed (`_folded`)."""
+    if hidden is None:
+        hidden = _lora_hidden(x.reshape(-1, x.shape[-1]), factors)
     outputs = []
     for factor, base, part in zip(factors, bases, _per_module(hidden, factors), strict=True):
         delta = (part[:, None, :] * factor.up).sum(-1) * factor.scaling  # lora_B(.) * scaling
@@ -109,15 +124,92 @@ def _lora_hidden(rows: torch.Tensor, factors: Sequence[LoraFactors]) -> torch.Te
     return (rows.to(factors[0].down.dtype)[:, None, :] * down).sum(-1)
 
 
+def fold_rows(modules: Sequence[torch.nn.Module]) -> int:
+    """Extra rows the modules' fused base weight needs to fold their adapters' A products into its GEMM (0: no fold).
+
+    Per adapted module, its A weight in the base dtype (rank rows); where the adapters' dtype differs (float32
+    adapters on bf16 weights, PEFT's default), also the remainder `A - that` in the base dtype, so the two rows' sum
+    carries A to about 16 bits of mantissa: the GEMM accumulates in float32 and returns float32 (`_folded`), and the
+    folded `lora_A(x)` matches PEFT's float32 product to float32 rounding, not bf16's. Folds only where `project` would
+    take the fused LoRA path for every adapted module (one adapter dtype, the rest plain `Linear`s)."""
+    if not FOLD_LORA_A or not modules:
+        return 0
+    base_weight = base_linear(modules[0]).weight
+    probe = torch.empty(0, dtype=base_weight.dtype, device=base_weight.device)
+    factors = [lora_factors(module, probe) for module in modules]
+    if any(factor is None and type(module) is not torch.nn.Linear for module, factor in zip(modules, factors)):
+        return 0
+    adapted = [factor for factor in factors if factor is not None]
+    if not adapted or len({(f.down.dtype, f.up.dtype) for f in adapted}) != 1:
+        return 0
+    ranks = sum(factor.down.shape[0] for factor in adapted)
+    return ranks * (2 if adapted[0].down.dtype != base_weight.dtype else 1)
+
+
+@torch.no_grad()
+def refresh_folded(fused: FusedLinear, modules: Sequence[torch.nn.Module]) -> None:
+    """Copy the modules' current A weights into `fused`'s extra rows (the layout `fold_rows` sized): run before every
+    generation, since the optimizer updates A in place and the rows are copies."""
+    factors = [f for f in (lora_factors(m, fused.weight[:0]) for m in modules) if f is not None]
+    ranks = sum(factor.down.shape[0] for factor in factors)
+    extra, offset = fused.extra, 0
+    for factor in factors:
+        rank = factor.down.shape[0]
+        high = extra[offset : offset + rank]
+        high.copy_(factor.down)
+        if factor.down.dtype != extra.dtype:
+            extra[ranks + offset : ranks + offset + rank].copy_(factor.down - high.to(factor.down.dtype))
+        offset += rank
+
+
+def _float32_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`rows @ weight.T` accumulated and returned in float32 (cuBLAS's float32 output on CUDA: no rounding to bf16)."""
+    if rows.dtype == torch.float32:
+        return rows @ weight.t()
+    if rows.is_cuda:
+        return torch.mm(rows, weight.t(), out_dtype=torch.float32)
+    return rows.float() @ weight.float().t()  # elsewhere: the same products (exact in float32), summed in float32
+
+
+def _folded(x: torch.Tensor, fused: FusedLinear, factors: Sequence[LoraFactors | None]) -> list[torch.Tensor] | None:
+    """PEFT's outputs of the group from one GEMM over `fused.stacked` (base rows, then the A rows `refresh_folded`
+    keeps); None where the extra rows do not fit these adapters (the caller runs the A reduction instead)."""
+    adapted = [factor for factor in factors if factor is not None]
+    if not FOLD_LORA_A or not adapted or fused.extra_rows == 0 or x.dtype != fused.weight.dtype:
+        return None
+    split = adapted[0].down.dtype != fused.weight.dtype
+    ranks = sum(factor.down.shape[0] for factor in adapted)
+    if fused.extra_rows != ranks * (2 if split else 1):
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    product = _float32_product(rows, fused.stacked)
+    width = fused.weight.shape[0]
+    base = product[:, :width]
+    if fused.bias is not None:
+        base = base + fused.bias.float()  # F.linear's epilogue: the bias added in float32, one rounding after
+    bases = [part.view(*x.shape[:-1], -1) for part in base.to(fused.weight.dtype).split(fused.sizes, dim=-1)]
+    hidden = product[:, width : width + ranks]
+    if split:
+        hidden = hidden + product[:, width + ranks :]
+    hidden = hidden.to(adapted[0].down.dtype)
+    adapted_bases = [base for base, factor in zip(bases, factors) if factor is not None]
+    outputs = iter(_adapted(x, adapted, adapted_bases, hidden))
+    return [base if factor is None else next(outputs) for base, factor in zip(bases, factors)]
+
+
 def project(
     x: torch.Tensor, modules: Sequence[torch.nn.Module], fused: FusedLinear | None = None
 ) -> list[torch.Tensor]:
     """`[module(x) for module in modules]`, with the LoRA products of the PEFT layers among them fused (same dtype:
     one group; projections whose adapter `lora_factors` refuses are called as modules). `fused`: the modules' base
-    layers stored as one (`fused_weights`), used when every module is a plain `Linear` or takes the fused LoRA path."""
+    layers stored as one (`fused_weights`), used when every module is a plain `Linear` or takes the fused LoRA path;
+    with extra rows sized by `fold_rows`, the A products come from the same GEMM (`_folded`)."""
     factors = [lora_factors(module, x) for module in modules]
     whole = [factor is not None or type(module) is torch.nn.Linear for module, factor in zip(modules, factors)]
     if fused is not None and all(whole) and fused.members == tuple(base_linear(module) for module in modules):
+        folded = _folded(x, fused, factors)
+        if folded is not None:
+            return folded
         bases = fused(x)
     else:
         bases = [None if factor is None else module.base_layer(x) for module, factor in zip(modules, factors)]
@@ -138,17 +230,19 @@ def project(
     return outputs
 
 
-def gated_mlp(mlp: torch.nn.Module, x: torch.Tensor, fused: FusedLinear | None = None) -> torch.Tensor:
+def gated_mlp(
+    mlp: torch.nn.Module, x: torch.Tensor, fused: FusedLinear | None = None, fused_down: FusedLinear | None = None
+) -> torch.Tensor:
     """The Llama/Qwen MLP's forward, `down(act(gate(x)) * up(x))`, with gate and up projected together (`fused`: their
     base layers stored as one; where gate/up carry adapters, the whole first half `fused_mlp`'s one kernel); an MLP
-    without that layout is called as a module."""
+    without that layout is called as a module. `fused_down`: down's base weight with folded A rows (`fold_rows`)."""
     if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         return mlp(x)
     activated = _fused_gated_activation(mlp, x, fused)
     if activated is None:
         gate, up = project(x, (mlp.gate_proj, mlp.up_proj), fused)
         activated = mlp.act_fn(gate) * up
-    return project(activated, (mlp.down_proj,))[0]
+    return project(activated, (mlp.down_proj,), fused_down)[0]
 
 
 def _fused_gated_activation(mlp: torch.nn.Module, x: torch.Tensor, fused: FusedLinear | None) -> torch.Tensor | None:
