@@ -17,10 +17,15 @@ GPU machine needs no TRL):
   rollout_engine_separate  A/B: rollout_engine with `fused_weights.FUSE_BASE` off (q/k/v and gate/up base projections
                        as separate GEMMs).
   rollout_engine_autotune  A/B: rollout_engine compiled with inductor's `max_autotune_gemm` (benchmarked GEMMs).
+  rollout_engine@P[+Q]  A/B: any rollout_engine method compiled with the inductor options of presets P, Q from
+                       `INDUCTOR_PRESETS` (e.g. `rollout_engine@pdl+nocombo`: programmatic dependent launch, no
+                       combo kernels).
   rollout_engine_unfused_mlp  A/B: rollout_engine with `fused_mlp.FUSED_MLP` off (the gated MLP's gate/up GEMM,
                        their LoRA B products and SiLU(gate) * up as separate kernels where gate/up carry adapters).
   rollout_engine_fixed_splits  A/B: rollout_engine with `decode_attention.LIVE_SPLITS` off (attention's splits over
                        fixed column ranges of the cache instead of equal shares of each row's live keys).
+  rollout_engine_unfolded  A/B: rollout_engine with `lora_decode.FOLD_LORA_A` off (the adapters' A products as an
+                       inductor reduction instead of extra rows of the base GEMM).
   continuous_batching  `model.generate_batch(prompt_ids, generation_config=..., continuous_batching_config=
                        ContinuousBatchingConfig(max_memory_percent=0.5))` as TRL's `use_transformers_continuous_batching`.
 Continuous batching runs last for each model: it reserves half the free GPU memory for its paged cache.
@@ -69,7 +74,17 @@ METHODS = (
     "rollout_engine_autotune",
     "rollout_engine_unfused_mlp",
     "rollout_engine_fixed_splits",
+    "rollout_engine_unfolded",
 )
+# Inductor options an engine method takes after '@' (joined with '+'), for A/B rows without a new method each.
+INDUCTOR_PRESETS = {
+    "autotune": {"max_autotune_gemm": True},  # benchmarked GEMM choices
+    "pdl": {"triton.enable_pdl": True},  # Hopper programmatic dependent launch: a kernel's prologue overlaps the last
+    "combo": {"combo_kernels": True},  # independent small kernels (e.g. q's and k's LoRA B products) as one launch
+    "coordinate": {"coordinate_descent_tuning": True},  # tuned block sizes for the pointwise/reduction kernels
+    "nocombo": {"combo_kernels": False},  # the engine's default combo kernels off
+    "aggressive": {"aggressive_fusion": True},  # fuse nodes that share no reads
+}
 QWEN2_05B_EOS, QWEN2_05B_PAD = 151645, 151643
 
 
@@ -156,6 +171,22 @@ def make_prompts(num_prompts: int, num_generations: int, prompt_length: int, voc
     return input_ids.to(device), attention_mask.to(device), rows
 
 
+def split_presets(method: str) -> tuple[str, dict | None]:
+    """`"rollout_engine@pdl+combo"` -> ("rollout_engine", the presets' inductor options merged); no '@': no options."""
+    base, _, names = method.partition("@")
+    if not names:
+        return base, None
+    unknown = [name for name in names.split("+") if name not in INDUCTOR_PRESETS]
+    if unknown or not base.startswith("rollout_engine"):
+        raise SystemExit(
+            f"--methods: {method!r}: presets go after a rollout_engine method, from {sorted(INDUCTOR_PRESETS)}"
+        )
+    options: dict = {}
+    for name in names.split("+"):
+        options.update(INDUCTOR_PRESETS[name])
+    return base, options
+
+
 def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
     """A zero-argument callable that generates once and returns the number of new tokens."""
     num_sequences, max_new_tokens = shape
@@ -169,21 +200,24 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
         from prorl_trl.rollout.engine import RolloutEngine
 
         cache_len = max(args.cache_len or 0, args.prompt_length + max_new_tokens)
-        options = {"max_autotune_gemm": True} if method == "rollout_engine_autotune" else None
+        method, options = split_presets(method)
+        if method == "rollout_engine_autotune":
+            options = {**(options or {}), **INDUCTOR_PRESETS["autotune"]}
         engine = RolloutEngine(prompt_budget=cache_len - max_new_tokens, compile_options=options)
 
         def run_engine() -> int:
             switches = (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, fused_mlp.FUSED_MLP,
-                        decode_attention.LIVE_SPLITS)  # fmt: skip
+                        decode_attention.LIVE_SPLITS, lora_decode.FOLD_LORA_A)  # fmt: skip
             lora_decode.FUSE_LORA = method != "rollout_engine_unfused"  # the A/B switches
             fused_weights.FUSE_BASE = method != "rollout_engine_separate"
             fused_mlp.FUSED_MLP = method != "rollout_engine_unfused_mlp" and fused_mlp.FUSED_MLP
             decode_attention.LIVE_SPLITS = method != "rollout_engine_fixed_splits" and decode_attention.LIVE_SPLITS
+            lora_decode.FOLD_LORA_A = method != "rollout_engine_unfolded" and lora_decode.FOLD_LORA_A
             try:
                 output = engine.generate(model, input_ids, attention_mask, config)
             finally:
                 (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, fused_mlp.FUSED_MLP,
-                 decode_attention.LIVE_SPLITS) = switches  # fmt: skip
+                 decode_attention.LIVE_SPLITS, lora_decode.FOLD_LORA_A) = switches  # fmt: skip
             if output.tokens.shape[1] != max_new_tokens:
                 raise RuntimeError(f"generated {output.tokens.shape[1]} tokens per sequence, expected {max_new_tokens}")
             model.train()
@@ -334,8 +368,8 @@ def engine_diagnostics(engine, first_capture_seconds: float, profile: bool) -> d
         kernels = sorted(profiler.key_averages(), key=lambda event: -event.device_time_total)
         found["kernels_per_step"] = sum(event.count for event in kernels) / steps
         found["top_kernels"] = [
-            (event.key[:70], round(event.device_time_total / steps, 1), event.count // steps) for event in kernels[:14]
-        ]  # (name, microseconds per step, launches per step)
+            (event.key[:70], round(event.device_time_total / steps, 2), event.count / steps) for event in kernels
+        ]  # (name, microseconds per step, launches per step), every kernel (the JSON keeps them all)
     engine.release_cache = True
     engine._kv = None
     print(f"    engine: {found}", flush=True)
@@ -434,7 +468,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {"meta": runs[0]["meta"], "rows": [row for run in runs for row in run["rows"]]}
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = sorted(set(methods) - set(METHODS))
+    unknown = sorted({split_presets(m)[0] for m in methods} - set(METHODS))
     if unknown:
         raise SystemExit(f"--methods: unknown {unknown}; choose from {METHODS}")
     if args.smoke:

@@ -50,6 +50,9 @@ def main() -> None:
     parser.add_argument("--top-p", type=float, default=0.7)
     parser.add_argument("--splits", default="16,32,64,128")
     parser.add_argument("--blocks", default="256:4,512:4,512:8,1024:8")
+    parser.add_argument("--skip-outside", default="on,off",
+                        help="top_p_triton.SKIP_OUTSIDE settings to time (blocks outside the bracket skip the sums)")
+    parser.add_argument("--sharpness", default="0,0.6,3", help="logit scales: 0 uniform, 0.6 a random Qwen2-0.5B's")
     parser.add_argument("--replays", type=int, default=200)
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -57,20 +60,25 @@ def main() -> None:
     default_block = (top_p_triton.BLOCK, top_p_triton.NUM_WARPS)
     print(f"{torch.cuda.get_device_name()}: {args.rows} x {args.vocab}, top_p {args.top_p}, "
           f"default splits {top_p_triton.splits_for(args.rows, args.vocab)}, block {default_block}")  # fmt: skip
-    print("| sharpness | splits | block / warps | us per call | us per pass | same thresholds |")
-    print("|---:|---:|---|---:|---:|---|")
+    print("| sharpness | splits | block / warps | skip outside | us per call | us per pass | same thresholds |")
+    print("|---:|---:|---|---|---:|---:|---|")
     passes = top_p_triton.passes_needed() + 1
-    for sharpness in (0.0, 3.0):
+    default_skip = top_p_triton.SKIP_OUTSIDE
+    skips = [{"on": True, "off": False}[value.strip()] for value in args.skip_outside.split(",")]
+    for sharpness in (float(value) for value in args.sharpness.split(",")):
         probs = probabilities(args.rows, args.vocab, sharpness, device)
         top_p_triton.BLOCK, top_p_triton.NUM_WARPS = default_block
+        top_p_triton.SKIP_OUTSIDE = default_skip
         _, reference = time_config(probs, top_p, top_p_triton.splits_for(args.rows, args.vocab), 2)
-        for splits, block in itertools.product(args.splits.split(","), args.blocks.split(",")):
+        for splits, block, skip in itertools.product(args.splits.split(","), args.blocks.split(","), skips):
             size, warps = (int(v) for v in block.split(":"))
             top_p_triton.BLOCK, top_p_triton.NUM_WARPS = size, warps
+            top_p_triton.SKIP_OUTSIDE = skip
             micros, tau = time_config(probs, top_p, int(splits), args.replays)
-            print(f"| {sharpness} | {splits} | {size} / {warps} | {micros:.1f} | {micros / passes:.1f} | "
+            print(f"| {sharpness} | {splits} | {size} / {warps} | {skip} | {micros:.1f} | {micros / passes:.1f} | "
                   f"{torch.equal(tau, reference)} |")  # fmt: skip
     top_p_triton.BLOCK, top_p_triton.NUM_WARPS = default_block
+    top_p_triton.SKIP_OUTSIDE = default_skip
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ def test_smoke_run_measures_every_method_and_renders_the_table(bench, tmp_path, 
     expected = {(model, method) for model in ("base", "lora") for method in
                 ("trl_default", "static_compile", "static_compile_gqa", "static_compile_top_p1", "rollout_engine",
                  "rollout_engine_unfused", "rollout_engine_separate", "rollout_engine_autotune",
-                 "rollout_engine_unfused_mlp", "rollout_engine_fixed_splits")}
+                 "rollout_engine_unfused_mlp", "rollout_engine_fixed_splits", "rollout_engine_unfolded")}
     assert {(row["model"], row["method"]) for row in rows} == expected
     for row in rows:
         assert "error" not in row, row
@@ -59,3 +59,13 @@ def test_bad_shape_is_rejected_before_any_model_is_built(bench):
         bench.main(["--shapes", "33x8"])
     with pytest.raises(SystemExit, match="unknown"):
         bench.main(["--methods", "vllm"])
+
+
+def test_inductor_presets_after_an_engine_method(bench):
+    assert bench.split_presets("rollout_engine") == ("rollout_engine", None)
+    assert bench.split_presets("rollout_engine_unfolded@pdl+nocombo") == (
+        "rollout_engine_unfolded", {"triton.enable_pdl": True, "combo_kernels": False})
+    with pytest.raises(SystemExit, match="presets go after a rollout_engine method"):
+        bench.split_presets("rollout_engine@fast")
+    with pytest.raises(SystemExit, match="presets go after a rollout_engine method"):
+        bench.split_presets("static_compile@pdl")

@@ -13,10 +13,11 @@ longest completion (so at most the cap).
 
 What makes a new capture (`capture_reasons`, logged with its time): the batch size, cache length (prompt budget + cap),
 the sampler's static layout, the autocast dtype, the A/B switches (`lora_decode.FUSE_LORA`, `fused_weights.FUSE_BASE`,
-`fused_mlp.FUSED_MLP`, `decode_attention.LIVE_SPLITS`), the model's
-parameter storage (data pointers, shapes, dtypes: a LoRA rank/target change, `.data` swaps; the first call re-points
-q/k/v and gate/up into one allocation each, `decoder.refresh_fusions`) or LoRA state (merged, disabled, active adapter,
-scaling, variant, dropout, input casting), and the KV buffers' address: they are freed after every generation (so
+`fused_mlp.FUSED_MLP`, `decode_attention.LIVE_SPLITS`, `lora_decode.FOLD_LORA_A`), the model's parameter storage
+(data pointers, shapes, dtypes: a LoRA rank/target change, `.data` swaps; the first call re-points q/k/v and gate/up
+into one allocation each, and adapted o and down into one with room for their A weights, `decoder.refresh_fusions`,
+which copies the A weights there before every generation) or LoRA state (merged, disabled, active adapter, scaling,
+variant, dropout, input casting), and the KV buffers' address: they are freed after every generation (so
 training gets the memory back, as with `generate`), and when the allocator hands them back elsewhere the graph is
 recaptured (no recompilation; in `benchmarks/step_time.py`'s trainer run at the Initial shape on an H100 it did not
 happen: 1 capture in 3 steps). Optimizer steps update parameters in place: the graph reads the live storage, no
@@ -50,6 +51,11 @@ from .sampler import SamplerLayout, SamplerSettings, SamplerTensors, Unsupported
 logger = logging.getLogger("prorl_trl")
 
 PROMPT_ALIGN = 64  # prompt budgets grow in these steps, so nearby prompt widths share a capture
+# Inductor options every compiled step gets (a caller's `compile_options` override them). `combo_kernels`: independent
+# small kernels of a step run as one launch (q's and k's LoRA B products, their rotary embeddings, ...): 373 -> 317
+# kernels and 17,669 -> 19,118 tokens/s at 32 x 4,096 with LoRA r32 on q,k on an H200 (fifth session's defaults;
+# benchmarks/results/rollout_engine.md, sixth session). A/B: generation.py's `rollout_engine@nocombo`.
+DEFAULT_COMPILE_OPTIONS = {"combo_kernels": True}
 
 
 class DecodeState(NamedTuple):
@@ -164,6 +170,7 @@ class CaptureKey:
     fuse_base: bool  # fused_weights.FUSE_BASE, likewise
     fused_mlp: bool  # fused_mlp.FUSED_MLP, likewise
     live_splits: bool  # decode_attention.LIVE_SPLITS, likewise (read at capture)
+    fold_lora_a: bool  # lora_decode.FOLD_LORA_A, likewise
 
 
 class CaptureRecord(NamedTuple):
@@ -239,7 +246,7 @@ class DecodeStep:
         if compile:
             raise_recompile_limit()
             self.forward = torch.compile(self.forward, dynamic=False, options=compile_options)
-            self.select = torch.compile(self.select, dynamic=False)
+            self.select = torch.compile(self.select, dynamic=False, options=compile_options)
 
     def __call__(self, state: DecodeState, keys: tuple, values: tuple, sampler: SamplerTensors) -> None:
         self.select(self.forward(state, keys, values), state, sampler)
@@ -282,8 +289,9 @@ class RolloutEngine:
         release_cache: free the KV buffers after each generation (default), so training gets the memory back; False
             keeps them (and the graph replayable, as benchmarks/generation.py's profile does).
         require_compile: raise instead of running a half of the step uncompiled when compilation fails (benchmarks).
-        compile_options: inductor options for the forward half (`torch.compile(options=...)`), e.g.
-            `{"max_autotune_gemm": True}`: benchmarked GEMM choices (slower compilation).
+        compile_options: inductor options for both halves of the step (`torch.compile(options=...)`), over
+            `DEFAULT_COMPILE_OPTIONS`, e.g. `{"max_autotune_gemm": True}`: benchmarked GEMM choices (slower
+            compilation).
     """
 
     def __init__(
@@ -304,7 +312,7 @@ class RolloutEngine:
         self.prompt_budget = prompt_budget or 0
         self.release_cache = release_cache
         self.require_compile = require_compile
-        self.compile_options = dict(compile_options) if compile_options else None
+        self.compile_options = {**DEFAULT_COMPILE_OPTIONS, **(compile_options or {})}
         self.stats = EngineStats()
         self._capture_record: CaptureRecord | None = None
         self._kv: torch.Tensor | None = None
@@ -410,7 +418,7 @@ class RolloutEngine:
             chunks=chunks, layout=settings.layout, kv_dtype=prompt_kv[0][0].dtype, autocast_dtype=autocast_dtype,
             model=id(parts.model), cuda_graphs=use_graphs, fuse_lora=lora_decode.FUSE_LORA,
             fuse_base=fused_weights.FUSE_BASE, fused_mlp=fused_mlp.FUSED_MLP,
-            live_splits=decode_attention.LIVE_SPLITS,
+            live_splits=decode_attention.LIVE_SPLITS, fold_lora_a=lora_decode.FOLD_LORA_A,
         )  # fmt: skip
         kv_shape = (2, len(parts.layers), batch, parts.num_kv_heads, key.cache_len, parts.head_dim)
         if self._kv is None or self._kv.shape != kv_shape or self._kv.dtype != key.kv_dtype:
