@@ -459,3 +459,14 @@ def test_reference_attention_matches_repeat_kv_sdpa():
     got = gqa_decode_attention_reference(query, keys, values, start, end, 0.25)
     assert torch.allclose(got, expected, atol=1e-5)
     assert math.isclose(float(got.abs().sum()), float(expected.abs().sum()), rel_tol=1e-5)
+
+
+def test_default_compile_options_are_kept_only_where_inductor_knows_them(monkeypatch):
+    """The engine's default inductor options (combo kernels) reach both compiled halves; a name this torch's inductor
+    lacks is dropped (torch.compile would refuse it and the step would run uncompiled); callers' options win."""
+    from prorl_trl.rollout import engine as engine_module
+
+    assert RolloutEngine().compile_options == {"combo_kernels": True}
+    monkeypatch.setattr(engine_module, "DEFAULT_COMPILE_OPTIONS", {"combo_kernels": True, "no_such_option": 1})
+    assert RolloutEngine().compile_options == {"combo_kernels": True}
+    assert RolloutEngine(compile_options={"combo_kernels": False}).compile_options == {"combo_kernels": False}

@@ -58,6 +58,15 @@ PROMPT_ALIGN = 64  # prompt budgets grow in these steps, so nearby prompt widths
 DEFAULT_COMPILE_OPTIONS = {"combo_kernels": True}
 
 
+def default_compile_options() -> dict:
+    """`DEFAULT_COMPILE_OPTIONS` this torch's inductor knows: `torch.compile` refuses an unknown option, and the step
+    would then run uncompiled; a torch without an option just goes without it."""
+    from torch._inductor import config
+
+    known = config.get_config_copy()
+    return {name: value for name, value in DEFAULT_COMPILE_OPTIONS.items() if name in known}
+
+
 class DecodeState(NamedTuple):
     """The per-row state a decode step reads and updates in place (fixed addresses: the graph's inputs)."""
 
@@ -312,7 +321,7 @@ class RolloutEngine:
         self.prompt_budget = prompt_budget or 0
         self.release_cache = release_cache
         self.require_compile = require_compile
-        self.compile_options = {**DEFAULT_COMPILE_OPTIONS, **(compile_options or {})}
+        self.compile_options = {**default_compile_options(), **(compile_options or {})}
         self.stats = EngineStats()
         self._capture_record: CaptureRecord | None = None
         self._kv: torch.Tensor | None = None
