@@ -83,19 +83,23 @@ def test_fused_model_round_trips_through_checkpoints(tmp_path, tied):
         assert torch.equal(tensor, state[name]), name
 
 
-def test_merged_save_of_a_fused_lora_model_loads_back(tmp_path):
-    """A reset's merged save (`merged/reset-<k>/`) after the engine fused the base: q/k merged, v and gate/up saved
-    as the views they are."""
+@pytest.mark.parametrize("targets", [["q_proj", "k_proj"], "all-linear"], ids=str)
+def test_merged_save_of_a_fused_lora_model_loads_back(tmp_path, targets):
+    """A reset's merged save (`merged/reset-<k>/`) after the engine fused the base: adapted weights merged, the rest
+    saved as the views they are, also o and down alone in allocations with folded A rows after them (all-linear)."""
     from prorl_trl.reset import merged_state_dict, save_merged_model
     from prorl_trl.tiny import build_tiny_tokenizer
 
-    model = get_peft_model(build_tiny(seed=0)[0], LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj"]))
+    model = get_peft_model(build_tiny(seed=0)[0], LoraConfig(r=4, lora_alpha=8, target_modules=targets))
     for name, param in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(param, std=0.3)
     parts = decoder_parts(model)
     refresh_fusions(parts)
     assert all(f is not None for f in parts.fused_qkv + parts.fused_gate_up)
+    assert all(f.extra_rows for f in parts.fused_qkv)
+    single = parts.fused_o + parts.fused_down  # fused only to fold their A products: when adapted
+    assert all(bool(f is not None and f.extra_rows) == (targets == "all-linear") for f in single)
     expected = {name: tensor.detach().clone() for name, tensor in merged_state_dict(model).items()}
     folder = save_merged_model(model, build_tiny_tokenizer(), tmp_path / "merged")
     loaded = AutoModelForCausalLM.from_pretrained(folder).state_dict()
