@@ -26,7 +26,7 @@ import torch
 from .decode_attention import gqa_decode_attention
 from . import fused_weights
 from .fused_weights import FusedLinear, fuse_linears
-from .lora_decode import base_linear, fold_rows, gated_mlp, project, refresh_folded
+from .lora_decode import base_linear, fold_factors, fold_rows, gated_mlp, project, refresh_folded
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
@@ -153,7 +153,8 @@ def refresh_fusions(parts: DecoderParts) -> None:
             kept = current[index] if index < len(current) else None
             modules = tuple(module for module in inputs(layer) if module is not None)
             bases = tuple(base_linear(module) for module in modules)
-            extra_rows = fold_rows(modules) if folds else 0
+            adapted = fold_factors(modules) if folds else []
+            extra_rows = fold_rows(adapted, bases[0].weight.dtype) if adapted else 0
             if not (always or extra_rows):
                 fresh.append(None)
                 continue
@@ -162,7 +163,7 @@ def refresh_fusions(parts: DecoderParts) -> None:
             else:
                 fused = fuse_linears(bases, previous=kept, extra_rows=extra_rows)
             if fused is not None and fused.extra_rows:
-                refresh_folded(fused, modules)
+                refresh_folded(fused, adapted)
             fresh.append(fused)
         setattr(parts, name, fresh)
 

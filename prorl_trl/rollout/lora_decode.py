@@ -19,11 +19,12 @@ dynamo's guards recompile). Uncompiled (CPU tests, a failed compile) the product
 `fused_mlp`'s one kernel instead (gate/up GEMMs, their B products and SiLU(gate) * up in one pass).
 
 Folded A products (`FOLD_LORA_A`): where q/k/v, o or down have their base weights in one allocation
-(`fused_weights`), that allocation also holds copies of their adapters' A weights as extra rows (`fold_rows` sizes
-them, `refresh_folded` copies them before every generation), and one GEMM with float32 output gives the base outputs
-and every `lora_A(x)` (`_folded`): the A reduction kernel of each group goes (32 x 4,096 on an H200: 18,551 -> 19,299
-tokens/s; reset-4 shape 3.96 -> 3.28 ms a step). float32 adapters on bf16 weights ride as two bf16 rows (A and its
-remainder), so the products keep float32 precision; the base outputs are rounded once after the bias, as F.linear's.
+(`fused_weights`), that allocation also holds copies of their adapters' A weights as extra rows (`fold_factors` picks
+the adapters, `fold_rows` sizes the rows, `refresh_folded` copies them before every generation), and one GEMM with
+float32 output gives the base outputs and every `lora_A(x)` (`_folded`): the A reduction kernel of each group goes
+(32 x 4,096 on an H200: 18,551 -> 19,299 tokens/s; reset-4 shape 3.96 -> 3.28 ms a step). float32 adapters on bf16
+weights ride as two bf16 rows (A and its remainder), so the products keep float32 precision; the base outputs are
+rounded once after the bias, as F.linear's.
 """
 
 from __future__ import annotations
@@ -124,36 +125,39 @@ def _lora_hidden(rows: torch.Tensor, factors: Sequence[LoraFactors]) -> torch.Te
     return (rows.to(factors[0].down.dtype)[:, None, :] * down).sum(-1)
 
 
-def fold_rows(modules: Sequence[torch.nn.Module]) -> int:
-    """Extra rows the modules' fused base weight needs to fold their adapters' A products into its GEMM (0: no fold).
-
-    Per adapted module, its A weight in the base dtype (rank rows); where the adapters' dtype differs (float32
-    adapters on bf16 weights, PEFT's default), also the remainder `A - that` in the base dtype, so the two rows' sum
-    carries A to about 16 bits of mantissa: the GEMM accumulates in float32 and returns float32 (`_folded`), and the
-    folded `lora_A(x)` matches PEFT's float32 product to float32 rounding, not bf16's. Folds only where `project` would
-    take the fused LoRA path for every adapted module (one adapter dtype, the rest plain `Linear`s)."""
+def fold_factors(modules: Sequence[torch.nn.Module]) -> list[LoraFactors]:
+    """The adapters whose A products fold into the modules' base GEMM, in order; empty where there is no fold: only
+    where `project` would take the fused LoRA path for every adapted module (one adapter dtype, the rest plain
+    `Linear`s)."""
     if not FOLD_LORA_A or not modules:
-        return 0
+        return []
     base_weight = base_linear(modules[0]).weight
     probe = torch.empty(0, dtype=base_weight.dtype, device=base_weight.device)
     factors = [lora_factors(module, probe) for module in modules]
     if any(factor is None and type(module) is not torch.nn.Linear for module, factor in zip(modules, factors)):
-        return 0
+        return []
     adapted = [factor for factor in factors if factor is not None]
-    if not adapted or len({(f.down.dtype, f.up.dtype) for f in adapted}) != 1:
-        return 0
+    return adapted if len({(f.down.dtype, f.up.dtype) for f in adapted}) == 1 else []
+
+
+def fold_rows(adapted: Sequence[LoraFactors], base_dtype: torch.dtype) -> int:
+    """Extra rows a base weight of `base_dtype` needs to fold `adapted`'s A products into its GEMM.
+
+    Per adapter, its A weight in the base dtype (rank rows); where the adapters' dtype differs (float32 adapters on
+    bf16 weights, PEFT's default), also the remainder `A - that` in the base dtype, so the two rows' sum carries A to
+    about 16 bits of mantissa: the GEMM accumulates in float32 and returns float32 (`_folded`), and the folded
+    `lora_A(x)` matches PEFT's float32 product to float32 rounding, not bf16's."""
     ranks = sum(factor.down.shape[0] for factor in adapted)
-    return ranks * (2 if adapted[0].down.dtype != base_weight.dtype else 1)
+    return ranks * (2 if adapted and adapted[0].down.dtype != base_dtype else 1)
 
 
 @torch.no_grad()
-def refresh_folded(fused: FusedLinear, modules: Sequence[torch.nn.Module]) -> None:
-    """Copy the modules' current A weights into `fused`'s extra rows (the layout `fold_rows` sized): run before every
-    generation, since the optimizer updates A in place and the rows are copies."""
-    factors = [f for f in (lora_factors(m, fused.weight[:0]) for m in modules) if f is not None]
-    ranks = sum(factor.down.shape[0] for factor in factors)
+def refresh_folded(fused: FusedLinear, adapted: Sequence[LoraFactors]) -> None:
+    """Copy `adapted`'s current A weights (`fold_factors`) into `fused`'s extra rows (the layout `fold_rows` sized):
+    run before every generation, since the optimizer updates A in place and the rows are copies."""
+    ranks = sum(factor.down.shape[0] for factor in adapted)
     extra, offset = fused.extra, 0
-    for factor in factors:
+    for factor in adapted:
         rank = factor.down.shape[0]
         high = extra[offset : offset + rank]
         high.copy_(factor.down)
@@ -175,12 +179,12 @@ def _folded(x: torch.Tensor, fused: FusedLinear, factors: Sequence[LoraFactors |
     """PEFT's outputs of the group from one GEMM over `fused.stacked` (base rows, then the A rows `refresh_folded`
     keeps); None where the extra rows do not fit these adapters (the caller runs the A reduction instead)."""
     adapted = [factor for factor in factors if factor is not None]
-    if not FOLD_LORA_A or not adapted or fused.extra_rows == 0 or x.dtype != fused.weight.dtype:
+    if not FOLD_LORA_A or not adapted or x.dtype != fused.weight.dtype:
         return None
-    split = adapted[0].down.dtype != fused.weight.dtype
+    if fused.extra_rows != fold_rows(adapted, fused.weight.dtype):
+        return None
     ranks = sum(factor.down.shape[0] for factor in adapted)
-    if fused.extra_rows != ranks * (2 if split else 1):
-        return None
+    split = fused.extra_rows > ranks
     rows = x.reshape(-1, x.shape[-1])
     product = _float32_product(rows, fused.stacked)
     width = fused.weight.shape[0]
