@@ -26,6 +26,12 @@ GPU machine needs no TRL):
                        fixed column ranges of the cache instead of equal shares of each row's live keys).
   rollout_engine_unfolded  A/B: rollout_engine with `lora_decode.FOLD_LORA_A` off (the adapters' A products as an
                        inductor reduction instead of extra rows of the base GEMM).
+  rollout_engine_torch_race  A/B: rollout_engine with `sampler.RACE_KERNEL` off (sampling after top-p as compiled
+                       torch ops: masked scores, 32-bit noise and a chunked argmax, instead of `race_triton`'s kernel).
+  rollout_engine_torch_softmax  A/B: rollout_engine with `sampler.SOFTMAX_KERNEL` off (the softmax before top-p as
+                       compiled torch ops on float32 logits instead of `softmax_triton`'s kernels).
+  rollout_engine_no_prefetch  A/B: rollout_engine with `top_p_triton.PREFETCH` and `race_triton.PREFETCH` off (each
+                       block's load waits instead of overlapping the previous block's arithmetic).
   continuous_batching  `model.generate_batch(prompt_ids, generation_config=..., continuous_batching_config=
                        ContinuousBatchingConfig(max_memory_percent=0.5))` as TRL's `use_transformers_continuous_batching`.
 Continuous batching runs last for each model: it reserves half the free GPU memory for its paged cache.
@@ -75,6 +81,9 @@ METHODS = (
     "rollout_engine_unfused_mlp",
     "rollout_engine_fixed_splits",
     "rollout_engine_unfolded",
+    "rollout_engine_torch_race",
+    "rollout_engine_torch_softmax",
+    "rollout_engine_no_prefetch",
 )
 # Inductor options an engine method takes after '@' (joined with '+'), for A/B rows without a new method each.
 INDUCTOR_PRESETS = {
@@ -83,6 +92,7 @@ INDUCTOR_PRESETS = {
     "combo": {"combo_kernels": True},  # independent small kernels (e.g. q's and k's LoRA B products) as one launch
     "coordinate": {"coordinate_descent_tuning": True},  # tuned block sizes for the pointwise/reduction kernels
     "nocombo": {"combo_kernels": False},  # the engine's default combo kernels off
+    "nopdl": {"triton.enable_pdl": False},  # the engine's default programmatic dependent launch off
     "aggressive": {"aggressive_fusion": True},  # fuse nodes that share no reads
 }
 QWEN2_05B_EOS, QWEN2_05B_PAD = 151645, 151643
@@ -187,6 +197,25 @@ def split_presets(method: str) -> tuple[str, dict | None]:
     return base, options
 
 
+def prefetch_switches() -> tuple[bool, bool] | None:
+    """`(top_p_triton.PREFETCH, race_triton.PREFETCH)`, None without Triton (both are Triton modules)."""
+    from prorl_trl.rollout.decode_attention import triton_available
+
+    if not triton_available():
+        return None
+    from prorl_trl.rollout import race_triton, top_p_triton
+
+    return top_p_triton.PREFETCH, race_triton.PREFETCH
+
+
+def set_prefetch(values: tuple[bool, bool] | None) -> None:
+    """Set both switches (read at each launch: an engine captured with them off replays without prefetching)."""
+    if values is not None:
+        from prorl_trl.rollout import race_triton, top_p_triton
+
+        top_p_triton.PREFETCH, race_triton.PREFETCH = values
+
+
 def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
     """A zero-argument callable that generates once and returns the number of new tokens."""
     num_sequences, max_new_tokens = shape
@@ -196,7 +225,7 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
     top_p = 1.0 if method == "static_compile_top_p1" else args.top_p
     config = trl_generation_config(args, max_new_tokens, eos, pad, top_p)
     if method.startswith("rollout_engine"):
-        from prorl_trl.rollout import decode_attention, fused_mlp, fused_weights, lora_decode
+        from prorl_trl.rollout import decode_attention, fused_mlp, fused_weights, lora_decode, sampler
         from prorl_trl.rollout.engine import RolloutEngine
 
         cache_len = max(args.cache_len or 0, args.prompt_length + max_new_tokens)
@@ -207,17 +236,24 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
 
         def run_engine() -> int:
             switches = (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, fused_mlp.FUSED_MLP,
-                        decode_attention.LIVE_SPLITS, lora_decode.FOLD_LORA_A)  # fmt: skip
+                        decode_attention.LIVE_SPLITS, lora_decode.FOLD_LORA_A, sampler.RACE_KERNEL,
+                        sampler.SOFTMAX_KERNEL, prefetch_switches())  # fmt: skip
             lora_decode.FUSE_LORA = method != "rollout_engine_unfused"  # the A/B switches
             fused_weights.FUSE_BASE = method != "rollout_engine_separate"
             fused_mlp.FUSED_MLP = method != "rollout_engine_unfused_mlp" and fused_mlp.FUSED_MLP
             decode_attention.LIVE_SPLITS = method != "rollout_engine_fixed_splits" and decode_attention.LIVE_SPLITS
             lora_decode.FOLD_LORA_A = method != "rollout_engine_unfolded" and lora_decode.FOLD_LORA_A
+            sampler.RACE_KERNEL = method != "rollout_engine_torch_race" and sampler.RACE_KERNEL
+            sampler.SOFTMAX_KERNEL = method != "rollout_engine_torch_softmax" and sampler.SOFTMAX_KERNEL
+            if method == "rollout_engine_no_prefetch" and switches[-1] is not None:
+                set_prefetch((False, False))
             try:
                 output = engine.generate(model, input_ids, attention_mask, config)
             finally:
                 (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, fused_mlp.FUSED_MLP,
-                 decode_attention.LIVE_SPLITS, lora_decode.FOLD_LORA_A) = switches  # fmt: skip
+                 decode_attention.LIVE_SPLITS, lora_decode.FOLD_LORA_A, sampler.RACE_KERNEL,
+                 sampler.SOFTMAX_KERNEL, prefetch) = switches  # fmt: skip
+                set_prefetch(prefetch)
             if output.tokens.shape[1] != max_new_tokens:
                 raise RuntimeError(f"generated {output.tokens.shape[1]} tokens per sequence, expected {max_new_tokens}")
             model.train()

@@ -1,4 +1,6 @@
-"""GPU time of the top-p threshold kernels (`prorl_trl.rollout.top_p_triton`) per vocabulary split count and block.
+"""GPU time of the sampler's kernels: the top-p threshold (`prorl_trl.rollout.top_p_triton`) per vocabulary split
+count, block, skip and prefetch setting; then the exponential race after it (`race_triton`) against the same draw
+as compiled torch ops.
 
 The decode step's top-p search reads the `(rows, vocab)` float32 probabilities once per pass (8 passes + a finish).
 At 32 rows an H100 took ~18 us a pass against ~6.5 us to read 19.4 MB: this sweeps the programs per pass (splits per
@@ -22,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _graph_timing import replay_microseconds  # noqa: E402
 
-from prorl_trl.rollout import top_p_triton  # noqa: E402
+from prorl_trl.rollout import race_triton, top_p_triton  # noqa: E402
+from prorl_trl.rollout.sampler import first_argmax, noise_from_keys, row_keys  # noqa: E402
 
 
 def probabilities(rows: int, vocab: int, sharpness: float, device: torch.device) -> torch.Tensor:
@@ -52,6 +55,7 @@ def main() -> None:
     parser.add_argument("--blocks", default="256:4,512:4,512:8,1024:8")
     parser.add_argument("--skip-outside", default="on,off",
                         help="top_p_triton.SKIP_OUTSIDE settings to time (blocks outside the bracket skip the sums)")
+    parser.add_argument("--prefetch", default="on,off", help="top_p_triton.PREFETCH settings to time")
     parser.add_argument("--sharpness", default="0,0.6,3", help="logit scales: 0 uniform, 0.6 a random Qwen2-0.5B's")
     parser.add_argument("--replays", type=int, default=200)
     args = parser.parse_args()
@@ -60,25 +64,61 @@ def main() -> None:
     default_block = (top_p_triton.BLOCK, top_p_triton.NUM_WARPS)
     print(f"{torch.cuda.get_device_name()}: {args.rows} x {args.vocab}, top_p {args.top_p}, "
           f"default splits {top_p_triton.splits_for(args.rows, args.vocab)}, block {default_block}")  # fmt: skip
-    print("| sharpness | splits | block / warps | skip outside | us per call | us per pass | same thresholds |")
-    print("|---:|---:|---|---|---:|---:|---|")
+    print("| sharpness | splits | block / warps | skip outside | prefetch | us per call | us per pass | same |")
+    print("|---:|---:|---|---|---|---:|---:|---|")
     passes = top_p_triton.passes_needed() + 1
-    default_skip = top_p_triton.SKIP_OUTSIDE
+    defaults = (top_p_triton.SKIP_OUTSIDE, top_p_triton.PREFETCH)
     skips = [{"on": True, "off": False}[value.strip()] for value in args.skip_outside.split(",")]
+    prefetches = [{"on": True, "off": False}[value.strip()] for value in args.prefetch.split(",")]
+    thresholds = {}
     for sharpness in (float(value) for value in args.sharpness.split(",")):
         probs = probabilities(args.rows, args.vocab, sharpness, device)
         top_p_triton.BLOCK, top_p_triton.NUM_WARPS = default_block
-        top_p_triton.SKIP_OUTSIDE = default_skip
+        top_p_triton.SKIP_OUTSIDE, top_p_triton.PREFETCH = defaults
         _, reference = time_config(probs, top_p, top_p_triton.splits_for(args.rows, args.vocab), 2)
-        for splits, block, skip in itertools.product(args.splits.split(","), args.blocks.split(","), skips):
+        thresholds[sharpness] = (probs, reference)
+        configs = itertools.product(args.splits.split(","), args.blocks.split(","), skips, prefetches)
+        for splits, block, skip, prefetch in configs:
             size, warps = (int(v) for v in block.split(":"))
             top_p_triton.BLOCK, top_p_triton.NUM_WARPS = size, warps
-            top_p_triton.SKIP_OUTSIDE = skip
+            top_p_triton.SKIP_OUTSIDE, top_p_triton.PREFETCH = skip, prefetch
             micros, tau = time_config(probs, top_p, int(splits), args.replays)
-            print(f"| {sharpness} | {splits} | {size} / {warps} | {skip} | {micros:.1f} | {micros / passes:.1f} | "
-                  f"{torch.equal(tau, reference)} |")  # fmt: skip
+            print(f"| {sharpness} | {splits} | {size} / {warps} | {skip} | {prefetch} | {micros:.1f} | "
+                  f"{micros / passes:.1f} | {torch.equal(tau, reference)} |")  # fmt: skip
     top_p_triton.BLOCK, top_p_triton.NUM_WARPS = default_block
-    top_p_triton.SKIP_OUTSIDE = default_skip
+    top_p_triton.SKIP_OUTSIDE, top_p_triton.PREFETCH = defaults
+    print()
+    time_race(thresholds, args.replays, device)
+
+
+def race_with_torch_ops(probs: torch.Tensor, tau: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The race as the compiled step ran it before `race_triton`: masked scores, noise, a chunked argmax."""
+    scores = torch.log(probs).masked_fill(probs < tau, -float("inf"))
+    return first_argmax(scores - torch.log(-torch.log(noise_from_keys(keys, probs.shape[-1]))))
+
+
+def time_race(thresholds: dict, replays: int, device: torch.device) -> None:
+    """`race_triton`'s kernel (prefetch on/off, its splits' final pick included) against `race_with_torch_ops`
+    compiled, CUDA-graph replays, on the probabilities and thresholds of the table above."""
+    from prorl_trl.rollout.sampler import race_tokens
+
+    compiled = torch.compile(race_with_torch_ops, dynamic=False)
+    print("| sharpness | race | us per call | same tokens as torch ops |")
+    print("|---:|---|---:|---|")
+    default = race_triton.PREFETCH
+    for sharpness, (probs, tau) in thresholds.items():
+        keys = row_keys(torch.tensor([11], device=device), torch.tensor([5], device=device), probs.shape[0])
+        expected = compiled(probs, tau, keys)
+        for name, run in (("kernel, prefetch", race_tokens), ("kernel, no prefetch", race_tokens),
+                          ("compiled torch ops", compiled)):  # fmt: skip
+            race_triton.PREFETCH = name != "kernel, no prefetch"
+            run(probs, tau, keys)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                tokens = run(probs, tau, keys)
+            micros = replay_microseconds(graph, replays)
+            print(f"| {sharpness} | {name} | {micros:.1f} | {torch.equal(tokens, expected)} |")
+    race_triton.PREFETCH = default
 
 
 if __name__ == "__main__":

@@ -28,8 +28,11 @@ from prorl_trl.rollout.engine import RolloutEngine, resolved_generation_config, 
 from prorl_trl.rollout.sampler import (
     SamplerTensors,
     UnsupportedGeneration,
+    choose_tokens,
     first_argmax,
     process_logits,
+    race_tokens,
+    row_keys,
     sampler_settings,
     top_p_threshold,
     uniform_noise,
@@ -427,13 +430,18 @@ def test_triton_kernel_matches_reference_in_interpreter(monkeypatch):
 
 @pytest.mark.skipif(not triton_available(), reason="Triton not installed (runs on the GPU machine: test_rollout_engine_gpu)")
 def test_triton_top_p_threshold_matches_reference_in_interpreter():
-    """The top-p kernels under Triton's CPU interpreter against the torch search, uneven splits and peaked rows."""
+    """The top-p kernels under Triton's CPU interpreter against the torch search (which starts its bracket at 0, the
+    kernel at target / (2 vocab) and skips a pass once the cut is found): uneven splits, peaked and uniform rows,
+    top_p near 1 (no pass skipped), prefetch on and off."""
     code = (
         "import torch\n"
         "from prorl_trl.rollout.sampler import top_p_threshold_reference\n"
         "from prorl_trl.rollout.top_p_triton import launch_top_p_threshold\n"
+        "from prorl_trl.rollout import top_p_triton\n"
         "g = torch.Generator().manual_seed(0)\n"
-        "for rows, vocab, scale, top_p, splits in [(3, 5000, 3.0, 0.7, 4), (2, 2100, 0.01, 0.9, 2), (4, 3000, 8.0, 0.05, 1)]:\n"
+        "cases = [(3, 5000, 3.0, 0.7, 4), (2, 2100, 0.01, 0.9, 2), (4, 3000, 8.0, 0.05, 1), (2, 2100, 0.0, 1 - 1e-6, 2)]\n"
+        "for (rows, vocab, scale, top_p, splits), prefetch in [(c, f) for c in cases for f in (True, False)]:\n"
+        "    top_p_triton.PREFETCH = prefetch\n"
         "    probs = torch.softmax(torch.randn(rows, vocab, generator=g) * scale, -1)\n"
         "    top_p = torch.tensor([top_p])\n"
         "    got = launch_top_p_threshold(probs, top_p, splits=splits)\n"
@@ -443,6 +451,95 @@ def test_triton_top_p_threshold_matches_reference_in_interpreter():
         "print('ok')\n"
     )
     run_in_triton_interpreter(code)
+
+
+@pytest.mark.skipif(not triton_available(), reason="Triton not installed (runs on the GPU machine: test_rollout_engine_gpu)")
+def test_triton_race_matches_reference_in_interpreter():
+    """The race kernel under Triton's CPU interpreter: the same uniforms (uint32 hash = the int64 torch one) and the
+    same token as `race_tokens_reference`, with and without prefetching, uneven last split included."""
+    code = (
+        "import torch\n"
+        "from prorl_trl.rollout import race_triton\n"
+        "from prorl_trl.rollout.race_triton import launch_race\n"
+        "from prorl_trl.rollout.sampler import race_tokens_reference, row_keys, top_p_threshold_reference\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "cases = [(5, 3000, 1.0), (3, 5000, 4.0), (4, 2049, 0.2)]\n"
+        "for (rows, vocab, scale), prefetch in [(c, f) for c in cases for f in (True, False)]:\n"
+        "    race_triton.PREFETCH = prefetch\n"
+        "    probs = torch.softmax(torch.randn(rows, vocab, generator=g) * scale, -1)\n"
+        "    tau = top_p_threshold_reference(probs, torch.tensor([0.7]), ways=2)\n"
+        "    keys = row_keys(torch.tensor([vocab]), torch.tensor([3]), rows)\n"
+        "    best, token = launch_race(probs, tau, keys)\n"
+        "    got = token.long().gather(-1, best.argmax(-1, keepdim=True))[:, 0]\n"
+        "    assert torch.equal(got, race_tokens_reference(probs, tau, keys)), (rows, vocab, prefetch)\n"
+        "    assert (probs.gather(-1, got[:, None]) >= tau).all()\n"
+        "print('ok')\n"
+    )
+    run_in_triton_interpreter(code)
+
+
+@pytest.mark.skipif(not triton_available(), reason="Triton not installed (runs on the GPU machine: test_rollout_engine_gpu)")
+def test_triton_softmax_matches_reference_in_interpreter():
+    """The softmax kernels under Triton's CPU interpreter against `softmax(scores_before_top_p(...))`: bf16 and float32
+    logits, temperature, the EOS mask while too early (a dominant EOS then gets 0) and after."""
+    code = (
+        "import torch\n"
+        "from transformers import GenerationConfig\n"
+        "from prorl_trl.rollout.softmax_triton import launch_softmax\n"
+        "from prorl_trl.rollout.sampler import SamplerTensors, sampler_settings, scores_before_top_p\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "cases = [(3, 3000, torch.bfloat16, 5, 2), (2, 5000, torch.float32, 5, 7), (4, 2049, torch.bfloat16, 0, 0)]\n"
+        "for rows, vocab, dtype, min_new, step in cases:\n"
+        "    logits = (torch.randn(rows, vocab, generator=g) * 3).to(dtype)\n"
+        "    logits[:, 7] = 20.0\n"
+        "    config = GenerationConfig(do_sample=True, max_new_tokens=9, min_new_tokens=min_new, eos_token_id=[7, 11],\n"
+        "                              pad_token_id=0, top_p=0.7, temperature=1.3)\n"
+        "    settings = sampler_settings(config)\n"
+        "    tensors = SamplerTensors.allocate(2, logits.device)\n"
+        "    tensors.load(settings, seed=1)\n"
+        "    step = torch.tensor([step])\n"
+        "    eos = tensors.eos if settings.layout.use_min_new_tokens else tensors.eos[:0]\n"
+        "    got = launch_softmax(logits, tensors.temperature, eos, step < tensors.min_new_tokens)\n"
+        "    want = torch.softmax(scores_before_top_p(logits, settings.layout, tensors, step), -1)\n"
+        "    assert torch.allclose(got, want, rtol=1e-5, atol=1e-9), (got - want).abs().max()\n"
+        "    assert (got[:, 7] == 0).all() == (0 < min_new and step < min_new)\n"
+        "print('ok')\n"
+    )
+    run_in_triton_interpreter(code)
+
+
+def test_race_draws_the_top_p_distribution():
+    """`race_tokens_reference` over 40k rows of one distribution (each row its own key): frequencies of the kept
+    tokens against transformers' top-p warped softmax (chi-square), nothing outside the nucleus drawn."""
+    generator = torch.Generator().manual_seed(4)
+    scores = torch.randn(1, 60, generator=generator) * 1.5
+    probs = torch.softmax(scores, -1).expand(40_000, -1).contiguous()
+    tau = top_p_threshold(probs, torch.tensor([0.8]))
+    tokens = race_tokens(probs, tau, row_keys(torch.tensor([9]), torch.tensor([2]), probs.shape[0]))
+    exact = torch.softmax(warped(scores, top_p=0.8), -1)[0].double().numpy()
+    observed = np.bincount(tokens.numpy(), minlength=60).astype(float)
+    assert observed[exact == 0].sum() == 0
+    kept = exact > 0
+    expected = exact[kept] / exact[kept].sum() * observed.sum()
+    assert stats.chisquare(observed[kept], expected).pvalue > 1e-3
+
+
+def test_race_and_the_scores_race_draw_the_same_token():
+    """The race kernel's form (`p / E` over the nucleus) and `choose_tokens`' (`scores - log E`, removed tokens at
+    -inf) from the same uniforms pick the same token (they differ only by float32 rounding of near-equal keys)."""
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(3000, 400, generator=generator) * 2
+    generation = GenerationConfig(do_sample=True, max_new_tokens=1, eos_token_id=0, pad_token_id=0, top_p=0.7, top_k=0)
+    settings = sampler_settings(generation)
+    tensors = SamplerTensors.allocate(1, logits.device)
+    tensors.load(settings, seed=21)
+    step = torch.tensor([6])
+    scores = process_logits(logits, settings.layout, tensors, step)
+    by_scores = choose_tokens(scores, settings.layout, tensors, step)
+    probs = torch.softmax(logits, -1)
+    by_race = race_tokens(probs, top_p_threshold(probs, tensors.top_p), row_keys(tensors.seed, step, logits.shape[0]))
+    assert (by_race == by_scores).float().mean() >= 0.999
+    assert torch.isfinite(scores.gather(-1, by_race[:, None])).all()  # never a token the filters removed
 
 
 def test_reference_attention_matches_repeat_kv_sdpa():
@@ -462,11 +559,12 @@ def test_reference_attention_matches_repeat_kv_sdpa():
 
 
 def test_default_compile_options_are_kept_only_where_inductor_knows_them(monkeypatch):
-    """The engine's default inductor options (combo kernels) reach both compiled halves; a name this torch's inductor
-    lacks is dropped (torch.compile would refuse it and the step would run uncompiled); callers' options win."""
+    """The engine's default inductor options (combo kernels, programmatic dependent launch) reach both compiled halves;
+    a name this torch's inductor lacks is dropped (torch.compile would refuse it and the step would run uncompiled);
+    callers' options win."""
     from prorl_trl.rollout import engine as engine_module
 
-    assert RolloutEngine().compile_options == {"combo_kernels": True}
+    assert RolloutEngine().compile_options == {"combo_kernels": True, "triton.enable_pdl": True}
     monkeypatch.setattr(engine_module, "DEFAULT_COMPILE_OPTIONS", {"combo_kernels": True, "no_such_option": 1})
     assert RolloutEngine().compile_options == {"combo_kernels": True}
     assert RolloutEngine(compile_options={"combo_kernels": False}).compile_options == {"combo_kernels": False}

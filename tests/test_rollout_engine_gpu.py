@@ -170,7 +170,12 @@ def test_bf16_decode_step_with_each_kernel_switch(switch, monkeypatch):
     assert error < 2e-2, error
 
 
-def test_same_seed_same_tokens_with_and_without_graphs(lora_model):
+def test_same_seed_same_tokens_with_and_without_graphs(lora_model, monkeypatch):
+    """Same seed, same tokens: graph replays, the same step launched eagerly, the softmax as torch ops
+    (`SOFTMAX_KERNEL` off), and the sampler's torch-ops race (`RACE_KERNEL` off: `scores - log E` instead of the
+    kernel's `p / E`, from the same uniforms)."""
+    from prorl_trl.rollout import sampler
+
     model, tokenizer = lora_model
     input_ids, mask = inputs(tokenizer.pad_token_id)
     config = GenerationConfig(max_new_tokens=24, do_sample=True, top_p=0.8, top_k=0, temperature=1.0,
@@ -181,6 +186,12 @@ def test_same_seed_same_tokens_with_and_without_graphs(lora_model):
     assert not torch.equal(graphs.generate(model, input_ids, mask, config, seed=6).tokens, first)
     no_graphs = RolloutEngine(steps_per_graph=8, cuda_graphs=False)  # the same compiled step, launched eagerly
     assert torch.equal(no_graphs.generate(model, input_ids, mask, config, seed=5).tokens, first)
+    monkeypatch.setattr(sampler, "SOFTMAX_KERNEL", False)
+    torch_softmax = RolloutEngine(steps_per_graph=8)
+    assert torch.equal(torch_softmax.generate(model, input_ids, mask, config, seed=5).tokens, first)
+    monkeypatch.setattr(sampler, "RACE_KERNEL", False)
+    torch_race = RolloutEngine(steps_per_graph=8)
+    assert torch.equal(torch_race.generate(model, input_ids, mask, config, seed=5).tokens, first)
 
 
 def test_compiled_sampler_distribution_matches_exact(lora_model):
@@ -255,9 +266,10 @@ def assert_top_p_cut(probs: torch.Tensor, top_p: float, tau: torch.Tensor, toler
 
 
 @pytest.mark.parametrize("scale", [0.01, 1.0, 4.0, 12.0])
-def test_triton_top_p_threshold_is_the_cut_and_reproducible(scale):
+def test_triton_top_p_threshold_is_the_cut_and_reproducible(scale, monkeypatch):
     """The top-p kernels at the Qwen2 vocabulary, near-uniform to peaked rows: the right cut (float64 masses), the
-    torch search's on most rows, and the same on every run."""
+    torch search's on most rows, and the same on every run and with prefetching flipped."""
+    from prorl_trl.rollout import top_p_triton
     from prorl_trl.rollout.sampler import top_p_threshold_reference
     from prorl_trl.rollout.top_p_triton import launch_top_p_threshold
 
@@ -270,3 +282,44 @@ def test_triton_top_p_threshold_is_the_cut_and_reproducible(scale):
         assert torch.equal(launch_top_p_threshold(probs, top_p_tensor), tau)
         same = (tau == top_p_threshold_reference(probs, top_p_tensor, ways=2)).float().mean().item()
         assert same >= 0.5, same  # rows differ only where float32 rounding decides (near-uniform rows)
+        monkeypatch.setattr(top_p_triton, "PREFETCH", not top_p_triton.PREFETCH)
+        assert torch.equal(launch_top_p_threshold(probs, top_p_tensor), tau)  # the same sums, loaded earlier or not
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_softmax_matches_torch(dtype):
+    """The softmax kernels at the Qwen2 vocabulary against torch's, with temperature and the EOS mask on and off."""
+    from prorl_trl.rollout.softmax_triton import launch_softmax
+
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    logits = (torch.randn(32, 151_936, device="cuda", generator=generator) * 4).to(dtype)
+    temperature, eos = torch.tensor([0.8], device="cuda"), torch.tensor([151_645, 5], device="cuda")
+    for too_early in (True, False):
+        got = launch_softmax(logits, temperature, eos, torch.tensor([too_early], device="cuda"))
+        scores = logits.float()
+        if too_early:
+            scores[:, eos] = -float("inf")
+        want = torch.softmax(scores / temperature, -1)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-10), (got - want).abs().max()
+        assert (got[:, eos] == 0).all() == too_early
+
+
+@pytest.mark.parametrize("scale", [0.01, 0.6, 4.0])
+def test_triton_race_is_the_reference_draw(scale, monkeypatch):
+    """The race kernel at the Qwen2 vocabulary (256 rows) against `race_tokens_reference` from the same uniforms:
+    the same token on (almost) every row, only nucleus tokens, prefetch on and off identical."""
+    from prorl_trl.rollout import race_triton
+    from prorl_trl.rollout.sampler import race_tokens, race_tokens_reference, row_keys
+    from prorl_trl.rollout.top_p_triton import launch_top_p_threshold
+
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    probs = torch.softmax(torch.randn(256, 151_936, device="cuda", generator=generator) * scale, dim=-1)
+    tau = launch_top_p_threshold(probs, torch.tensor([0.7], device="cuda"))
+    keys = row_keys(torch.tensor([3], device="cuda"), torch.tensor([17], device="cuda"), probs.shape[0])
+    tokens = race_tokens(probs, tau, keys)
+    assert (probs.gather(-1, tokens[:, None]) >= tau).all()
+    same = (tokens == race_tokens_reference(probs, tau, keys)).float().mean().item()
+    assert same >= 0.99, same  # a row may differ only where two keys are within float32 rounding (GPU log vs torch)
+    monkeypatch.setattr(race_triton, "PREFETCH", not race_triton.PREFETCH)
+    assert torch.equal(race_tokens(probs, tau, keys), tokens)

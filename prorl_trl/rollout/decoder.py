@@ -201,8 +201,10 @@ def decode_logits(
     write_index: torch.Tensor,
     key_caches: list[torch.Tensor],
     value_caches: list[torch.Tensor],
+    float32: bool = True,
 ) -> torch.Tensor:
-    """Logits `(batch, vocab)` for one new token per row, writing its keys/values at column `write_index`.
+    """Logits `(batch, vocab)` for one new token per row, writing its keys/values at column `write_index`; float32 as
+    `generate` hands them to its processors, or (`float32=False`) in the LM head's dtype.
 
     `tokens` are the previous step's tokens, `start[b]` the first live cache column of row b (its left padding), so
     its position is `write_index - start[b]`, as in `generate` (positions count only real tokens).
@@ -230,4 +232,5 @@ def decode_logits(
         hidden = hidden + project(attended.reshape(batch, 1, -1), (attention.o_proj,), fused_o[index])[0]
         normed = layer.post_attention_layernorm(hidden)
         hidden = hidden + gated_mlp(layer.mlp, normed, fused_gate_up[index], fused_down[index])
-    return parts.lm_head(parts.norm(hidden))[:, 0].float()
+    logits = parts.lm_head(parts.norm(hidden))[:, 0]
+    return logits.float() if float32 else logits

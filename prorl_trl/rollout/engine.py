@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import decode_attention, fused_mlp, fused_weights, lora_decode
+from . import decode_attention, fused_mlp, fused_weights, lora_decode, sampler
 from .compiled import raise_recompile_limit
 from .decoder import (
     DecoderParts, UnsupportedModel, decode_logits, decoder_parts, generation_target, prefill, refresh_fusions,
@@ -55,7 +55,10 @@ PROMPT_ALIGN = 64  # prompt budgets grow in these steps, so nearby prompt widths
 # small kernels of a step run as one launch (q's and k's LoRA B products, their rotary embeddings, ...): 373 -> 317
 # kernels and 17,669 -> 19,118 tokens/s at 32 x 4,096 with LoRA r32 on q,k on an H200 (fifth session's defaults;
 # benchmarks/results/rollout_engine.md, sixth session). A/B: generation.py's `rollout_engine@nocombo`.
-DEFAULT_COMPILE_OPTIONS = {"combo_kernels": True}
+# `triton.enable_pdl`: programmatic dependent launch, where the device supports it (Hopper on): an inductor kernel's
+# launch overlaps the end of the previous kernel and waits on the GPU for its results (benchmarks/results/
+# rollout_engine.md, seventh session). A/B: `rollout_engine@nopdl`.
+DEFAULT_COMPILE_OPTIONS = {"combo_kernels": True, "triton.enable_pdl": True}
 
 
 def default_compile_options() -> dict:
@@ -180,6 +183,8 @@ class CaptureKey:
     fused_mlp: bool  # fused_mlp.FUSED_MLP, likewise
     live_splits: bool  # decode_attention.LIVE_SPLITS, likewise (read at capture)
     fold_lora_a: bool  # lora_decode.FOLD_LORA_A, likewise
+    race_kernel: bool  # sampler.RACE_KERNEL, likewise
+    softmax_kernel: bool  # sampler.SOFTMAX_KERNEL, likewise
 
 
 class CaptureRecord(NamedTuple):
@@ -211,11 +216,12 @@ def is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
 
 
 def forward_half(parts: DecoderParts):
-    """First half of a decode step: the model's logits for each row's last token (its keys/values written)."""
+    """First half of a decode step: the model's logits for each row's last token (its keys/values written), in the LM
+    head's dtype (the sampler reads them as float32 itself: no float32 copy between the halves)."""
 
     def forward(state: DecodeState, keys: tuple, values: tuple) -> torch.Tensor:
         write_index = state.width + state.step - 1
-        return decode_logits(parts, state.token, state.start, write_index, list(keys), list(values))
+        return decode_logits(parts, state.token, state.start, write_index, list(keys), list(values), float32=False)
 
     return forward
 
@@ -428,6 +434,7 @@ class RolloutEngine:
             model=id(parts.model), cuda_graphs=use_graphs, fuse_lora=lora_decode.FUSE_LORA,
             fuse_base=fused_weights.FUSE_BASE, fused_mlp=fused_mlp.FUSED_MLP,
             live_splits=decode_attention.LIVE_SPLITS, fold_lora_a=lora_decode.FOLD_LORA_A,
+            race_kernel=sampler.RACE_KERNEL, softmax_kernel=sampler.SOFTMAX_KERNEL,
         )  # fmt: skip
         kv_shape = (2, len(parts.layers), batch, parts.num_kv_heads, key.cache_len, parts.head_dim)
         if self._kv is None or self._kv.shape != kv_shape or self._kv.dtype != key.kv_dtype:

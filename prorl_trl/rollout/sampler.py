@@ -10,11 +10,14 @@ What `GenerationMixin._sample` (transformers 5.x) does per step, and how this mo
   `sum(p_i <= tau) > 1 - top_p`, found by an exact search over float32 bit patterns (`top_p_threshold`). Only ties
   exactly at the boundary can differ (transformers' unstable sort splits them; here they stay together).
 * Sampling is the exponential race: `argmax(scores - log(E))`, `E ~ Exp(1)` i.i.d., picks token j with probability
-  `softmax(scores)_j`, the distribution `multinomial` draws from. The noise is counter-based (a SplitMix64 hash of
-  seed, step, row and token id), so it needs no generator state: CUDA-graph replays draw fresh numbers, the same seed
-  gives the same tokens on every path (eager, compiled, graph), and a row's tokens do not depend on the other rows.
-  Uniforms have 23 random bits (like `torch.multinomial`'s float32 draw, tokens far below 2^-24 relative probability
-  are effectively never drawn).
+  `softmax(scores)_j`, the distribution `multinomial` draws from. The noise is counter-based (a 32-bit key per
+  (seed, step, row) from SplitMix64, then a 32-bit Weyl step per token id and a finaliser), so it needs no generator
+  state: CUDA-graph replays draw fresh numbers, the same seed gives the same tokens on every path (eager, compiled,
+  graph), and a row's tokens do not depend on the other rows. Uniforms have 23 random bits (like
+  `torch.multinomial`'s float32 draw, tokens far below 2^-24 relative probability are effectively never drawn).
+* On CUDA with Triton, sampling after top-p (no top-k, no min-p: the recipes' settings) runs the race as one kernel
+  over the probabilities (`race_triton`): `argmax p_j / E_j` over the kept tokens, the same draw up to float32
+  rounding of the keys (a monotone transform of `scores_j - log(E_j)`), from the same uniforms.
 
 Values that may change between calls without a new CUDA graph (temperature, top_p, min_p, min_new_tokens, the seed)
 live in device tensors (`SamplerTensors`); what changes the captured program (greedy or not, top-k's k, whether top-p,
@@ -72,7 +75,21 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
 _SPLITMIX_GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)
 _SPLITMIX_MUL1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _SPLITMIX_MUL2 = 0x94D049BB133111EB - (1 << 64)
+_MASK32 = 0xFFFFFFFF
+_WEYL32 = 0x9E3779B9  # a token id steps the 32-bit hash input by the golden-ratio increment
+# the same residue mod 2^32 as an int32 constant: compiled kernels index in int32, and a constant times an index that
+# does not fit int32 fails to compile
+_WEYL32_INT32 = _WEYL32 - (1 << 32)
+# 32-bit finaliser (C. Wellons' hash prospector, [16 21f0aaad 15 735a2d97 15]): both multipliers below 2^31, so the
+# torch version's int64 products never overflow; `race_triton` computes the same in uint32
+_MIX32 = ((16, 0x21F0AAAD), (15, 0x735A2D97), (15, None))
 _FLOAT32_ONE_BITS = 0x3F800000
+# Sampling after top-p on CUDA runs `race_triton`'s kernel (`race_tokens`); False only for the A/B (torch ops,
+# compiled). Read when the step is traced, so part of the engine's capture key.
+RACE_KERNEL = True
+# The softmax before top-p (from the model's logits, EOS mask and temperature included) runs `softmax_triton`'s
+# kernels on CUDA; False only for the A/B. Read when the step is traced, so part of the engine's capture key.
+SOFTMAX_KERNEL = True
 ARGMAX_CHUNK = 2048  # columns per program of `first_argmax` (75 pieces a row for Qwen's 151,936 tokens)
 
 
@@ -195,18 +212,37 @@ def _mix64(z: torch.Tensor) -> torch.Tensor:
     return z ^ _shift_right(z, 31)
 
 
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """The 32-bit finaliser on int64 tensors holding values in [0, 2^32)."""
+    for shift, multiplier in _MIX32:
+        x = x ^ (x >> shift)
+        if multiplier is not None:
+            x = (x * multiplier) & _MASK32
+    return x
+
+
+def row_keys(seed: torch.Tensor, step: torch.Tensor, rows: int) -> torch.Tensor:
+    """`(rows,)` int64 32-bit keys, one per (seed, step, row): SplitMix64 of each, its low half.
+
+    Row ids enter by addition only (compiled kernels index in int32: a 64-bit constant times an index does not
+    compile), each followed by the SplitMix64 finaliser."""
+    row_ids = torch.arange(rows, device=seed.device, dtype=torch.long)
+    return _mix64(_mix64(seed + step * _SPLITMIX_GAMMA) + row_ids) & _MASK32
+
+
+def noise_from_keys(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """`(rows, vocab)` float32 uniforms in (0, 1) from `row_keys`: a Weyl step per token id, then `_mix32`."""
+    token_ids = torch.arange(vocab, device=keys.device, dtype=torch.long)
+    hashed = _mix32((token_ids[None, :] * _WEYL32_INT32 + keys[:, None]) & _MASK32)
+    return ((hashed >> 9).to(torch.float32) * 2 + 1) * 2.0**-24  # 23 bits, odd multiples of 2^-24: never 0 or 1
+
+
 def uniform_noise(seed: torch.Tensor, step: torch.Tensor, rows: int, vocab: int) -> torch.Tensor:
     """`(rows, vocab)` float32 uniforms in (0, 1), a pure function of (seed, step, row, token id).
 
-    Row and token ids enter by addition only (compiled kernels index in int32: a 64-bit constant times an index
-    does not compile), each followed by the SplitMix64 finaliser; the last value is mixed twice.
-    """
-    device = seed.device
-    row_ids = torch.arange(rows, device=device, dtype=torch.long)
-    token_ids = torch.arange(vocab, device=device, dtype=torch.long)
-    row_keys = _mix64(_mix64(seed + step * _SPLITMIX_GAMMA) + row_ids) * _SPLITMIX_GAMMA  # distinct odd-spaced keys
-    bits = _shift_right(_mix64(_mix64(row_keys[:, None] + token_ids[None, :])), 41)  # 23 random bits
-    return (bits.to(torch.float32) * 2 + 1) * 2.0**-24  # odd multiples of 2^-24: exact in float32, never 0 or 1
+    32-bit per token (a 64-bit hash per token was the largest part of the sampler's GPU time); distinct token ids of
+    a row get distinct hash inputs, and rows get independent 32-bit keys."""
+    return noise_from_keys(row_keys(seed, step, rows), vocab)
 
 
 def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor, ways: int = 16) -> torch.Tensor:
@@ -260,13 +296,10 @@ def eos_columns(eos: torch.Tensor, vocab: int) -> torch.Tensor:
     return (torch.arange(vocab, device=eos.device)[:, None] == eos[None, :]).any(-1)
 
 
-def process_logits(
-    logits: torch.Tensor, layout: SamplerLayout, tensors: SamplerTensors, step: torch.Tensor, ways: int = 16
+def scores_before_top_p(
+    logits: torch.Tensor, layout: SamplerLayout, tensors: SamplerTensors, step: torch.Tensor
 ) -> torch.Tensor:
-    """transformers' processors and warpers for one step: float32 `(rows, vocab)` scores, removed tokens at -inf.
-
-    `step` is the index of the token being chosen (0 for the first new token).
-    """
+    """`process_logits`' first part: float32 scores after min_new_tokens, and when sampling temperature and top-k."""
     scores = logits.float()
     if layout.use_min_new_tokens:
         too_early = (step < tensors.min_new_tokens) & eos_columns(tensors.eos, scores.shape[-1])
@@ -277,6 +310,19 @@ def process_logits(
     if layout.top_k:
         kth = torch.topk(scores, min(layout.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
         scores = scores.masked_fill(scores < kth, -math.inf)
+    return scores
+
+
+def process_logits(
+    logits: torch.Tensor, layout: SamplerLayout, tensors: SamplerTensors, step: torch.Tensor, ways: int = 16
+) -> torch.Tensor:
+    """transformers' processors and warpers for one step: float32 `(rows, vocab)` scores, removed tokens at -inf.
+
+    `step` is the index of the token being chosen (0 for the first new token).
+    """
+    scores = scores_before_top_p(logits, layout, tensors, step)
+    if not layout.do_sample:
+        return scores
     if layout.use_top_p:
         probs = torch.softmax(scores, dim=-1)
         scores = scores.masked_fill(probs < top_p_threshold(probs, tensors.top_p, ways), -math.inf)
@@ -304,6 +350,71 @@ def first_argmax(values: torch.Tensor, chunk: int = ARGMAX_CHUNK) -> torch.Tenso
     return (piece * chunk + where.gather(-1, piece))[:, 0]
 
 
+def sampling_probabilities(
+    logits: torch.Tensor, layout: SamplerLayout, tensors: SamplerTensors, step: torch.Tensor
+) -> torch.Tensor:
+    """`softmax(scores_before_top_p(...))` when sampling without top-k: on CUDA `softmax_triton`'s kernels, which read
+    the logits in their own dtype (no float32 copy of them first)."""
+    if SOFTMAX_KERNEL and layout.do_sample and not layout.top_k and logits.is_cuda and triton_available():
+        eos = tensors.eos if layout.use_min_new_tokens else tensors.eos[:0]  # empty: no EOS mask compiled in
+        too_early = step < tensors.min_new_tokens
+        return torch.ops.prorl_rollout.softmax(logits.contiguous(), tensors.temperature, eos, too_early)
+    return torch.softmax(scores_before_top_p(logits, layout, tensors, step), dim=-1)
+
+
+@torch.library.custom_op("prorl_rollout::softmax", mutates_args=())
+def _softmax_op(
+    logits: torch.Tensor, temperature: torch.Tensor, eos: torch.Tensor, too_early: torch.Tensor
+) -> torch.Tensor:
+    """Opaque to torch.compile; two launches recorded into the CUDA graph."""
+    from .softmax_triton import launch_softmax
+
+    return launch_softmax(logits, temperature, eos, too_early)
+
+
+@_softmax_op.register_fake
+def _(logits, temperature, eos, too_early):
+    return logits.new_empty(logits.shape, dtype=torch.float32)
+
+
+def uses_race_kernel(logits: torch.Tensor, layout: SamplerLayout) -> bool:
+    """Whether `next_tokens` samples through `race_triton` (sampling after top-p alone, on CUDA with Triton)."""
+    return (
+        RACE_KERNEL and layout.do_sample and layout.use_top_p and not layout.top_k and not layout.use_min_p
+        and logits.is_cuda and triton_available()
+    )  # fmt: skip
+
+
+def race_tokens(probs: torch.Tensor, tau: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Per row `argmax_j p_j / E_j` over `p_j >= tau` (the first on ties), `E = -log(noise_from_keys(keys))`."""
+    if probs.is_cuda and triton_available():
+        best_key, best_token = torch.ops.prorl_rollout.race(probs.contiguous(), tau, keys)
+        return best_token.gather(-1, best_key.argmax(-1, keepdim=True))[:, 0].long()
+    return race_tokens_reference(probs, tau, keys)
+
+
+def race_tokens_reference(probs: torch.Tensor, tau: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """`race_tokens` in torch ops (the kernel's reference)."""
+    exponential = -torch.log(noise_from_keys(keys, probs.shape[-1]))
+    return (torch.where((probs >= tau) & (probs > 0), probs / exponential, -1.0)).argmax(-1)
+
+
+@torch.library.custom_op("prorl_rollout::race", mutates_args=())
+def _race_op(probs: torch.Tensor, tau: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Opaque to torch.compile; one launch recorded into the CUDA graph."""
+    from .race_triton import launch_race
+
+    return launch_race(probs, tau, keys)
+
+
+@_race_op.register_fake
+def _(probs, tau, keys):
+    from .race_triton import splits_for
+
+    splits = splits_for(*probs.shape)
+    return probs.new_empty(probs.shape[0], splits), probs.new_empty(probs.shape[0], splits, dtype=torch.int32)
+
+
 def choose_tokens(scores: torch.Tensor, layout: SamplerLayout, tensors: SamplerTensors, step: torch.Tensor) -> torch.Tensor:
     """One token per row from processed scores: argmax (greedy) or the exponential race (sampling)."""
     if not layout.do_sample:
@@ -315,5 +426,10 @@ def choose_tokens(scores: torch.Tensor, layout: SamplerLayout, tensors: SamplerT
 def next_tokens(
     logits: torch.Tensor, layout: SamplerLayout, tensors: SamplerTensors, step: torch.Tensor, ways: int = 16
 ) -> torch.Tensor:
-    """`process_logits` then `choose_tokens`: the token each row emits at `step` (before EOS/padding bookkeeping)."""
+    """`process_logits` then `choose_tokens`: the token each row emits at `step` (before EOS/padding bookkeeping);
+    after top-p alone on CUDA, the same draw through `race_tokens` (no masked copy of the scores)."""
+    if uses_race_kernel(logits, layout):
+        probs = sampling_probabilities(logits, layout, tensors, step)
+        tau = top_p_threshold(probs, tensors.top_p, ways)
+        return race_tokens(probs, tau, row_keys(tensors.seed, step, probs.shape[0]))
     return choose_tokens(process_logits(logits, layout, tensors, step, ways), layout, tensors, step)

@@ -13,6 +13,11 @@ it. A last launch (`FINISH`) turns the final bracket into the threshold, capped 
 (which pass 0 records per split). Sums are float32 as in the torch version, in another order (per-lane sums, then a
 tree), so where a token's mass is within float32 rounding of the target the two cuts can differ by that token (as
 transformers' own float32 cumsum does against exact arithmetic); no atomics, so every run gives the same cut.
+
+The first bracket starts at `(1 - top_p) / (2 vocab)` rather than 0 (no mass that large lies below it), which at the
+recipes' top_p and a 152k vocabulary leaves the last pass nothing to search: a pass that finds the bracket one pattern
+wide carries it on and skips its read. Each program issues its next block's load before the current block's sums
+(`load_block`, shared with `race_triton`).
 """
 
 from __future__ import annotations
@@ -39,6 +44,33 @@ BLOCK, NUM_WARPS = 512, 4
 # inside). False only for the A/B. Same cut either way; the float32 sums' order differs.
 SKIP_OUTSIDE = True
 SKIP_FROM_PASS = 2
+# Each iteration issues the next block's load before this block's sums, so the L2 latency overlaps the arithmetic
+# (a program otherwise waits on every load: ~4 programs an SM leave too few warps to hide it).
+PREFETCH = True
+
+
+@triton.jit
+def first_block_ahead(base, start, vocab, BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
+    """A split's first block, loaded ahead when prefetching (else zeros, unused); then `load_block` per block."""
+    columns = start + tl.arange(0, BLOCK)
+    if PREFETCH:
+        ahead = tl.load(base + columns, mask=columns < vocab, other=0.0)
+    else:
+        ahead = tl.zeros([BLOCK], dtype=tl.float32)
+    return ahead
+
+
+@triton.jit
+def load_block(base, columns, ahead, first, vocab, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
+    """`(this block, the block loaded ahead)`: when prefetching, this block was loaded an iteration earlier and the
+    next block's load is issued here, before this block's arithmetic (masked at the split's and the row's end)."""
+    if PREFETCH:
+        current = ahead
+        following = columns + BLOCK
+        ahead = tl.load(base + following, mask=(following < vocab) & (first + BLOCK < CHUNK), other=0.0)
+    else:
+        current = tl.load(base + columns, mask=columns < vocab, other=0.0)
+    return current, ahead
 
 
 def passes_needed(ways: int = WAYS) -> int:
@@ -50,27 +82,35 @@ def passes_needed(ways: int = WAYS) -> int:
 def _pass_kernel(
     Probs, TopP, Bounds, Partial, PartialMax, Tau,
     vocab, row_stride,
-    PASS, ROWS: tl.constexpr, FINISH: tl.constexpr, SKIP_OUTSIDE: tl.constexpr,
+    PASS, ROWS: tl.constexpr, FINISH: tl.constexpr, SKIP_OUTSIDE: tl.constexpr, PREFETCH: tl.constexpr,
     SPLITS: tl.constexpr, CHUNK: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr, ONE_BITS: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
     ways = tl.arange(0, WAYS).to(tl.int64)
+    target = 1.0 - tl.load(TopP)
     if PASS == 0:
-        low = tl.full([], 0, dtype=tl.int64)
+        # No set of `vocab` probabilities at or below target / (2 vocab) holds more than target / 2: the predicate is
+        # false there, so the search may start from it (2^27.3 patterns below 1.0 at top_p 0.7 and 151,936 tokens:
+        # 7 passes of 16 ways find the cut, and the 8th skips its read)
+        floor = tl.maximum(target, 0.0) / (2.0 * vocab)
+        low = floor.to(tl.int32, bitcast=True).to(tl.int64)
         high = tl.full([], ONE_BITS, dtype=tl.int64)
     else:
         bounds = Bounds + ((PASS - 1) * ROWS + row) * 2
         previous_low = tl.load(bounds)
         previous_high = tl.load(bounds + 1)
-        previous = previous_low + ((previous_high - previous_low) * ways) // WAYS
-        splits = tl.arange(0, SPLITS)
-        partial = Partial + (((PASS - 1) * ROWS + row) * SPLITS + splits[:, None]) * WAYS + tl.arange(0, WAYS)[None, :]
-        mass = tl.sum(tl.load(partial), axis=0)
-        target = 1.0 - tl.load(TopP)
-        above = (mass > target) & (ways > 0)  # way 0 is `low`, where the predicate is false by construction
-        high = tl.min(tl.where(above, previous, previous_high), axis=0)
-        low = tl.max(tl.where(above, previous_low, previous), axis=0)
+        if previous_high - previous_low <= 1:  # found: the previous pass skipped its sums, carry its bracket
+            low = previous_low
+            high = previous_high
+        else:
+            previous = previous_low + ((previous_high - previous_low) * ways) // WAYS
+            splits = tl.arange(0, SPLITS)
+            partial = Partial + ((PASS - 1) * ROWS + row) * SPLITS * WAYS
+            mass = tl.sum(tl.load(partial + splits[:, None] * WAYS + tl.arange(0, WAYS)[None, :]), axis=0)
+            above = (mass > target) & (ways > 0)  # way 0 is `low`, where the predicate is false by construction
+            high = tl.min(tl.where(above, previous, previous_high), axis=0)
+            low = tl.max(tl.where(above, previous_low, previous), axis=0)
     if split == 0:  # the bracket this pass searches (the next pass and FINISH refine it from Partial)
         tl.store(Bounds + (PASS * ROWS + row) * 2, low)
         tl.store(Bounds + (PASS * ROWS + row) * 2 + 1, high)
@@ -78,7 +118,7 @@ def _pass_kernel(
         maxima = tl.load(PartialMax + row * SPLITS + tl.arange(0, SPLITS))
         tau = high.to(tl.int32).to(tl.float32, bitcast=True)
         tl.store(Tau + row, tl.minimum(tau, tl.max(maxima, axis=0)))
-    else:
+    elif high - low > 1:
         candidates = (low + ((high - low) * ways) // WAYS).to(tl.int32)
         low_bits = low.to(tl.int32)
         high_bits = high.to(tl.int32)
@@ -87,9 +127,10 @@ def _pass_kernel(
         below = tl.zeros([BLOCK], dtype=tl.float32)  # mass at or below `low`: counts for every candidate
         largest = tl.zeros([BLOCK], dtype=tl.float32)
         base = Probs + row * row_stride
+        ahead = first_block_ahead(base, split * CHUNK, vocab, BLOCK, PREFETCH)
         for first in range(0, CHUNK, BLOCK):
             columns = split * CHUNK + first + offsets
-            p = tl.load(base + columns, mask=columns < vocab, other=0.0)
+            p, ahead = load_block(base, columns, ahead, first, vocab, CHUNK, BLOCK, PREFETCH)
             bits = p.to(tl.int32, bitcast=True)
             below += tl.where(bits <= low_bits, p, 0.0)
             inside = (bits > low_bits) & (bits <= high_bits)  # above `high`: counts for no candidate
@@ -128,7 +169,7 @@ def launch_top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor, splits: int
         _pass_kernel[(rows, 1 if finish else splits)](
             probs, top_p, bounds, partial, partial_max, tau,
             vocab, probs.stride(0),
-            index, ROWS=rows, FINISH=finish, SKIP_OUTSIDE=SKIP_OUTSIDE and index >= SKIP_FROM_PASS,
+            index, ROWS=rows, FINISH=finish, SKIP_OUTSIDE=SKIP_OUTSIDE and index >= SKIP_FROM_PASS, PREFETCH=PREFETCH,
             SPLITS=splits, CHUNK=chunk, WAYS=WAYS, BLOCK=BLOCK, ONE_BITS=FLOAT32_ONE_BITS,
             num_warps=NUM_WARPS,
         )  # fmt: skip
