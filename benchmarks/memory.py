@@ -297,7 +297,8 @@ def table(results: list[dict], steps: int) -> str:
         "mean completion length | <= 24 GB | <= 1.05x |"
     )
     lines = [header, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for index, phase in enumerate(reference["resolved"]):
+    # a run started later (`--prorl-from`) resolved only its phases: number them as in the full run
+    for index, phase in enumerate(reference["resolved"], start=reference.get("first_phase", 0)):
         grpo = by_name.get(f"grpo:{index}", {})
         g = (grpo.get("records") or [None])[0]
         prorl, p = prorl_record(prorl_runs, index)

@@ -45,6 +45,15 @@ def test_worker_processes_write_json_and_a_later_start_maps_to_its_phases(benchm
     assert benchmark.main(["--from-json", str(folder / "prorl.json"), str(folder / "grpo_4.json")]) == table
 
 
+def test_a_later_start_alone_reports_its_phases_under_their_own_numbers(benchmark, tmp_path):
+    """Only `--workers prorl --prorl-from 3`: rows 3 and 4 carry its measurements (not 'not run' under 0 and 1)."""
+    folder = tmp_path / "runs"
+    table = benchmark.main(["--smoke", "--workers", "prorl", "--prorl-from", "3", "--json-dir", str(folder)])
+    body = rows(table)
+    assert [row[0].split(" (")[0] for row in body] == ["3 reset-3", "4 reset-4"]
+    assert all(row[4].endswith("(run from phase 3)") and row[3] == "not run" for row in body)
+
+
 def test_unknown_worker_is_refused(benchmark):
     with pytest.raises(SystemExit) as exit_info:
         benchmark.main(["--smoke", "--workers", "prorl,grpo:9"])
