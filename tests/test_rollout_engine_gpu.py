@@ -297,11 +297,12 @@ def test_triton_softmax_matches_torch(dtype):
     temperature, eos = torch.tensor([0.8], device="cuda"), torch.tensor([151_645, 5], device="cuda")
     for too_early in (True, False):
         got = launch_softmax(logits, temperature, eos, torch.tensor([too_early], device="cuda"))
-        scores = logits.float()
+        scores = logits.float().clone()  # float32 logits: `.float()` is the same tensor
         if too_early:
             scores[:, eos] = -float("inf")
         want = torch.softmax(scores / temperature, -1)
-        assert torch.allclose(got, want, rtol=1e-5, atol=1e-10), (got - want).abs().max()
+        relative = ((got - want).abs() / want.clamp_min(1e-30)).max().item()
+        assert relative < 1e-4, relative  # exp's float32 rounding at |score - max| up to ~50, sums in another order
         assert (got[:, eos] == 0).all() == too_early
 
 

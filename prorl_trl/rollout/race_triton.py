@@ -22,7 +22,9 @@ import triton.language as tl
 from .top_p_triton import first_block_ahead, load_block
 
 BLOCK, NUM_WARPS = 1024, 4
-PREFETCH = True  # issue the next block's load before this block's hashing (as `top_p_triton.PREFETCH`)
+# Issue the next block's load before this block's hashing (as `top_p_triton.PREFETCH`). Off: with 5 blocks a program
+# it measured 0.5-1.3 us slower a call at 32 x 151,936 on an H100 (benchmarks/top_p_kernel.py, seventh session).
+PREFETCH = False
 TARGET_PROGRAMS = 1024  # programs per launch: one pass, no per-pass bracket to share, so more than top-p's 512
 CHUNK_ALIGN = 1024
 # `sampler.uniform_noise`'s 32-bit hash constants, as constexprs (a Triton kernel reads no other globals)
