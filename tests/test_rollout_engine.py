@@ -22,7 +22,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from prorl_trl.rollout import decode_attention, fused_mlp, lora_decode
+from prorl_trl.rollout import decode_attention, fused_mlp, lora_decode, sampler
 from prorl_trl.rollout.decode_attention import gqa_decode_attention_reference, triton_available
 from prorl_trl.rollout.engine import RolloutEngine, resolved_generation_config, unsupported_reason
 from prorl_trl.rollout.sampler import (
@@ -366,6 +366,10 @@ def test_recapture_decisions(tiny, monkeypatch):
     assert any(r.startswith("fused_mlp True -> False") for r in reasons(base))
     monkeypatch.setattr(decode_attention, "LIVE_SPLITS", False)
     assert any(r.startswith("live_splits True -> False") for r in reasons(base))
+    monkeypatch.setattr(sampler, "RACE_KERNEL", False)
+    assert any(r.startswith("race_kernel True -> False") for r in reasons(base))
+    monkeypatch.setattr(sampler, "SOFTMAX_KERNEL", False)
+    assert any(r.startswith("softmax_kernel True -> False") for r in reasons(base))
     model.delete_adapter("default")
     model.add_adapter("default", LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
     model.set_adapter("default")

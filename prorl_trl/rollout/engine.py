@@ -13,7 +13,8 @@ longest completion (so at most the cap).
 
 What makes a new capture (`capture_reasons`, logged with its time): the batch size, cache length (prompt budget + cap),
 the sampler's static layout, the autocast dtype, the A/B switches (`lora_decode.FUSE_LORA`, `fused_weights.FUSE_BASE`,
-`fused_mlp.FUSED_MLP`, `decode_attention.LIVE_SPLITS`, `lora_decode.FOLD_LORA_A`), the model's parameter storage
+`fused_mlp.FUSED_MLP`, `decode_attention.LIVE_SPLITS`, `lora_decode.FOLD_LORA_A`, `sampler.RACE_KERNEL`,
+`sampler.SOFTMAX_KERNEL`), the model's parameter storage
 (data pointers, shapes, dtypes: a LoRA rank/target change, `.data` swaps; the first call re-points q/k/v and gate/up
 into one allocation each, and adapted o and down into one with room for their A weights, `decoder.refresh_fusions`,
 which copies the A weights there before every generation) or LoRA state (merged, disabled, active adapter, scaling,
@@ -41,7 +42,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import decode_attention, fused_mlp, fused_weights, lora_decode, sampler
+from . import decode_attention, fused_mlp, fused_weights, lora_decode
+from . import sampler as sampler_module
 from .compiled import raise_recompile_limit
 from .decoder import (
     DecoderParts, UnsupportedModel, decode_logits, decoder_parts, generation_target, prefill, refresh_fusions,
@@ -434,7 +436,7 @@ class RolloutEngine:
             model=id(parts.model), cuda_graphs=use_graphs, fuse_lora=lora_decode.FUSE_LORA,
             fuse_base=fused_weights.FUSE_BASE, fused_mlp=fused_mlp.FUSED_MLP,
             live_splits=decode_attention.LIVE_SPLITS, fold_lora_a=lora_decode.FOLD_LORA_A,
-            race_kernel=sampler.RACE_KERNEL, softmax_kernel=sampler.SOFTMAX_KERNEL,
+            race_kernel=sampler_module.RACE_KERNEL, softmax_kernel=sampler_module.SOFTMAX_KERNEL,
         )  # fmt: skip
         kv_shape = (2, len(parts.layers), batch, parts.num_kv_heads, key.cache_len, parts.head_dim)
         if self._kv is None or self._kv.shape != kv_shape or self._kv.dtype != key.kv_dtype:

@@ -15,9 +15,10 @@ What `GenerationMixin._sample` (transformers 5.x) does per step, and how this mo
   state: CUDA-graph replays draw fresh numbers, the same seed gives the same tokens on every path (eager, compiled,
   graph), and a row's tokens do not depend on the other rows. Uniforms have 23 random bits (like
   `torch.multinomial`'s float32 draw, tokens far below 2^-24 relative probability are effectively never drawn).
-* On CUDA with Triton, sampling after top-p (no top-k, no min-p: the recipes' settings) runs the race as one kernel
-  over the probabilities (`race_triton`): `argmax p_j / E_j` over the kept tokens, the same draw up to float32
-  rounding of the keys (a monotone transform of `scores_j - log(E_j)`), from the same uniforms.
+* On CUDA with Triton, sampling after top-p (no top-k, no min-p: the recipes' settings) runs as kernels: the softmax
+  from the logits in their own dtype (`softmax_triton`), the top-p search (`top_p_triton`), and the race over the
+  probabilities (`race_triton`): `argmax p_j / E_j` over the kept tokens, the same draw up to float32 rounding of the
+  keys (a monotone transform of `scores_j - log(E_j)`), from the same uniforms.
 
 Values that may change between calls without a new CUDA graph (temperature, top_p, min_p, min_new_tokens, the seed)
 live in device tensors (`SamplerTensors`); what changes the captured program (greedy or not, top-k's k, whether top-p,
