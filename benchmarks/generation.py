@@ -39,7 +39,9 @@ Continuous batching runs last for each model: it reserves half the free GPU memo
 The model is random (no download), so lengths are fixed with `min_new_tokens = max_new_tokens`. Each (shape, model,
 method) is called once to warm up (allocator growth, compilation, CUDA-graph capture), then `--repeats` times; the
 steady figure is the median. The first call's extra time is reported as the compile/first-call overhead and amortised
-over a phase of `--phase-steps` generations (shapes are fixed within a phase).
+over a phase of `--phase-steps` generations (shapes are fixed within a phase). On CUDA each method runs in a process of
+its own (`--isolate`, the default there): an engine compiled after another in the same process ran 2-9 % slower on an
+H100 (benchmarks/results/rollout_engine.md, seventh session), which biased A/B rows.
 
 Decode limit: each decode step must read every weight once and the K/V of every cached token; that many bytes over the
 bandwidth of a large device-to-device copy (bytes read + written) is the floor, and tokens / floor the limit.
@@ -54,9 +56,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -493,6 +498,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", type=Path, help="write raw results here")
     parser.add_argument("--out", type=Path, help="write the markdown table here")
     parser.add_argument("--from-json", type=Path, nargs="+", help="render one table from earlier --json files")
+    parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                        help="each method in a fresh process (default: on CUDA with several methods)")
     args = parser.parse_args(argv)
 
     if args.from_json:
@@ -515,6 +522,8 @@ def main(argv: list[str] | None = None) -> dict:
         if sequences % args.num_prompts:
             raise SystemExit(f"--shapes: {sequences} sequences is not a multiple of --num-prompts={args.num_prompts}")
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if args.isolate if args.isolate is not None else device.type == "cuda" and len(methods) > 1:
+        return run_isolated(sys.argv[1:] if argv is None else argv, methods, args)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.set_float32_matmul_precision("high")
     bandwidth = copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**24)
@@ -531,6 +540,7 @@ def main(argv: list[str] | None = None) -> dict:
         "dtype": str(dtype).removeprefix("torch."), "num_prompts": args.num_prompts,
         "prompt_length": args.prompt_length, "temperature": args.temperature, "top_p": args.top_p,
         "bandwidth_gb_s": bandwidth / 1e9, "phase_steps": args.phase_steps, "cache_len": args.cache_len,
+        "pid": os.getpid(),
     }
     print(f"# {meta}", flush=True)
     start, rows = time.perf_counter(), []
@@ -556,6 +566,11 @@ def main(argv: list[str] | None = None) -> dict:
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    return publish(meta, rows, args)
+
+
+def publish(meta: dict, rows: list[dict], args: argparse.Namespace) -> dict:
+    """Print the table, write `--json` (raw results) and `--out` (the table) where given; return the results."""
     report = render(meta, rows)
     print(report, flush=True)
     if args.json:
@@ -563,6 +578,44 @@ def main(argv: list[str] | None = None) -> dict:
     if args.out:
         args.out.write_text(report + "\n")
     return {"meta": meta, "rows": rows}
+
+
+def without_options(argv: list[str], names: set[str]) -> list[str]:
+    """`argv` less the options in `names` (as `--name value` or `--name=value`) and any `--isolate` flag."""
+    kept, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item.split("=", 1)[0] in names:
+            skip = "=" not in item
+        elif item not in ("--isolate", "--no-isolate"):
+            kept.append(item)
+    return kept
+
+
+def run_isolated(argv: list[str], methods: list[str], args: argparse.Namespace) -> dict:
+    """Run this script once per method (`--no-isolate`), each in a fresh process, and report their rows as one table.
+
+    A process that fails or writes no result adds an error row for its method; the budget left is passed on."""
+    rest = without_options(argv, {"--methods", "--json", "--out", "--budget-s"})
+    started, runs = time.perf_counter(), []
+    with tempfile.TemporaryDirectory() as folder:
+        for index, method in enumerate(methods):
+            left = max(0.0, args.budget_s - (time.perf_counter() - started))
+            result = Path(folder) / f"{index}.json"
+            command = [sys.executable, str(Path(__file__).resolve()), *rest, "--no-isolate", "--methods", method,
+                       "--json", str(result), "--budget-s", str(left)]  # fmt: skip
+            code = subprocess.run(command, check=False).returncode
+            if code == 0 and result.exists():
+                runs.append(json.loads(result.read_text()))
+            else:
+                runs.append({"meta": None, "rows": [{"shape": "all", "model": "all", "method": method,
+                                                     "error": f"its process exited with code {code}"}]})  # fmt: skip
+    metas = [run["meta"] for run in runs if run["meta"]]
+    if not metas:
+        raise SystemExit("generation.py --isolate: no method's process produced a result")
+    meta = {**metas[0], "pid": [m["pid"] for m in metas]}  # one process per method
+    return publish(meta, [row for run in runs for row in run["rows"]], args)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """`benchmarks/generation.py --smoke`: every method runs on the tiny model on CPU and the report is well formed."""
 
 import json
+import os
 
 import pytest
 from _benchmarks import load_benchmark
@@ -70,3 +71,21 @@ def test_inductor_presets_after_an_engine_method(bench):
         bench.split_presets("rollout_engine@fast")
     with pytest.raises(SystemExit, match="presets go after a rollout_engine method"):
         bench.split_presets("static_compile@pdl")
+
+
+def test_isolate_runs_each_method_in_a_process_of_its_own(bench, tmp_path):
+    """`--isolate`: one fresh process per method (an engine compiled after another in one process ran slower on the
+    GPU), their rows in one table, and the parent's own options passed on."""
+    result = bench.main(["--smoke", "--isolate", "--models", "base", "--methods", "trl_default,rollout_engine",
+                         "--json", str(tmp_path / "r.json"), "--out", str(tmp_path / "r.md")])  # fmt: skip
+    assert [row["method"] for row in result["rows"]] == ["trl_default", "rollout_engine"]
+    assert all("error" not in row and row["tokens"] == 4 * 6 for row in result["rows"])
+    pids = result["meta"]["pid"]
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    assert json.loads((tmp_path / "r.json").read_text())["rows"] == result["rows"]
+    assert (tmp_path / "r.md").read_text().count("| 4x6 | base |") == 2
+
+
+def test_without_options_drops_the_parents_per_run_options(bench):
+    argv = ["--smoke", "--methods", "a,b", "--json=x.json", "--out", "t.md", "--isolate", "--repeats", "3"]
+    assert bench.without_options(argv, {"--methods", "--json", "--out"}) == ["--smoke", "--repeats", "3"]
