@@ -19,14 +19,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .top_p_triton import first_block_ahead, load_block
+from . import top_p_triton
+from .top_p_triton import chunk_for, first_block_ahead, load_block
 
-BLOCK, NUM_WARPS = 1024, 4
+BLOCK, NUM_WARPS = 1024, 4  # BLOCK divides top_p_triton.CHUNK_ALIGN: a split is whole blocks
 # Issue the next block's load before this block's hashing (as `top_p_triton.PREFETCH`). Off: with 5 blocks a program
 # it measured 0.5-1.3 us slower a call at 32 x 151,936 on an H100 (benchmarks/top_p_kernel.py, seventh session).
 PREFETCH = False
 TARGET_PROGRAMS = 1024  # programs per launch: one pass, no per-pass bracket to share, so more than top-p's 512
-CHUNK_ALIGN = 1024
 # `sampler.uniform_noise`'s 32-bit hash constants, as constexprs (a Triton kernel reads no other globals)
 WEYL32 = tl.constexpr(0x9E3779B9)
 MIX32_MUL1 = tl.constexpr(0x21F0AAAD)
@@ -73,9 +73,8 @@ def _race_kernel(
 
 
 def splits_for(rows: int, vocab: int) -> int:
-    """Vocabulary splits per row: about `TARGET_PROGRAMS` programs, a power of two, each at least one block."""
-    splits = triton.next_power_of_2(max(1, triton.cdiv(TARGET_PROGRAMS, rows)))
-    return max(1, min(splits, triton.next_power_of_2(triton.cdiv(vocab, CHUNK_ALIGN))))
+    """Vocabulary splits per row for about `TARGET_PROGRAMS` programs (`top_p_triton.splits_for`'s layout)."""
+    return top_p_triton.splits_for(rows, vocab, TARGET_PROGRAMS)
 
 
 def launch_race(probs: torch.Tensor, tau: torch.Tensor, row_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +87,7 @@ def launch_race(probs: torch.Tensor, tau: torch.Tensor, row_keys: torch.Tensor) 
     if probs.dtype != torch.float32 or probs.stride(-1) != 1:
         raise ValueError("the race kernel needs float32 probabilities with a contiguous last dimension.")
     splits = splits_for(rows, vocab)
-    chunk = triton.cdiv(triton.cdiv(vocab, splits), CHUNK_ALIGN) * CHUNK_ALIGN
+    chunk = chunk_for(vocab, splits)
     best_key = torch.empty(rows, splits, dtype=torch.float32, device=probs.device)
     best_token = torch.empty(rows, splits, dtype=torch.int32, device=probs.device)
     _race_kernel[(rows, splits)](

@@ -16,9 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK, NUM_WARPS = 1024, 4
+from . import top_p_triton
+
+BLOCK, NUM_WARPS = 1024, 4  # BLOCK divides top_p_triton.CHUNK_ALIGN: a split is whole blocks
 TARGET_PROGRAMS = 1024
-CHUNK_ALIGN = 1024
 
 
 @triton.jit
@@ -78,9 +79,8 @@ def _probs_kernel(
 
 
 def splits_for(rows: int, vocab: int) -> int:
-    """Vocabulary splits per row: about `TARGET_PROGRAMS` programs, a power of two, each at least one block."""
-    splits = triton.next_power_of_2(max(1, triton.cdiv(TARGET_PROGRAMS, rows)))
-    return max(1, min(splits, triton.next_power_of_2(triton.cdiv(vocab, CHUNK_ALIGN))))
+    """Vocabulary splits per row for about `TARGET_PROGRAMS` programs (`top_p_triton.splits_for`'s layout)."""
+    return top_p_triton.splits_for(rows, vocab, TARGET_PROGRAMS)
 
 
 def launch_softmax(
@@ -95,7 +95,7 @@ def launch_softmax(
     if logits.stride(-1) != 1:
         raise ValueError("the softmax kernels need logits with a contiguous last dimension.")
     splits = splits_for(rows, vocab)
-    chunk = triton.cdiv(triton.cdiv(vocab, splits), CHUNK_ALIGN) * CHUNK_ALIGN
+    chunk = top_p_triton.chunk_for(vocab, splits)
     device = logits.device
     partial_max = torch.empty(rows, splits, dtype=torch.float32, device=device)
     partial_sum = torch.empty(rows, splits, dtype=torch.float32, device=device)

@@ -145,10 +145,16 @@ def _pass_kernel(
         tl.store(PartialMax + row * SPLITS + split, tl.max(largest, axis=0), mask=PASS == 0)
 
 
-def splits_for(rows: int, vocab: int) -> int:
-    """Vocabulary splits per row: about `TARGET_PROGRAMS` programs, a power of two, each at least one block."""
-    splits = triton.next_power_of_2(max(1, math.ceil(TARGET_PROGRAMS / rows)))
+def splits_for(rows: int, vocab: int, target_programs: int = TARGET_PROGRAMS) -> int:
+    """Vocabulary splits per row: about `target_programs` programs, a power of two, each at least one chunk (also the
+    layout of `race_triton` and `softmax_triton`, with their own program targets)."""
+    splits = triton.next_power_of_2(max(1, math.ceil(target_programs / rows)))
     return max(1, min(splits, triton.next_power_of_2(triton.cdiv(vocab, CHUNK_ALIGN))))
+
+
+def chunk_for(vocab: int, splits: int) -> int:
+    """Columns per split: an equal share of the vocabulary rounded up to `CHUNK_ALIGN`."""
+    return triton.cdiv(triton.cdiv(vocab, splits), CHUNK_ALIGN) * CHUNK_ALIGN
 
 
 def launch_top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor, splits: int | None = None) -> torch.Tensor:
@@ -157,7 +163,7 @@ def launch_top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor, splits: int
     if probs.dtype != torch.float32 or probs.stride(-1) != 1:
         raise ValueError("top_p_threshold's kernel needs float32 probabilities with a contiguous last dimension.")
     splits = splits or splits_for(rows, vocab)
-    chunk = triton.cdiv(triton.cdiv(vocab, splits), CHUNK_ALIGN) * CHUNK_ALIGN
+    chunk = chunk_for(vocab, splits)
     passes = passes_needed()
     device = probs.device
     bounds = torch.empty(passes + 1, rows, 2, dtype=torch.int64, device=device)
