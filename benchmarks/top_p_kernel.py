@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _graph_timing import replay_microseconds  # noqa: E402
 
 from prorl_trl.rollout import race_triton, top_p_triton  # noqa: E402
-from prorl_trl.rollout.sampler import first_argmax, noise_from_keys, row_keys  # noqa: E402
+from prorl_trl.rollout.sampler import first_argmax, noise_from_keys, race_tokens, row_keys  # noqa: E402
 
 
 def probabilities(rows: int, vocab: int, sharpness: float, device: torch.device) -> torch.Tensor:
@@ -100,8 +100,6 @@ def race_with_torch_ops(probs: torch.Tensor, tau: torch.Tensor, keys: torch.Tens
 def time_race(thresholds: dict, replays: int, device: torch.device) -> None:
     """`race_triton`'s kernel (prefetch on/off, its splits' final pick included) against `race_with_torch_ops`
     compiled, CUDA-graph replays, on the probabilities and thresholds of the table above."""
-    from prorl_trl.rollout.sampler import race_tokens
-
     compiled = torch.compile(race_with_torch_ops, dynamic=False)
     print("| sharpness | race | us per call | same tokens as torch ops |")
     print("|---:|---|---:|---|")
