@@ -71,8 +71,11 @@ GPU_CASES = [
     ("ddp", 4, ("memory",), 150),  # hung in calls 6-7 (a save race, fixed: save_model_once); ran on 2 GPUs in call 8
     ("ddp", 2, ("memory",), 150),  # the same per-GPU figure where only 2 GPUs are lent (DDP replicates everything)
     ("zero2", 2, ("full", "lora"), 100),
+    ("zero2", 4, ("full", "lora"), 110),
     ("zero3", 2, ("memory7b",), 420),  # needs 2 x H200 (see the module docstring)
     ("fsdp2", 2, ("memory7b",), 420),
+    ("zero3", 4, ("memory7b",), 420),  # the Logic-RL recipe's 4 GPUs; fits 4 x H100
+    ("fsdp2", 4, ("memory7b",), 420),
 ]
 SMOKE_CASES = [("zero3", 2, ("full", "lora"), 200), ("zero2", 2, ("full", "lora"), 200)]
 STEPS_PER_PHASE = 3  # smoke: 2
