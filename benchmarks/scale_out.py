@@ -298,6 +298,7 @@ def run_mode(mode: str, engine: str, smoke: bool, workdir: Path, tokenizer) -> d
             check = {"reset": self.prorl_resets, "phase": (lora_phase or self.current_phase).index,
                      "logits_max_abs_diff": float((after - before).abs().max()),
                      "logits_max_abs": float(before.abs().max()),
+                     "merge_delta_lost": self.prorl_merge_delta_lost,  # None for full fine-tuning
                      "rank_hashes": all_ranks(state_hash(policy)), "masters_max_abs_diff": masters_match(self)}
             if self.prorl_merged_path and self.accelerator.is_main_process:
                 saved = load_file(str(Path(self.prorl_merged_path) / "model.safetensors"))
@@ -492,6 +493,7 @@ def verdicts(result: dict, smoke: bool) -> dict:
     ref = max((c.get("reference_vs_policy", 0.0) for c in resets), default=None)
     masters = [c["masters_max_abs_diff"] for c in resets if c.get("masters_max_abs_diff") is not None]
     logits = max((c["logits_max_abs_diff"] for c in resets), default=None)
+    lost = [c["merge_delta_lost"] for c in resets if c.get("merge_delta_lost") is not None]
     resume = result.get("resume") or {}
     resumed_ok = (
         bool(resume) and resume.get("phase") == 1 and resume.get("resets") == 1
@@ -501,7 +503,8 @@ def verdicts(result: dict, smoke: bool) -> dict:
         "a": bool(resets) and ranks_equal and vs_saved == 0.0 and (ref in (None, 0.0)) and all(m == 0.0 for m in masters),
         "b": logits is not None and logits <= tol,
         "c": resumed_ok and result.get("final_phase") == 2 and result.get("final_resets") == EXPECTED_RESETS,
-        "logits": logits, "vs_saved": vs_saved, "ref": ref, "masters": max(masters) if masters else None,
+        "logits": logits, "merge_lost": max(lost) if lost else None, "vs_saved": vs_saved, "ref": ref,
+        "masters": max(masters) if masters else None,
         "n_resets": len(resets),
     }  # fmt: skip
 
@@ -534,9 +537,10 @@ def table(results: list[dict], skipped: list[str], smoke: bool, started: float) 
         cps = r.get("completions_per_s")
         eff = cps / (r["processes"] * base) if (cps and base) else None
         a_detail = f"saved {fmt(v['vs_saved'], '.1e')}, ref {fmt(v['ref'], '.1e')}, masters {fmt(v['masters'], '.1e')}"
+        lost = f" (merge lost {100 * v['merge_lost']:.0f} % of the delta)" if v["merge_lost"] is not None else ""
         lines.append(
             f"| {r['engine']} | {r['processes']} | {r['mode']} | {v['n_resets']} | {'yes' if v['a'] else 'NO'} ({a_detail}) | "
-            f"{fmt(v['logits'], '.1e')} {'ok' if v['b'] else 'NO'} | {'yes' if v['c'] else 'NO'} | "
+            f"{fmt(v['logits'], '.1e')} {'ok' if v['b'] else 'NO'}{lost} | {'yes' if v['c'] else 'NO'} | "
             f"{fmt(r.get('median_step_s'))} | {fmt(cps, '.1f')} | {fmt(eff)} | "
             f"{fmt(r.get('peak_allocated_gb'), '.1f')} / {fmt(r.get('peak_reserved_gb'), '.1f')} |"
         )

@@ -86,13 +86,16 @@ def main(out_path: str) -> None:
     results["gathered_vs_single_merged"] = max_diff(gathered, expected) if dist.get_rank() == 0 else 0.0
     with torch.no_grad():
         before = sharded(input_ids=probe).logits
-    merge_lora_sharded(sharded, FSDP2)
+    rounding = merge_lora_sharded(sharded, FSDP2)
     shape = fresh_adapter_sharded(sharded, FSDP2, seed=99)
     with torch.no_grad():
         after = sharded(input_ids=probe).logits
     results["reset_logits_max_abs_diff"] = float((after - before).abs().max())
-    merge_lora_in_place(single)
+    single_rounding = merge_lora_in_place(single)
     reinit_adapter(single, seed=99)
+    results["rounding_delta_sq_per_rank"] = all_ranks(rounding.delta_sq)
+    results["rounding_delta_sq_single"] = single_rounding.delta_sq
+    results["rounding_lost_fraction_sharded_single"] = [rounding.lost_fraction, single_rounding.lost_fraction]
     base_after = gathered_state_dict(sharded, to_all_ranks=True)
     results["merged_base_vs_single"] = max_diff(base_after, merged_state_dict(single))
     adapters = {n: full_value(p).detach().clone() for n, p in sharded.named_parameters() if "lora_" in n}

@@ -421,3 +421,42 @@ def test_save_killed_between_renames_is_recovered(tmp_path):
     recover_interrupted_save(path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]
     assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(path).eval()), expected)
+
+
+@torch.no_grad()
+def _independent_lost_fraction(before: dict, model) -> float:
+    """|merged - (before + scale B A)| / |scale B A| over the LoRA layers, all in float64 (the test's own sums)."""
+    lost_sq = delta_sq = 0.0
+    for name, layer in lora_layers(model):
+        b, a = layer.lora_B["default"].weight.double(), layer.lora_A["default"].weight.double()
+        delta = (b @ a) * layer.scaling["default"]
+        lost = layer.base_layer.weight.double() - (before[name] + delta)
+        lost_sq += float(lost.square().sum())
+        delta_sq += float(delta.square().sum())
+    return (lost_sq / delta_sq) ** 0.5
+
+
+@pytest.mark.parametrize(
+    ("dtype", "b_scale", "low", "high"),
+    [
+        (torch.float32, 1.0, 0.0, 1e-6),  # float32 keeps the delta (to float32 rounding)
+        (torch.bfloat16, 1.0, 0.0, 0.05),  # a delta many bf16 steps wide: the rounding takes a few per cent at most
+        (torch.bfloat16, 1e-5, 0.9, 1.1),  # under half a bf16 step of the weights: rounded away entirely
+    ],
+)
+def test_merge_reports_the_share_of_the_delta_that_the_base_dtype_rounds_away(dtype, b_scale, low, high):
+    model, _ = build_tiny(seed=0)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=ALL_LINEAR, task_type="CAUSAL_LM")
+    model = get_peft_model(model.to(dtype), config)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _, layer in lora_layers(model):
+            weight = layer.lora_B["default"].weight
+            weight.copy_(torch.randn(weight.shape, generator=generator) * 0.5 * b_scale)
+    before = {name: layer.base_layer.weight.double().clone() for name, layer in lora_layers(model)}
+    # the merge leaves A and B as they are (a reset zeroes B after it): the test recomputes the delta from them
+    rounding = merge_lora_in_place(model)
+    expected = _independent_lost_fraction(before, model)
+    assert low <= rounding.lost_fraction <= high
+    assert rounding.lost_fraction == pytest.approx(expected, rel=1e-3, abs=1e-7)
+    assert rounding.delta_sq > 0

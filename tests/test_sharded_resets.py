@@ -48,6 +48,10 @@ def test_fsdp2_merge_and_fresh_adapter_match_one_process(fsdp2):
     assert len(set(fsdp2["adapter_hash_per_rank"])) == 1
     assert fsdp2["reset_logits_max_abs_diff"] <= 1e-5  # fp32: the reset leaves the outputs unchanged
     assert fsdp2["load_state_roundtrip"] == 0.0
+    # the merge's rounding report is summed over both ranks' rows: the same on each, and equal to one process's
+    assert len(set(fsdp2["rounding_delta_sq_per_rank"])) == 1
+    assert fsdp2["rounding_delta_sq_per_rank"][0] == pytest.approx(fsdp2["rounding_delta_sq_single"], rel=1e-6)
+    assert fsdp2["rounding_lost_fraction_sharded_single"] == [0.0, 0.0]  # fp32: PEFT's merge and ours keep it all
 
 
 def test_fsdp2_superset_adapter_is_the_smaller_adapter(fsdp2):
@@ -95,6 +99,9 @@ def test_deepspeed_resets_keep_ranks_equal_outputs_and_resume(zero_runs, engine,
         assert check["optimizer_state_entries"] == 0, check  # fresh Adam state
         if mode == "full":
             assert check["reference_vs_policy"] == 0.0, check  # reference := policy
+            assert check["merge_delta_lost"] is None, check  # nothing merged
+        else:  # fp32 masters in ZeRO's merge: the delta is kept to float32 rounding
+            assert 0.0 <= check["merge_delta_lost"] <= 1e-6, check
     resume = result["resume"]
     assert result["killed_in_phase"] == 1 and result["killed_after_resets"] == 1
     assert (resume["phase"], resume["resets"], resume["phase_step"]) == (1, 1, 1)  # (c) the right phase and step

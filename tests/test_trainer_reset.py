@@ -1,5 +1,7 @@
 """ProRLTrainer.hard_reset: function-preserving, fresh adapter/optimizer, reference moved, merged weights saved."""
 
+import logging
+
 import pytest
 import torch
 from _prorl_helpers import Recorder, lora, prompts_dataset, tiny_args, tiny_model
@@ -64,6 +66,27 @@ def test_hard_reset_preserves_outputs_and_resets_adapter_optimizer_reference(tmp
     assert trainer.prorl_resets == 1
     assert (tmp_path / "run" / "merged" / "reset-1" / "model.safetensors").is_file()
     assert trainer.prorl_merged_path.endswith("reset-1")
+
+
+def test_phase_boundary_reset_logs_the_share_of_the_delta_the_merge_rounded_away(tmp_path):
+    trainer = build(tmp_path, max_steps=-1, phases=[PhaseConfig(max_steps=1), PhaseConfig(max_steps=1)])
+    trainer.train()
+    logged = [e["prorl/merge_delta_lost"] for e in trainer.prorl_log_history if "prorl/merge_delta_lost" in e]
+    assert trainer.prorl_resets == 1
+    assert logged == [trainer.prorl_merge_delta_lost], "one entry, with the first step after the reset"
+    assert logged[0] == 0.0  # a float32 base keeps the whole delta
+
+
+def test_reset_warns_when_a_bf16_base_rounds_the_delta_away(tmp_path, caplog):
+    model, tokenizer = tiny_model()
+    trainer = build(tmp_path, model=model.to(torch.bfloat16), tokenizer=tokenizer)
+    with torch.no_grad():  # a delta far under half a bf16 step of the weights, as a few steps at a small lr leave
+        for _, layer in lora_layers(trainer.model):
+            layer.lora_B["default"].weight.fill_(1e-7)
+    with caplog.at_level(logging.WARNING, logger="prorl_trl"):
+        trainer.hard_reset(reason="test")
+    assert trainer.prorl_merge_delta_lost > 0.9
+    assert "rounded away" in caplog.text and "bfloat16 base weights" in caplog.text and "float32" in caplog.text
 
 
 def test_full_finetuning_reset_copies_policy_into_reference(tmp_path, tiny_dir):

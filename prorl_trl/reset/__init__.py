@@ -12,8 +12,9 @@ masters and optimizer state; `engine_of` tells the launch's engine) and `sharded
 `fresh_adapter_sharded`, `sync_reference_sharded`, and the superset adapter that replaces a LoRA shape change);
 `gathered` brings whole weights out of (merged saves) and into (resume) a sharded model.
 
-Modules: `support` (what is supported; shared lookups), `engine`, `lora`, `sharded`, `distributed`, `optimizer`,
-`reference`, `gathered`, `save`, `checkpoint`. Nothing here imports the trainer.
+Modules: `support` (what is supported; shared lookups), `engine`, `lora`, `sharded`, `rounding` (how much of a delta
+a merge rounds away), `distributed`, `optimizer`, `reference`, `gathered`, `save`, `checkpoint`. Nothing here imports
+the trainer.
 """
 
 from .distributed import broadcast_adapter
@@ -22,6 +23,7 @@ from .gathered import gathered_state_dict, load_state_
 from .lora import adapter_needs_rebuild, lora_parameters, merge_lora_in_place, reinit_adapter, targeted_module_names
 from .optimizer import reset_optimizer_state, restore_zero_optimizer, snapshot_zero_optimizer
 from .reference import reset_reference_adapter, sync_reference
+from .rounding import LOST_FRACTION_WARNING, MergeRounding
 from .save import merged_state_dict, recover_interrupted_save, save_merged, save_merged_model, write_dir_atomically
 from .sharded import fresh_adapter_sharded, merge_lora_sharded, superset_lora_config, sync_reference_sharded
 from .support import (
@@ -43,6 +45,8 @@ __all__ = [
     "ZERO2",
     "ZERO3",
     "Engine",
+    "LOST_FRACTION_WARNING",
+    "MergeRounding",
     "ResetNotSupportedError",
     "adapter_needs_rebuild",
     "broadcast_adapter",

@@ -20,23 +20,37 @@ from typing import Any
 import torch
 from torch import nn
 
+from .rounding import MergeRounding
 from .support import ADAPTER_NAME, ResetNotSupportedError, check_lora_supported, lora_layers, peft_model_of, unwrap_model
 
 
+def lora_delta(layer: nn.Module) -> torch.Tensor:
+    """The "default" adapter's `scale * B @ A` of one LoRA layer in float32, in the base weight's layout."""
+    delta = layer.lora_B[ADAPTER_NAME].weight.float() @ layer.lora_A[ADAPTER_NAME].weight.float()
+    return (delta.T if layer.fan_in_fan_out else delta) * layer.scaling[ADAPTER_NAME]
+
+
 @torch.no_grad()
-def merge_lora_in_place(model: nn.Module) -> None:
+def merge_lora_in_place(model: nn.Module) -> MergeRounding:
     """Add the "default" LoRA delta (scale * B @ A) to each base weight, in the weight's existing storage.
 
     No module or Parameter is replaced, so optimizers, DDP and vLLM keep valid references. "default" is then removed
     from each layer's `merged_adapters`, so nothing (PEFT's `unmerge_adapter`, TRL's vLLM sync, disabling adapters)
     ever subtracts the delta again: it now *is* the base. The function is unchanged only once B is zeroed by
-    `reinit_adapter`; call the two back to back.
+    `reinit_adapter`; call the two back to back. Returns how much of the delta the base dtype rounded away (layers
+    that PEFT had already merged, e.g. mid vLLM sync, are not counted: their pre-merge weight is gone).
     """
     check_lora_supported(model)
+    rounding = MergeRounding()
     for _, layer in lora_layers(model):
         if ADAPTER_NAME not in layer.merged_adapters:
+            weight = layer.get_base_layer().weight
+            delta = lora_delta(layer)
+            exact = weight.float() + delta
             layer.merge(adapter_names=[ADAPTER_NAME])
+            rounding.add(delta, exact, weight)
         layer.merged_adapters.remove(ADAPTER_NAME)
+    return rounding
 
 
 def _adapter_dtype_device(model: nn.Module) -> tuple[torch.dtype, torch.device]:

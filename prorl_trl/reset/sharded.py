@@ -40,6 +40,7 @@ from .engine import (
     write_full_,
 )
 from .lora import fresh_lora_a
+from .rounding import MergeRounding
 from .support import ADAPTER_NAME, ResetNotSupportedError, check_lora_supported, lora_layers, peft_model_of, unwrap_model
 
 
@@ -58,11 +59,15 @@ def _layer_tensors(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 @torch.no_grad()
-def _merge_whole_(weight, lora_a, lora_b, bias, lora_b_bias, scaling: float, fan_in_fan_out: bool) -> None:
-    """W += scaling * B @ A (and the bias), computed in fp32 and rounded once, in W's storage."""
+def _merge_whole_(weight, lora_a, lora_b, bias, lora_b_bias, scaling: float, fan_in_fan_out: bool,
+                  rounding: MergeRounding) -> None:  # fmt: skip
+    """W += scaling * B @ A (and the bias), computed in fp32 and rounded once, in W's storage; what the rounding
+    took is added to `rounding`."""
     delta = lora_b.float() @ lora_a.float()
-    delta = delta.T if fan_in_fan_out else delta
-    weight.copy_((weight.float() + delta * scaling).to(weight.dtype))
+    delta = (delta.T if fan_in_fan_out else delta) * scaling
+    exact = weight.float() + delta
+    weight.copy_(exact.to(weight.dtype))
+    rounding.add(delta, exact, weight)
     if bias is not None:
         bias.copy_((bias.float() + lora_b_bias.float() * scaling).to(bias.dtype))
 
@@ -76,17 +81,20 @@ def _check_unmerged(name: str, layer: nn.Module) -> None:
 
 
 @torch.no_grad()
-def merge_lora_sharded(model: nn.Module, engine: str, active_layers: frozenset[str] | None = None) -> None:
+def merge_lora_sharded(model: nn.Module, engine: str, active_layers: frozenset[str] | None = None) -> MergeRounding:
     """Merge the "default" LoRA delta into the sharded base weights, in place (collective).
 
     `active_layers`: names (in the base model, as `targeted_module_names` gives them) of the layers whose adapter is live in this phase; idle
     layers of a superset adapter hold A = B = 0 and are skipped on every rank alike. None: all layers.
     The function is unchanged only once B is zeroed by `fresh_adapter_sharded`; call the two back to back.
+    Returns how much of the delta the base dtype rounded away, the same on every rank (FSDP2: summed over the ranks'
+    rows).
     """
     check_lora_supported(model)
     if engine == FSDP2:
         reshard(model)
     replicated: list[torch.Tensor] = []
+    rounding = MergeRounding()
     for name, layer in lora_layers(peft_model_of(model).get_base_model()):
         if active_layers is not None and name not in active_layers:
             continue
@@ -96,7 +104,7 @@ def merge_lora_sharded(model: nn.Module, engine: str, active_layers: frozenset[s
         if engine == ZERO3:
             tensors = [t for t in (weight, lora_a, lora_b, bias, lora_b_bias) if t is not None]
             with gathered(tensors, modifier_rank=0):
-                _merge_whole_(weight, lora_a, lora_b, bias, lora_b_bias, scaling, layer.fan_in_fan_out)
+                _merge_whole_(weight, lora_a, lora_b, bias, lora_b_bias, scaling, layer.fan_in_fan_out, rounding)
         elif engine == FSDP2:
             if layer.fan_in_fan_out:
                 raise ResetNotSupportedError(f"LoRA layer {name} has fan_in_fan_out=True, which FSDP2 merges do not handle.")
@@ -115,12 +123,16 @@ def merge_lora_sharded(model: nn.Module, engine: str, active_layers: frozenset[s
                 local_value(lora_b_bias) if lora_b_bias is not None else None,
                 scaling,
                 False,
+                rounding,
             )
         else:
-            _merge_whole_(weight, lora_a, lora_b, bias, lora_b_bias, scaling, layer.fan_in_fan_out)
+            _merge_whole_(weight, lora_a, lora_b, bias, lora_b_bias, scaling, layer.fan_in_fan_out, rounding)
             replicated += [t for t in (weight, bias) if t is not None]
     if engine == ZERO2:  # the same inputs on every rank; the broadcast makes the results bitwise equal regardless
         broadcast_tensors_(replicated)
+    if engine == FSDP2 and torch.distributed.is_initialized():  # every rank merged its own rows
+        rounding.all_reduce(next(model.parameters()).device)
+    return rounding
 
 
 @torch.no_grad()

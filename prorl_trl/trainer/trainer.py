@@ -154,6 +154,7 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         self.prorl_resets = 0
         self.prorl_log_history: list[dict[str, Any]] = []
         self.prorl_merged_path: str | None = None
+        self.prorl_merge_delta_lost: float | None = None  # the last reset's `MergeRounding.lost_fraction` (LoRA)
         self._global_step_offset = 0
         self._in_training_loop = False
         self._pending_reset: str | None = None
@@ -577,13 +578,15 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         target = lora_phase or self.current_phase
         model = reset_ops.unwrap_model(self.model)
         engine = self._engine
-        new_params = False
+        new_params, rounding = False, None
         if hasattr(model, "peft_config"):
+            layers = reset_ops.lora_layers(model)
+            base_dtype = layers[0][1].get_base_layer().weight.dtype if layers else None
             if engine.sharded:  # in the engine's storage; idle parts of a superset adapter are zero and skipped
                 active = self._active_lora["target_names"] if self._active_lora else None
-                reset_ops.merge_lora_sharded(model, engine.kind, active)
+                rounding = reset_ops.merge_lora_sharded(model, engine.kind, active)
             else:
-                reset_ops.merge_lora_in_place(model)
+                rounding = reset_ops.merge_lora_in_place(model)
             new_params = self._fresh_adapter(target)
             if self.args.reset_reference:  # a TRL "ref" adapter (PeftModel given with beta > 0) -> the merged base
                 reset_ops.reset_reference_adapter(model)
@@ -602,7 +605,24 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
             path = Path(self.args.output_dir) / "merged" / f"reset-{self.prorl_resets}"
             self._save_merged(path)
             self.prorl_merged_path = str(path)
-        self.announce(f"ProRL hard reset #{self.prorl_resets} at global step {self.prorl_global_step} ({reason}).")
+        merged = f"; {rounding.describe(base_dtype)}" if rounding is not None and rounding.delta_sq > 0 else ""
+        step = self.prorl_global_step
+        self.announce(f"ProRL hard reset #{self.prorl_resets} at global step {step} ({reason}){merged}.")
+        if rounding is not None:
+            self._report_merge_rounding(rounding, base_dtype)
+
+    def _report_merge_rounding(self, rounding: reset_ops.MergeRounding, base_dtype: torch.dtype | None) -> None:
+        """Log `prorl/merge_delta_lost` (the fraction of the LoRA delta's norm the merge rounded away) with the next
+        entry, and warn when most of it was: a silent loss of what the adapter learned since the last reset."""
+        self.prorl_merge_delta_lost = rounding.lost_fraction
+        self._metrics["train"]["prorl/merge_delta_lost"].append(rounding.lost_fraction)
+        if rounding.lost_fraction > reset_ops.LOST_FRACTION_WARNING and self.accelerator.is_main_process:
+            logger.warning(
+                "Hard reset #%d: %s. Most of what the adapter learned since the last reset is below the resolution of "
+                "the %s base weights and is gone. Reset less often or train with a larger learning rate, or load the "
+                "base in float32 (`model.dtype: float32`; `bf16: true` keeps the passes in bf16 autocast) to keep it.",
+                self.prorl_resets, rounding.describe(base_dtype), str(base_dtype).removeprefix("torch."),
+            )  # fmt: skip
 
     def _reset_optimizer(self, new_params: bool) -> None:
         """Fresh optimizer state / LR schedule after a reset; a new optimizer when the adapter has new Parameters.
