@@ -90,8 +90,9 @@ def table(rows: list[dict], device: str) -> str:
     lines = [
         f"Device: {device} | date (UTC): {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M}",
         "",
-        "| base dtype | AdamW steps (lr 1e-4) | adapter's effect, max abs dlogits | reset's max abs dlogits | merge rounded "
-        "away (% of the delta's norm) | max abs logit | bf16 step there | reset's dlogits in bf16 steps |",
+        "| base dtype | AdamW steps (lr 1e-4) | adapter's effect, max abs dlogits | reset's max abs dlogits "
+        "| merge rounded away (% of the delta's norm) | max abs logit | bf16 step there "
+        "| reset's dlogits in bf16 steps |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
