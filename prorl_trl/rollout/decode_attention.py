@@ -12,7 +12,7 @@ runs `gqa_decode_attention_reference`: the same function in plain torch over the
 
 from __future__ import annotations
 
-import functools
+import importlib.util
 import math
 
 import torch
@@ -42,13 +42,13 @@ def gqa_decode_attention_reference(
     return output.reshape(batch, -1, head_dim).to(query.dtype)
 
 
-@functools.cache
+_TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+
+
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether Triton is installed (looked up once, at import). A plain function over a module constant: the sampler
+    calls it inside the compiled decode step, where Dynamo warns on `functools.cache`-wrapped functions."""
+    return _TRITON_AVAILABLE
 
 
 def kernel_supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
