@@ -575,7 +575,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json-dir", type=Path, default=None, help="Copy every worker's JSON lines and its output log here.")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--engine", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--modes", default=None, help="Comma list of modes to keep (full, lora, lora32, memory, memory7b).")
+    parser.add_argument("--modes", default=None,
+                        help="Comma list of modes to keep (full, lora, lora32, memory, memory7b).")  # fmt: skip
     parser.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
     args_cli = parser.parse_args(argv)
     if args_cli.worker:

@@ -337,7 +337,7 @@ def test_float32_lora_cases_launch_without_mixed_precision_and_take_the_float32_
         ("zero3", 2), ("fsdp2", 2), ("zero3", 4), ("fsdp2", 4)}
     with pytest.raises(ValueError, match="without mixed precision"):
         scale_out.launch("zero3", 2, ("lora", "lora32"), False, tmp_path / "o", tmp_path / "w", 1, 8, tmp_path / "l")
-    check = {"reset": 1, "phase": 1, "logits_max_abs_diff": 5e-5, "rank_hashes": ["x", "x"], "masters_max_abs_diff": 0.0,
-             "vs_merged_checkpoint": 0.0, "merge_delta_lost": 0.0}
+    check = {"reset": 1, "phase": 1, "logits_max_abs_diff": 5e-5, "rank_hashes": ["x", "x"],
+             "masters_max_abs_diff": 0.0, "vs_merged_checkpoint": 0.0, "merge_delta_lost": 0.0}
     for mode, passes in (("lora", True), ("lora32", False)):  # 5e-5: within bf16's 1e-2, over float32's 1e-5
         assert scale_out.verdicts({"mode": mode, "resets": [check]}, smoke=False)["b"] is passes
