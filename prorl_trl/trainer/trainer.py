@@ -617,11 +617,13 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         self.prorl_merge_delta_lost = rounding.lost_fraction
         self._metrics["train"]["prorl/merge_delta_lost"].append(rounding.lost_fraction)
         if rounding.lost_fraction > reset_ops.LOST_FRACTION_WARNING and self.accelerator.is_main_process:
+            deepspeed = " and launch without mixed precision (DeepSpeed's bf16 mode casts the weights to bf16)"
             logger.warning(
                 "Hard reset #%d: %s. Most of what the adapter learned since the last reset is below the resolution of "
                 "the %s base weights and is gone. Reset less often or train with a larger learning rate, or load the "
-                "base in float32 (`model.dtype: float32`; `bf16: true` keeps the passes in bf16 autocast) to keep it.",
+                "base in float32 (`model.dtype: float32`; `bf16: true` keeps the passes in bf16 autocast%s) to keep it.",
                 self.prorl_resets, rounding.describe(base_dtype), str(base_dtype).removeprefix("torch."),
+                deepspeed if self._engine.deepspeed else "",
             )  # fmt: skip
 
     def _reset_optimizer(self, new_params: bool) -> None:
