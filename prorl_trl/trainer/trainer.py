@@ -621,7 +621,8 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
             logger.warning(
                 "Hard reset #%d: %s. Most of what the adapter learned since the last reset is below the resolution of "
                 "the %s base weights and is gone. Reset less often or train with a larger learning rate, or load the "
-                "base in float32 (`model.dtype: float32`; `bf16: true` keeps the passes in bf16 autocast%s) to keep it.",
+                "base in float32 (`model.dtype: float32`; `bf16: true` keeps the passes in bf16 autocast%s) to keep "
+                "it.",
                 self.prorl_resets, rounding.describe(base_dtype), str(base_dtype).removeprefix("torch."),
                 deepspeed if self._engine.deepspeed else "",
             )  # fmt: skip
