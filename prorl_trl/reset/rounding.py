@@ -22,10 +22,12 @@ LOST_FRACTION_WARNING = 0.5
 
 @dataclass
 class MergeRounding:
-    """Sums over the merged weights: |delta|^2 (the exact `scale * B @ A`) and |stored - (before + delta)|^2."""
+    """Sums over the merged weights: |delta|^2 (the exact `scale * B @ A`) and |stored - (before + delta)|^2, and the
+    weights' dtype (None until a weight is added)."""
 
     delta_sq: float = 0.0
     lost_sq: float = 0.0
+    dtype: torch.dtype | None = None
 
     @torch.no_grad()
     def add(self, delta: torch.Tensor, exact: torch.Tensor, stored: torch.Tensor) -> None:
@@ -33,10 +35,7 @@ class MergeRounding:
         2^-24 of the weight, is 2^15 times finer than bf16's), and `stored`, the merged weight in its own dtype."""
         self.delta_sq += float(delta.square().sum(dtype=torch.float64))
         self.lost_sq += float((stored.float() - exact).square().sum(dtype=torch.float64))
-
-    def merge(self, other: MergeRounding) -> None:
-        self.delta_sq += other.delta_sq
-        self.lost_sq += other.lost_sq
+        self.dtype = stored.dtype
 
     def all_reduce(self, device: torch.device) -> None:
         """Sum over the ranks of the default process group (FSDP2: each rank merged its own rows); collective."""
@@ -49,6 +48,10 @@ class MergeRounding:
         """|what was rounded away| / |delta| (0 for an all-zero delta, e.g. a fresh adapter; can exceed 1 slightly)."""
         return math.sqrt(self.lost_sq / self.delta_sq) if self.delta_sq > 0 else 0.0
 
-    def describe(self, dtype: torch.dtype | None = None) -> str:
-        where = f" into {str(dtype).removeprefix('torch.')}" if dtype is not None else ""
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def describe(self) -> str:
+        where = f" into {self.dtype_name}" if self.dtype is not None else ""
         return f"the merge{where} rounded away {100 * self.lost_fraction:.1f} % of the LoRA delta's norm"

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .checkpoint import PRORL_STATE_NAME
+from .lora import lora_delta
 from .support import ADAPTER_NAME, check_lora_supported, lora_layers, peft_model_of
 
 
@@ -49,11 +50,10 @@ def merged_state_dict(model: nn.Module, device: str | torch.device | None = "cpu
         if key in pending:
             layer, kind = pending[key]
             if kind == "weight":
-                delta = layer.lora_B[ADAPTER_NAME].weight.float() @ layer.lora_A[ADAPTER_NAME].weight.float()
-                delta = delta.T if layer.fan_in_fan_out else delta
+                delta = lora_delta(layer)
             else:
-                delta = layer.lora_B[ADAPTER_NAME].bias.float()
-            tensor = (tensor.float() + delta * layer.scaling[ADAPTER_NAME]).to(tensor.dtype)
+                delta = layer.lora_B[ADAPTER_NAME].bias.float() * layer.scaling[ADAPTER_NAME]
+            tensor = (tensor.float() + delta).to(tensor.dtype)
             tensor = tensor.to(device) if device is not None else tensor
         state[key] = tensor
     return state

@@ -580,8 +580,6 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         engine = self._engine
         new_params, rounding = False, None
         if hasattr(model, "peft_config"):
-            layers = reset_ops.lora_layers(model)
-            base_dtype = layers[0][1].get_base_layer().weight.dtype if layers else None
             if engine.sharded:  # in the engine's storage; idle parts of a superset adapter are zero and skipped
                 active = self._active_lora["target_names"] if self._active_lora else None
                 rounding = reset_ops.merge_lora_sharded(model, engine.kind, active)
@@ -605,13 +603,13 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
             path = Path(self.args.output_dir) / "merged" / f"reset-{self.prorl_resets}"
             self._save_merged(path)
             self.prorl_merged_path = str(path)
-        merged = f"; {rounding.describe(base_dtype)}" if rounding is not None and rounding.delta_sq > 0 else ""
+        merged = f"; {rounding.describe()}" if rounding is not None and rounding.delta_sq > 0 else ""
         step = self.prorl_global_step
         self.announce(f"ProRL hard reset #{self.prorl_resets} at global step {step} ({reason}){merged}.")
         if rounding is not None:
-            self._report_merge_rounding(rounding, base_dtype)
+            self._report_merge_rounding(rounding)
 
-    def _report_merge_rounding(self, rounding: reset_ops.MergeRounding, base_dtype: torch.dtype | None) -> None:
+    def _report_merge_rounding(self, rounding: reset_ops.MergeRounding) -> None:
         """Log `prorl/merge_delta_lost` (the fraction of the LoRA delta's norm the merge rounded away) with the next
         entry, and warn when most of it was: a silent loss of what the adapter learned since the last reset."""
         self.prorl_merge_delta_lost = rounding.lost_fraction
@@ -623,7 +621,7 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
                 "the %s base weights and is gone. Reset less often or train with a larger learning rate, or load the "
                 "base in float32 (`model.dtype: float32`; `bf16: true` keeps the passes in bf16 autocast%s) to keep "
                 "it.",
-                self.prorl_resets, rounding.describe(base_dtype), str(base_dtype).removeprefix("torch."),
+                self.prorl_resets, rounding.describe(), rounding.dtype_name,
                 deepspeed if self._engine.deepspeed else "",
             )  # fmt: skip
 
