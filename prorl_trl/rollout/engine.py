@@ -465,7 +465,8 @@ class RolloutEngine:
         """One side stream per device for every warm-up and capture of this engine. Why: cuBLAS keeps a workspace
         (32 MiB on Hopper) per stream it has run on, for the life of the process; a new stream per capture (and
         `torch.cuda.graph`'s own capture stream) added 64 MiB of allocated memory per capture, which training saw
-        as +0.06-0.16 GiB of peak (benchmarks/results/rollout_engine.md, third session)."""
+        as +0.06-0.16 GiB of peak (benchmarks/results/rollout_engine.md, third session). The one stream's workspace
+        then moves into the graph's pool at capture (`clear_cublas_workspaces`)."""
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
@@ -502,10 +503,15 @@ class RolloutEngine:
         graph = torch.cuda.CUDAGraph()
         # a private pool per graph (a pool shared with a deleted graph trips an assert); captured on the engine's own
         # stream, the one the warm-up ran on
-        with torch.cuda.graph(graph, stream=side):
-            for _ in range(self.steps_per_graph):
-                step(self._state, keys, values, self._sampler)
         torch.cuda.synchronize()
+        clear_cublas_workspaces()  # the capture's cuBLAS workspace is then allocated in the graph's pool
+        try:
+            with torch.cuda.graph(graph, stream=side):
+                for _ in range(self.steps_per_graph):
+                    step(self._state, keys, values, self._sampler)
+            torch.cuda.synchronize()
+        finally:
+            clear_cublas_workspaces()  # ... and left there for the replays, not counted beside training
         self._graph = graph
         seconds = time.perf_counter() - started
         self.stats.captures += 1
@@ -571,6 +577,20 @@ class RolloutEngine:
         lengths = torch.where(eos.any(-1), eos.int().argmax(-1) + 1, produced)
         longest = int(lengths.max())
         return RolloutOutput(tokens=tokens[:, :longest].clone(), lengths=lengths)
+
+
+def clear_cublas_workspaces() -> None:
+    """Drop cuBLAS's per-stream workspaces (torch makes a new one at a stream's next GEMM).
+
+    Why, around a capture: cuBLAS keeps a workspace (32 MiB on Hopper) per stream it ran on, for the life of the
+    process. Cleared before the capture, the capture stream's workspace is allocated inside the graph's private pool,
+    which the replays use; cleared after, the pool keeps it and nothing else counts it, so training runs beside 32 MiB
+    less allocated memory (benchmarks/results/rollout_engine.md, ninth session). Inductor's CUDA-graph trees, what
+    `compiled_generation` runs, clear around their captures the same way. A no-op where torch lacks the hook (CPU).
+    """
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
 
 
 def _elapsed(started: float, device: torch.device) -> float:
