@@ -114,6 +114,7 @@ class PhaseMemory(TrainerCallback):
     def __init__(self, device: torch.device, on_record=None):
         self.device, self.records, self._start, self.on_record = device, [], None, on_record
         self._generate_seconds: list[float] = []
+        self.engine = None  # the trainer's RolloutEngine, when it has one: its captures go in the records
 
     def watch_generation(self, model) -> None:
         """Time every `generate` call of `model` (the PeftModel TRL unwraps for generation; resets keep the object)."""
@@ -145,6 +146,9 @@ class PhaseMemory(TrainerCallback):
         lengths = [entry["completions/mean_length"] for entry in state.log_history if "completions/mean_length" in entry]
         record = {"seconds": time.perf_counter() - self._start, "mean_completion_length": max(lengths, default=None)}
         record["generate_seconds"], self._generate_seconds = self._generate_seconds, []
+        if self.engine is not None:  # cumulative over the run: a capture per phase is expected, more is a cost
+            record["engine_captures"] = self.engine.stats.captures
+            record["engine_capture_seconds"] = round(self.engine.stats.capture_seconds, 2)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             record["peak_allocated"] = torch.cuda.max_memory_allocated(self.device)
@@ -175,6 +179,7 @@ def run_prorl(recipe, args: ProRLConfig, smoke: bool, device, tokenizer, dataset
         train_dataset=dataset, processing_class=tokenizer, peft_config=recipe.peft_config(), callbacks=[probe],
     )  # fmt: skip
     probe.watch_generation(trainer.model)
+    probe.engine = getattr(trainer, "rollout_engine", None)
     trainer.train()
 
 
@@ -194,6 +199,7 @@ def run_grpo(recipe, kwargs: dict, prorl_args: ProRLConfig, phase, smoke: bool, 
     if prorl_args.compiled_generation:
         configure_trainer_generation(trainer, max_prompt_length=prorl_args.generation_max_prompt_length)
     probe.watch_generation(trainer.model)
+    probe.engine = getattr(trainer, "rollout_engine", None)
     trainer.train()
 
 
