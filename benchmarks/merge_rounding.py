@@ -9,11 +9,15 @@ random sequences), then reset as `ProRLTrainer.hard_reset` does (`merge_lora_in_
 the adapter moves the logits (on vs off), the reset's max |Δlogits| on the same batch, the share of the delta's norm
 the merge rounded away (`prorl_trl.reset.MergeRounding`, what the trainer logs as `prorl/merge_delta_lost`), and the
 bf16 spacing at the largest |logit| (one step of the logits' own resolution). The float32 rows are the control.
+The floor columns evaluate the same trained model (adapter on, no reset) on the same batch two other valid ways:
+row by row instead of as one batch, and with transformers' eager attention instead of SDPA: how far the logits move
+when nothing about the function changes, only the order of its roundings.
 
 What it shows: early on (scale_out's 3 steps) the delta is under half a bf16 step of most weights and the merge
 rounds most of it away, so the reset moves the outputs by about the adapter's whole effect; later the merge keeps
 almost all of it and the reset moves the logits by a few bf16 steps of their own, which no merge into bf16 storage
-avoids. In float32 the reset is exact to float32 rounding.
+avoids: as far as switching the unchanged model to another attention implementation moves them. In float32 the reset
+is exact to float32 rounding.
 """
 
 from __future__ import annotations
@@ -70,6 +74,12 @@ def measure(dtype: torch.dtype, steps: int, device: str, smoke: bool) -> dict:
     model.eval()
     with torch.no_grad():
         before = model(input_ids=probe).logits.float()
+        row_by_row = torch.cat([model(input_ids=row[None]).logits.float() for row in probe])
+        inner = model.get_base_model()
+        attention = inner.config._attn_implementation
+        inner.set_attn_implementation("eager")
+        eager = model(input_ids=probe).logits.float()
+        inner.set_attn_implementation(attention)
         with model.disable_adapter():
             without = model(input_ids=probe).logits.float()
         rounding = merge_lora_in_place(model)
@@ -83,6 +93,7 @@ def measure(dtype: torch.dtype, steps: int, device: str, smoke: bool) -> dict:
         "adapter_effect": float((before - without).abs().max()), "reset_dlogits": moved,
         "lost_percent": 100 * rounding.lost_fraction, "max_logit": largest,
         "spacing": bf16_spacing(largest), "in_steps": moved / bf16_spacing(largest),
+        "floor_rows": float((row_by_row - before).abs().max()), "floor_eager": float((eager - before).abs().max()),
     }  # fmt: skip
 
 
@@ -92,13 +103,15 @@ def table(rows: list[dict], device: str) -> str:
         "",
         "| base dtype | AdamW steps (lr 1e-4) | adapter's effect, max abs dlogits | reset's max abs dlogits "
         "| merge rounded away (% of the delta's norm) | max abs logit | bf16 step there "
-        "| reset's dlogits in bf16 steps |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| reset's dlogits in bf16 steps | floor: row by row, max abs dlogits "
+        "| floor: eager attention, max abs dlogits |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['dtype']} | {r['steps']} | {r['adapter_effect']:.3g} | {r['reset_dlogits']:.3g} | "
-            f"{r['lost_percent']:.1f} | {r['max_logit']:.2f} | {r['spacing']:.4g} | {r['in_steps']:.1f} |"
+            f"{r['lost_percent']:.1f} | {r['max_logit']:.2f} | {r['spacing']:.4g} | {r['in_steps']:.1f} | "
+            f"{r['floor_rows']:.3g} | {r['floor_eager']:.3g} |"
         )
     return "\n".join(lines)
 
