@@ -58,18 +58,19 @@ def origin(frames: list[dict]) -> str:
 
 
 def kept_allocations(snapshot: dict) -> dict:
-    """Active blocks grouped by pool (default / private) and origin; private pools' reserved bytes."""
+    """Active blocks grouped by pool (default / private) and origin; reserved bytes of the private pools (CUDA
+    graphs) and of the default pool by stream (the default one, others)."""
     groups: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
-    private_reserved = 0
+    reserved: dict[str, int] = defaultdict(int)
     default_stream = torch.cuda.default_stream().cuda_stream if torch.cuda.is_available() else 0
-    reserved_by_stream: dict[str, int] = defaultdict(int)
     for segment in snapshot["segments"]:
         pool = "default" if tuple(segment.get("segment_pool_id", (0, 0))) == (0, 0) else "private"
         if pool == "private":
-            private_reserved += segment["total_size"]
+            reserved["private_reserved"] += segment["total_size"]
+        elif segment.get("stream", 0) in (0, default_stream):
+            reserved["default_stream_reserved"] += segment["total_size"]
         else:
-            stream = "default stream" if segment.get("stream", 0) in (0, default_stream) else "other streams"
-            reserved_by_stream[stream] += segment["total_size"]
+            reserved["other_streams_reserved"] += segment["total_size"]
         for block in segment["blocks"]:
             if block["state"] == "active_allocated":
                 entry = groups[(pool, origin(block.get("frames", [])))]
@@ -77,9 +78,7 @@ def kept_allocations(snapshot: dict) -> dict:
                 entry[1] += 1
     ranked = sorted(groups.items(), key=lambda item: -item[1][0])
     return {
-        "private_reserved": private_reserved,
-        "default_stream_reserved": reserved_by_stream["default stream"],
-        "other_streams_reserved": reserved_by_stream["other streams"],
+        **{key: reserved[key] for key in ("private_reserved", "default_stream_reserved", "other_streams_reserved")},
         "by_origin": [(pool, where, size, count) for (pool, where), (size, count) in ranked],
     }
 

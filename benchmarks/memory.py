@@ -179,7 +179,7 @@ def run_prorl(recipe, args: ProRLConfig, smoke: bool, device, tokenizer, dataset
         train_dataset=dataset, processing_class=tokenizer, peft_config=recipe.peft_config(), callbacks=[probe],
     )  # fmt: skip
     probe.watch_generation(trainer.model)
-    probe.engine = getattr(trainer, "rollout_engine", None)
+    probe.engine = trainer.rollout_engine
     trainer.train()
 
 
@@ -199,7 +199,6 @@ def run_grpo(recipe, kwargs: dict, prorl_args: ProRLConfig, phase, smoke: bool, 
     if prorl_args.compiled_generation:
         configure_trainer_generation(trainer, max_prompt_length=prorl_args.generation_max_prompt_length)
     probe.watch_generation(trainer.model)
-    probe.engine = getattr(trainer, "rollout_engine", None)
     trainer.train()
 
 
