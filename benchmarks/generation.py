@@ -396,7 +396,8 @@ def engine_diagnostics(engine, first_capture_seconds: float, profile: bool) -> d
         "host_issue_ms_per_step_in_loop": 1000 * last["host_seconds"] / steps,
     }  # fmt: skip
     if engine.stats.captures == 0:  # no CUDA graph (CPU smoke run)
-        engine.release_cache, engine._kv = True, None
+        engine.release_cache = True
+        engine._arena.release()
         return found
     found.update(engine.time_replays(8))
     if profile:
@@ -412,7 +413,7 @@ def engine_diagnostics(engine, first_capture_seconds: float, profile: bool) -> d
             (event.key[:70], round(event.device_time_total / steps, 2), event.count / steps) for event in kernels
         ]  # (name, microseconds per step, launches per step), every kernel (the JSON keeps them all)
     engine.release_cache = True
-    engine._kv = None
+    engine._arena.release()
     print(f"    engine: {found}", flush=True)
     return found
 

@@ -324,6 +324,37 @@ def test_same_seed_same_tokens(tiny):
     assert torch.equal(RolloutEngine(steps_per_graph=2).generate(model, input_ids, mask, sampling).tokens, drawn)
 
 
+def test_generation_buffers_are_freed_between_generations_and_folds_live_there(tiny):
+    """The KV buffers, the decode state and the fold groups (q/k/v's base weights with their adapters' A rows) are
+    views of one arena, freed after each generation (nothing of the fold stays allocated beside training, and no
+    parameter is re-pointed for it), made again, with the same views, for the next, which gives the same tokens."""
+    from peft import LoraConfig, get_peft_model
+
+    _, tokenizer = tiny
+    model = get_peft_model(build_tiny(seed=0)[0], LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj"]))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.3)
+    attention = model.get_base_model().model.layers[0].self_attn
+    own = [proj.base_layer.weight.data_ptr() for proj in (attention.q_proj, attention.k_proj)]
+    input_ids, mask = left_padded(4, 8, tokenizer.pad_token_id)
+    sampling = config(tokenizer, max_new_tokens=9, top_p=0.9)
+    engine = RolloutEngine(steps_per_graph=4)
+    first = engine.generate(model, input_ids, mask, sampling, seed=5).tokens
+    arena, parts = engine._arena, engine._parts[1]
+    assert not arena.held  # released: training gets the memory back
+    assert all(entry is None for entry in parts.fused_qkv)  # no stale view of freed memory is reachable
+    stacks = [parts.stacks[f"fused_qkv.{index}"] for index in range(len(parts.layers))]
+    assert all(fused.extra_rows == 8 and fused.stacked.untyped_storage().nbytes() == 0 for fused in stacks)
+    assert [proj.base_layer.weight.data_ptr() for proj in (attention.q_proj, attention.k_proj)] == own
+    assert torch.equal(engine.generate(model, input_ids, mask, sampling, seed=5).tokens, first)
+    assert engine._arena is arena and all(parts.stacks[f"fused_qkv.{i}"] is fused for i, fused in enumerate(stacks))
+    engine.release_cache = False
+    engine.generate(model, input_ids, mask, sampling, seed=5)
+    assert arena.held and all(entry is not None for entry in parts.fused_qkv)
+    assert all(entry.stacked.untyped_storage().data_ptr() == arena.address for entry in parts.fused_qkv)
+
+
 def test_recapture_decisions(tiny, monkeypatch):
     """What would make a new CUDA graph (computed on CPU too): shapes and static settings, new parameter storage,
     LoRA state (including what the fused LoRA path reads), the A/B switches; not in-place optimizer steps,
@@ -337,7 +368,8 @@ def test_recapture_decisions(tiny, monkeypatch):
 
     def reasons(generation, ids=input_ids, attention=mask):
         engine.generate(model, ids, attention, generation, seed=0)
-        return [r for r in engine.stats.last["capture_reasons"] if r != "KV buffers moved"]  # CPU: no pinned address
+        moved = "generation buffers moved"  # CPU: no pinned address
+        return [r for r in engine.stats.last["capture_reasons"] if r != moved]
 
     base = config(tokenizer, max_new_tokens=9, top_p=0.7)
     assert reasons(base) == ["first call"]

@@ -18,15 +18,17 @@ from __future__ import annotations
 
 import inspect
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from .decode_attention import gqa_decode_attention
 from . import fused_weights
-from .fused_weights import FusedLinear, fuse_linears
-from .lora_decode import base_linear, fold_factors, fold_rows, gated_mlp, project, refresh_folded
+from .arena import Region
+from .decode_attention import gqa_decode_attention
+from .fused_weights import FusedLinear, copy_members, copyable, fuse_linears, stack_copies
+from .lora_decode import LoraFactors, base_linear, fold_factors, fold_rows, gated_mlp, project, refresh_folded
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
@@ -50,13 +52,15 @@ class DecoderParts:
     num_kv_heads: int
     head_dim: int
     qk_norm: bool
-    # per layer, the base q/k/v and gate/up projections stored as one (`fused_weights`; None: separate GEMMs), q/k/v,
-    # o and down with their adapters' A weights as extra rows (`lora_decode.fold_rows`; None for o and down without
-    # adapters), kept current by `refresh_fusions` before every generation
+    # per layer, the base q/k/v and gate/up projections stored as one (`fused_weights`; None: separate GEMMs), or
+    # q/k/v, o and down stacked with copies of their adapters' A weights as extra rows in buffers held for the
+    # generation (`FoldGroup`; None for o and down without adapters), set by `plan_fusions` and `load_folds` before
+    # every generation
     fused_qkv: list[FusedLinear | None] = field(default_factory=list)
     fused_gate_up: list[FusedLinear | None] = field(default_factory=list)
     fused_o: list[FusedLinear | None] = field(default_factory=list)
     fused_down: list[FusedLinear | None] = field(default_factory=list)
+    stacks: dict[str, FusedLinear] = field(default_factory=dict)  # `load_folds`' stacks by `FoldGroup.name`, reused
 
 
 def generation_target(model: Any) -> Any:
@@ -138,12 +142,44 @@ _GROUPS = (
 )
 
 
-def refresh_fusions(parts: DecoderParts) -> None:
-    """(Re)store each layer's q/k/v and gate/up base weights as one allocation where that is safe (`fuse_linears`),
-    with room for the A weights of q/k/v's, o's and down's adapters (`lora_decode.fold_rows`); a group something
-    re-pointed since (`FusedLinear.holds`) or whose adapters changed shape is fused again; the A rows are copied from
-    the live adapters every time. Run before every generation (before fingerprinting for a capture)."""
-    for name, inputs, folds, always in _GROUPS:
+@dataclass(eq=False)
+class FoldGroup:
+    """A layer's q/k/v, o or down whose adapters' A products fold into its base GEMM (`lora_decode.FOLD_LORA_A`).
+
+    For a generation its base weights (and biases) are copied into a buffer with room for copies of the A weights
+    after them (`regions`, `load_folds`), so one GEMM computes the base outputs and every `lora_A(x)`. The buffers are
+    the caller's to hold only while it generates (the engine's `arena.GenerationArena`): rows kept after the base
+    weights in their own allocation stayed allocated beside training (+6.5 / +60 MiB of peak at the GSM8K recipe's
+    reset-3 / reset-4; benchmarks/results/rollout_engine.md, ninth and tenth sessions)."""
+
+    group: str  # the `DecoderParts` field: "fused_qkv", "fused_o" or "fused_down"
+    index: int  # the layer
+    bases: tuple[torch.nn.Linear, ...]
+    adapted: list[LoraFactors]  # `fold_factors`: the live A weights whose copies ride as extra rows
+    extra_rows: int  # `fold_rows`
+
+    @property
+    def name(self) -> str:
+        return f"{self.group}.{self.index}"
+
+    def regions(self) -> list[Region]:
+        """The buffers the group is stacked in: `name` (base rows + extra rows, in_features) and, where the layers have
+        biases, `name + ".bias"`."""
+        weight = self.bases[0].weight
+        rows = sum(base.weight.shape[0] for base in self.bases)
+        regions = [Region(self.name, (rows + self.extra_rows, weight.shape[1]), weight.dtype)]
+        if self.bases[0].bias is not None:
+            regions.append(Region(self.name + ".bias", (rows,), self.bases[0].bias.dtype))
+        return regions
+
+
+def plan_fusions(parts: DecoderParts) -> list[FoldGroup]:
+    """(Re)store each layer's q/k/v and gate/up base weights as one allocation where that is safe (`fuse_linears`; a
+    group something re-pointed since, `FusedLinear.holds`, is fused again) and return the groups whose adapters' A
+    products fold instead (q/k/v's, o's and down's: `lora_decode.fold_factors`), whose entries stay None until
+    `load_folds` stacks them. Run before every generation (before fingerprinting for a capture)."""
+    folds = []
+    for name, inputs, folds_here, always in _GROUPS:
         if not fused_weights.FUSE_BASE:  # the A/B switch: separate GEMMs (the storage stays as it is)
             setattr(parts, name, [])
             continue
@@ -153,19 +189,53 @@ def refresh_fusions(parts: DecoderParts) -> None:
             kept = current[index] if index < len(current) else None
             modules = tuple(module for module in inputs(layer) if module is not None)
             bases = tuple(base_linear(module) for module in modules)
-            adapted = fold_factors(modules) if folds else []
-            extra_rows = fold_rows(adapted, bases[0].weight.dtype) if adapted else 0
-            if not (always or extra_rows):
+            adapted = fold_factors(modules) if folds_here and copyable(bases) else []
+            if adapted:
+                folds.append(FoldGroup(name, index, bases, adapted, fold_rows(adapted, bases[0].weight.dtype)))
                 fresh.append(None)
-                continue
-            if kept is not None and kept.members == bases and kept.holds() and kept.extra_rows == extra_rows:
-                fused = kept
+            elif not always:
+                fresh.append(None)
+            elif kept is not None and kept.stacked is None and kept.members == bases and kept.holds():
+                fresh.append(kept)
             else:
-                fused = fuse_linears(bases, previous=kept, extra_rows=extra_rows)
-            if fused is not None and fused.extra_rows:
-                refresh_folded(fused, adapted)
-            fresh.append(fused)
+                fresh.append(fuse_linears(bases, previous=kept))
         setattr(parts, name, fresh)
+    return folds
+
+
+def load_folds(parts: DecoderParts, folds: list[FoldGroup], buffers: Mapping[str, torch.Tensor]) -> None:
+    """Stack every group of `folds` in `buffers` (`FoldGroup.regions`' names): its base weights and biases and the A
+    rows (`lora_decode.refresh_folded`) copied from the live parameters, and set it in `parts`. A group stacked in the
+    same buffers before keeps its `FusedLinear` (the compiled step sees the same objects)."""
+    for fold in folds:
+        stacked, bias = buffers[fold.name], buffers.get(fold.name + ".bias")
+        fused = parts.stacks.get(fold.name)
+        if fused is None or fused.members != fold.bases or fused.stacked is not stacked or fused.bias is not bias:
+            fused = stack_copies(fold.bases, stacked, bias)
+            parts.stacks[fold.name] = fused
+        copy_members(fused)
+        refresh_folded(fused, fold.adapted)
+        getattr(parts, fold.group)[fold.index] = fused
+
+
+def unload_folds(parts: DecoderParts, folds: list[FoldGroup]) -> None:
+    """Take `folds` out of `parts` (their entries None) before their buffers are freed: a view of freed memory reads
+    whatever lives there next, so nothing may reach one between generations (`load_folds` sets them again)."""
+    for fold in folds:
+        getattr(parts, fold.group)[fold.index] = None
+
+
+def refresh_fusions(parts: DecoderParts) -> list[FoldGroup]:
+    """`plan_fusions`, then `load_folds` into buffers of their own (callers that hold no generation arena: tests, the
+    uncompiled step); returns the fold groups."""
+    folds = plan_fusions(parts)
+    buffers = {
+        region.name: torch.empty(region.shape, dtype=region.dtype, device=fold.bases[0].weight.device)
+        for fold in folds
+        for region in fold.regions()
+    }
+    load_folds(parts, folds, buffers)
+    return folds
 
 
 def _cache_keyword(model: torch.nn.Module) -> str:

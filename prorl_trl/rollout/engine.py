@@ -16,14 +16,15 @@ the sampler's static layout, the autocast dtype, the A/B switches (`lora_decode.
 `fused_mlp.FUSED_MLP`, `decode_attention.LIVE_SPLITS`, `lora_decode.FOLD_LORA_A`, `sampler.RACE_KERNEL`,
 `sampler.SOFTMAX_KERNEL`), the model's parameter storage
 (data pointers, shapes, dtypes: a LoRA rank/target change, `.data` swaps; the first call re-points q/k/v and gate/up
-into one allocation each, and adapted o and down into one with room for their A weights, `decoder.refresh_fusions`,
-which copies the A weights there before every generation) or LoRA state (merged, disabled, active adapter, scaling,
-variant, dropout, input casting), and the KV buffers' address: they are freed after every generation (so
-training gets the memory back, as with `generate`), and when the allocator hands them back elsewhere the graph is
-recaptured (no recompilation; in `benchmarks/step_time.py`'s trainer run at the Initial shape on an H100 it did not
-happen: 1 capture in 3 steps). Optimizer steps update parameters in place: the graph reads the live storage, no
-recapture. Values that change between calls (temperature, top_p, min_p, min_new_tokens, the seed, the prompts and their
-padding) are copied into tensors the graph reads.
+into one allocation each, `decoder.plan_fusions`) or LoRA state (merged, disabled, active adapter, scaling, variant,
+dropout, input casting), and the generation arena's layout and address (`arena.GenerationArena`: the KV buffers, the
+decode state and the fold groups, `decoder.FoldGroup`, whose base weights and A weights are copied there before every
+generation): it is freed after every generation (so training gets the memory back, as with `generate`), and when the
+allocator hands it back elsewhere the graph is recaptured (no recompilation; in `benchmarks/step_time.py`'s trainer
+run at the Initial shape on an H100 it did not happen: 1 capture in 3 steps). Optimizer steps update parameters in
+place: the graph reads the live storage (and the fold groups' fresh copies), no recapture. Values that change between
+calls (temperature, top_p, min_p, min_new_tokens, the seed, the prompts and their padding) are copied into tensors the
+graph reads.
 
 Off CUDA (or with `cuda_graphs=False`) the same step function runs eagerly, chunk by chunk: that is what the CPU
 tests exercise. Dropout active in train mode is refused (generation would apply it); with every dropout at 0 the loop
@@ -44,9 +45,11 @@ import torch
 
 from . import decode_attention, fused_mlp, fused_weights, lora_decode
 from . import sampler as sampler_module
+from .arena import GenerationArena, Region
 from .compiled import raise_recompile_limit
 from .decoder import (
-    DecoderParts, UnsupportedModel, decode_logits, decoder_parts, generation_target, prefill, refresh_fusions,
+    DecoderParts, FoldGroup, UnsupportedModel, decode_logits, decoder_parts, generation_target, load_folds,
+    plan_fusions, prefill, unload_folds,
 )  # fmt: skip
 from .sampler import SamplerLayout, SamplerSettings, SamplerTensors, UnsupportedGeneration, next_tokens, sampler_settings
 
@@ -73,7 +76,8 @@ def default_compile_options() -> dict:
 
 
 class DecodeState(NamedTuple):
-    """The per-row state a decode step reads and updates in place (fixed addresses: the graph's inputs)."""
+    """The per-row state a decode step reads and updates in place (fixed addresses: the graph's inputs; views of the
+    generation arena, `state_regions`)."""
 
     token: torch.Tensor  # (batch,) the token fed to the next step
     step: torch.Tensor  # (1,) index of the token the next step chooses
@@ -82,6 +86,14 @@ class DecodeState(NamedTuple):
     finished: torch.Tensor  # (batch,) bool: the row has emitted an EOS
     out: torch.Tensor  # (batch, columns) chosen tokens, column = step
     done: torch.Tensor  # () bool: every row finished
+
+
+def state_regions(batch: int, columns: int) -> list[Region]:
+    """`DecodeState`'s tensors as arena regions, in field order."""
+    shapes = {"token": (batch,), "step": (1,), "width": (1,), "start": (batch,), "finished": (batch,),
+              "out": (batch, columns), "done": ()}  # fmt: skip
+    return [Region(name, shapes[name], torch.bool if name in ("finished", "done") else torch.long)
+            for name in DecodeState._fields]  # fmt: skip
 
 
 @dataclass
@@ -192,7 +204,8 @@ class CaptureKey:
 class CaptureRecord(NamedTuple):
     key: CaptureKey
     fingerprint: tuple  # model_fingerprint: (parameter storage, LoRA state)
-    kv_address: int
+    arena_layout: tuple  # GenerationArena.layout: KV, state and fold-group buffers
+    arena_address: int
 
 
 def capture_reasons(previous: CaptureRecord | None, current: CaptureRecord) -> list[str]:
@@ -208,8 +221,10 @@ def capture_reasons(previous: CaptureRecord | None, current: CaptureRecord) -> l
         reasons.append("parameter storage (shapes, dtypes or addresses)")
     if previous.fingerprint[1] != current.fingerprint[1]:
         reasons.append("LoRA state (merged, disabled, active adapter, scaling, variant, dropout or input casting)")
-    if previous.kv_address != current.kv_address:
-        reasons.append("KV buffers moved")
+    if previous.arena_layout != current.arena_layout:
+        reasons.append("generation buffers' layout (KV, state or fold groups)")
+    elif previous.arena_address != current.arena_address:
+        reasons.append("generation buffers moved")
     return reasons
 
 
@@ -303,8 +318,9 @@ class RolloutEngine:
             eager step (recorded in `stats.compile_error`, logged).
         prompt_budget: prompt tokens reserved in the KV cache (the trainer's `generation_max_prompt_length`), so prompt
             widths up to it share one capture. A wider batch grows the budget (one more capture).
-        release_cache: free the KV buffers after each generation (default), so training gets the memory back; False
-            keeps them (and the graph replayable, as benchmarks/generation.py's profile does).
+        release_cache: free the generation arena (KV buffers, decode state, fold groups) after each generation
+            (default), so training gets the memory back; False keeps it (and the graph replayable, as
+            benchmarks/generation.py's profile does).
         require_compile: raise instead of running a half of the step uncompiled when compilation fails (benchmarks).
         compile_options: inductor options for both halves of the step (`torch.compile(options=...)`), over
             `DEFAULT_COMPILE_OPTIONS`, e.g. `{"max_autotune_gemm": True}`: benchmarked GEMM choices (slower
@@ -332,7 +348,7 @@ class RolloutEngine:
         self.compile_options = {**default_compile_options(), **(compile_options or {})}
         self.stats = EngineStats()
         self._capture_record: CaptureRecord | None = None
-        self._kv: torch.Tensor | None = None
+        self._arena: GenerationArena | None = None
         self._graph: torch.cuda.CUDAGraph | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._state: DecodeState | None = None
@@ -376,33 +392,37 @@ class RolloutEngine:
         autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
         use_graphs = device.type == "cuda" if self.cuda_graphs is None else self.cuda_graphs
         started = time.perf_counter()
-        with eval_mode(parts.model), autocast:
-            refresh_fusions(parts)  # before the fingerprint: fusing re-points parameters
-            logits, prompt_kv = prefill(parts, input_ids, attention_mask)
-            key = self._prepare(parts, settings, input_ids, prompt_kv, autocast_dtype, use_graphs)
-            self._load(settings, seed, input_ids, attention_mask, prompt_kv, logits, parts)
-            del prompt_kv, logits
-            prefill_seconds = _elapsed(started, device)
-            decode_started = time.perf_counter()
-            executed, host_seconds = self._decode(settings, key, use_graphs, parts)
-            output = self._finish(settings, executed)
-        decode_seconds = _elapsed(decode_started, device)
+        folds: list[FoldGroup] = []
+        try:
+            with eval_mode(parts.model), autocast:
+                folds = plan_fusions(parts)  # before the fingerprint: fusing re-points parameters
+                logits, prompt_kv = prefill(parts, input_ids, attention_mask)
+                key = self._prepare(parts, settings, input_ids, prompt_kv, autocast_dtype, use_graphs, folds)
+                self._load(settings, seed, input_ids, attention_mask, prompt_kv, logits, parts)
+                del prompt_kv, logits
+                prefill_seconds = _elapsed(started, device)
+                decode_started = time.perf_counter()
+                executed, host_seconds = self._decode(settings, key, use_graphs, parts)
+                output = self._finish(settings, executed)
+            decode_seconds = _elapsed(decode_started, device)
+        finally:
+            if self.release_cache and self._arena is not None:
+                unload_folds(parts, folds)  # their buffers are about to be freed
+                self._arena.release()  # training gets the memory back; the graph is re-checked next call
         self.stats.generations += 1
         self.stats.last.update(
             batch=input_ids.shape[0], prompt_width=input_ids.shape[1], max_new_tokens=settings.max_new_tokens,
             decode_steps=executed - 1, generated=output.tokens.shape[1], prefill_seconds=prefill_seconds,
             decode_seconds=decode_seconds, host_seconds=host_seconds, cuda_graphs=use_graphs,
         )  # fmt: skip
-        if self.release_cache:
-            self._kv = None  # give the KV memory back (training needs it); the graph is re-checked next call
         return output
 
     def time_replays(self, replays: int = 8) -> dict[str, float]:
         """Diagnostics (benchmarks): replay the last graph `replays` times back to back (needs `release_cache=False`;
         it overwrites the last generation's buffers). Returns GPU milliseconds per decode step (CUDA events) and the
         host milliseconds per step spent issuing replays."""
-        if self._graph is None or self._kv is None:
-            raise RuntimeError("time_replays needs a captured graph and kept KV buffers (release_cache=False).")
+        if self._graph is None or self._arena is None or not self._arena.held:
+            raise RuntimeError("time_replays needs a captured graph and a kept generation arena (release_cache=False).")
         self._state.step.fill_(1)
         self._state.width.fill_(self.prompt_budget)
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -424,8 +444,9 @@ class RolloutEngine:
             self._parts = (id(target), decoder_parts(model))
         return self._parts[1]
 
-    def _prepare(self, parts, settings, input_ids, prompt_kv, autocast_dtype, use_graphs) -> CaptureKey:
-        """Allocate the KV buffers (and state, graph) for this call; recapture when anything it depends on changed."""
+    def _prepare(self, parts, settings, input_ids, prompt_kv, autocast_dtype, use_graphs, folds) -> CaptureKey:
+        """Allocate the generation arena (KV buffers, decode state, `folds`' stacks, loaded from the live weights) and
+        the sampler's tensors for this call; recapture when anything the graph depends on changed."""
         batch, width = input_ids.shape
         device = input_ids.device
         self.prompt_budget = max(self.prompt_budget, math.ceil(width / PROMPT_ALIGN) * PROMPT_ALIGN)
@@ -439,21 +460,25 @@ class RolloutEngine:
             race_kernel=sampler_module.RACE_KERNEL, softmax_kernel=sampler_module.SOFTMAX_KERNEL,
         )  # fmt: skip
         kv_shape = (2, len(parts.layers), batch, parts.num_kv_heads, key.cache_len, parts.head_dim)
-        if self._kv is None or self._kv.shape != kv_shape or self._kv.dtype != key.kv_dtype:
-            self._kv = None
-            self._kv = torch.zeros(kv_shape, dtype=key.kv_dtype, device=device)
+        layout = (
+            Region("kv", kv_shape, key.kv_dtype),
+            *state_regions(batch, 1 + chunks * self.steps_per_graph),
+            *(region for fold in folds for region in fold.regions()),
+        )
+        if self._arena is None or self._arena.layout != layout:
+            if self._arena is not None:
+                self._arena.release()  # before the new one is allocated
+            self._arena = GenerationArena(layout, device)
+            self._state = DecodeState(*(self._arena.views[name] for name in DecodeState._fields))
+        self._arena.acquire()  # uninitialised: zeroed (KV columns past a row's keys are masked, but a NaN bit pattern
+        for name in ("kv", *DecodeState._fields):  # there would still poison the products), the state as a fresh one
+            self._arena.views[name].zero_()
+        self._state.step.fill_(1)
+        self._state.width.fill_(self.prompt_budget)
+        load_folds(parts, folds, self._arena.views)
         if self._capture_record is None or key != self._capture_record.key:
-            self._state = DecodeState(
-                token=torch.zeros(batch, dtype=torch.long, device=device),
-                step=torch.ones(1, dtype=torch.long, device=device),
-                width=torch.full((1,), self.prompt_budget, dtype=torch.long, device=device),
-                start=torch.zeros(batch, dtype=torch.long, device=device),
-                finished=torch.zeros(batch, dtype=torch.bool, device=device),
-                out=torch.zeros(batch, 1 + chunks * self.steps_per_graph, dtype=torch.long, device=device),
-                done=torch.zeros((), dtype=torch.bool, device=device),
-            )
             self._sampler = SamplerTensors.allocate(settings.layout.num_eos, device)
-        record = CaptureRecord(key, model_fingerprint(parts.model), self._kv.data_ptr())
+        record = CaptureRecord(key, model_fingerprint(parts.model), layout, self._arena.address)
         reasons = capture_reasons(self._capture_record, record)
         self.stats.last = {"capture_reasons": reasons}
         if use_graphs and chunks > 0 and (reasons or self._graph is None):
@@ -482,16 +507,17 @@ class RolloutEngine:
         return self._steps[cache_key]
 
     def _caches(self) -> tuple[tuple, tuple]:
-        return tuple(self._kv[0].unbind(0)), tuple(self._kv[1].unbind(0))
+        kv = self._arena.views["kv"]
+        return tuple(kv[0].unbind(0)), tuple(kv[1].unbind(0))
 
     def _capture(self, parts: DecoderParts, settings: SamplerSettings, key: CaptureKey, reasons: list[str]) -> None:
         started = time.perf_counter()
         self._graph = None  # frees the previous graph and its private memory pool first
-        step = self._step_function(parts, settings.layout, self._kv.device)
+        step = self._step_function(parts, settings.layout, self._state.out.device)
         keys, values = self._caches()
         self._state.step.fill_(1)
         self._state.width.fill_(self.prompt_budget)
-        side = self._capture_stream(self._kv.device)
+        side = self._capture_stream(self._state.out.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # compiles on the first call; the second settles allocations
@@ -523,10 +549,10 @@ class RolloutEngine:
 
     def _load(self, settings, seed, input_ids, attention_mask, prompt_kv, logits, parts) -> None:
         """Copy the prefill's keys/values and first tokens into the buffers the graph reads."""
-        width = input_ids.shape[1]
+        width, kv = input_ids.shape[1], self._arena.views["kv"]
         for layer, (key, value) in enumerate(prompt_kv):
-            self._kv[0, layer, :, :, :width].copy_(key)
-            self._kv[1, layer, :, :, :width].copy_(value)
+            kv[0, layer, :, :, :width].copy_(key)
+            kv[1, layer, :, :, :width].copy_(value)
         sampler, state = self._sampler, self._state
         sampler.load(settings, seed)
         first = next_tokens(logits, settings.layout, sampler, torch.zeros_like(state.step), ways=2)
@@ -546,7 +572,7 @@ class RolloutEngine:
             return 1, 0.0
         host = 0.0
         if not use_graphs:
-            step = self._step_function(parts, settings.layout, self._kv.device)
+            step = self._step_function(parts, settings.layout, self._state.out.device)
             keys, values = self._caches()
             for chunk in range(chunks):
                 for index in range(self.steps_per_graph):

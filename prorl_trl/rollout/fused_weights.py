@@ -15,9 +15,11 @@ something re-pointed a member since (`module.to`, `load_state_dict(assign=True)`
 its next capture. transformers' `save_pretrained` clones parameters that share an allocation without overlapping,
 and `torch.save` keeps views as views; tests/test_fused_weights.py checks both round trips.
 
-A group may ask for extra rows after its members' (`extra_rows`; then a single layer is a group too): the decode step
-keeps copies of the group's LoRA A weights there, so the same GEMM computes the adapters' A products
-(`lora_decode.fold_rows`). They belong to no parameter; whoever asked writes them.
+A group whose adapters' A products fold into its GEMM (`lora_decode.FOLD_LORA_A`) is not re-pointed but copied
+(`stack_copies`, `copy_members`): its base weights, then copies of the A weights as extra rows, into buffers the
+engine holds only while it generates (`arena.GenerationArena`). Extra rows kept after the base weights in their own
+allocation (the eighth session's layout) stayed allocated beside training: +6.5 / +60 MiB of peak at the GSM8K
+recipe's reset-3 / reset-4 (benchmarks/results/rollout_engine.md, ninth session).
 """
 
 from __future__ import annotations
@@ -33,14 +35,15 @@ FUSE_BASE = True  # False: every base projection is its own GEMM (tests, A/B ben
 
 @dataclass(frozen=True)
 class FusedLinear:
-    """`torch.nn.Linear` layers whose weights (and biases) are consecutive row slices of `weight` (and `bias`)."""
+    """`torch.nn.Linear` layers whose weights (and biases) are consecutive row slices of `weight` (and `bias`): their
+    own storage (`fuse_linears`), or copies of them (`stack_copies`)."""
 
     members: tuple[torch.nn.Linear, ...]
     weight: torch.Tensor  # (sum of out_features, in_features)
     bias: torch.Tensor | None  # (sum of out_features,) or None when no member has a bias
     sizes: tuple[int, ...]  # out_features per member, in order
-    # `weight`'s rows followed by `extra_rows` more of the same allocation, which belong to no parameter (the decode
-    # step keeps copies of LoRA A weights there: `lora_decode`'s folded products); None: no extra rows
+    # `weight`'s rows followed by `extra_rows` more of the same buffer, which belong to no parameter (the decode step
+    # keeps copies of LoRA A weights there: `lora_decode`'s folded products); None: no extra rows (`stack_copies` only)
     stacked: torch.Tensor | None = None
 
     @property
@@ -109,23 +112,18 @@ def fusable(linears: Sequence[torch.nn.Module], single: bool = False) -> bool:
 
 
 @torch.no_grad()
-def fuse_linears(
-    linears: Sequence[torch.nn.Module], previous: FusedLinear | None = None, extra_rows: int = 0
-) -> FusedLinear | None:
+def fuse_linears(linears: Sequence[torch.nn.Module], previous: FusedLinear | None = None) -> FusedLinear | None:
     """The group as one `FusedLinear`, re-pointing its Parameters into one allocation if they are not already there;
     None where that is not safe (see the module docstring) or the layers do not fit (`fusable`). `previous`: this
-    group's earlier fusion, whose allocation members may still point into (when only some were re-pointed).
-    `extra_rows`: that many more rows after the members' in the allocation (`FusedLinear.extra`, zeros when new); with
-    them a single layer is a group too."""
-    if not FUSE_BASE or not fusable(linears, single=extra_rows > 0):
+    group's earlier fusion, whose allocation members may still point into (when only some were re-pointed)."""
+    if not FUSE_BASE or not fusable(linears):
         return None
     members = tuple(linears)
     sizes = tuple(linear.weight.shape[0] for linear in members)
     has_bias = members[0].bias is not None
     weight, bias, rows = members[0].weight, members[0].bias, sum(sizes)
-    if _within_allocation(weight, rows + extra_rows) and (not has_bias or _within_allocation(bias, rows)):
-        stacked = _rows(weight, rows + extra_rows) if extra_rows else None
-        already = FusedLinear(members, _rows(weight, rows), _rows(bias, rows) if has_bias else None, sizes, stacked)
+    if _within_allocation(weight, rows) and (not has_bias or _within_allocation(bias, rows)):
+        already = FusedLinear(members, _rows(weight, rows), _rows(bias, rows) if has_bias else None, sizes)
         if already.holds():
             return already  # fused earlier (by this engine or another): reuse it, no copy
     tensors = [p for linear in members for p in (linear.weight, linear.bias) if p is not None]
@@ -133,14 +131,46 @@ def fuse_linears(
                                            if t is not None}  # fmt: skip
     if not all(_owns_its_allocation(t) or t.untyped_storage().data_ptr() in ours for t in tensors):
         return None
-    extra = [weight.new_zeros(extra_rows, weight.shape[1])] if extra_rows else []
-    stacked = torch.cat([linear.weight for linear in members] + extra)
+    stacked = torch.cat([linear.weight for linear in members])
     bias = torch.cat([linear.bias for linear in members]) if has_bias else None
     for linear, offset, size in zip(members, _offsets(sizes), sizes, strict=True):
         linear.weight.data = stacked[offset : offset + size]
         if has_bias:
             linear.bias.data = bias[offset : offset + size]
-    return FusedLinear(members, stacked[:rows], bias, sizes, stacked if extra_rows else None)
+    return FusedLinear(members, stacked, bias, sizes)
+
+
+def copyable(linears: Sequence[torch.nn.Module]) -> bool:
+    """`fusable` (one layer is enough) with plain dense tensors to copy from (not DTensor shards or meta tensors)."""
+    return fusable(linears, single=True) and all(
+        type(p.data) is torch.Tensor and p.layout == torch.strided and p.device.type != "meta"
+        for linear in linears
+        for p in linear.parameters()
+    )
+
+
+def stack_copies(linears: Sequence[torch.nn.Module], stacked: torch.Tensor, bias: torch.Tensor | None) -> FusedLinear:
+    """The group as a `FusedLinear` over buffers the caller owns: `stacked` (`(sum of out_features + extra rows,
+    in_features)`, the members' weights first) and `bias` (`(sum of out_features,)`, None without biases). Nothing is
+    copied yet (`copy_members`) and the members' own storage is left as it is."""
+    members = tuple(linears)
+    sizes = tuple(linear.weight.shape[0] for linear in members)
+    rows = sum(sizes)
+    if not copyable(members) or stacked.shape[0] < rows or stacked.shape[1:] != members[0].weight.shape[1:]:
+        raise ValueError(f"cannot stack {len(members)} layer(s) of {sizes} rows into a {tuple(stacked.shape)} buffer")
+    if (bias is None) != (members[0].bias is None) or (bias is not None and bias.shape != (rows,)):
+        raise ValueError("the bias buffer must match the members' biases (None when they have none)")
+    return FusedLinear(members, stacked[:rows], bias, sizes, stacked if stacked.shape[0] > rows else None)
+
+
+@torch.no_grad()
+def copy_members(fused: FusedLinear) -> None:
+    """Copy the members' current weights (and biases) into a `stack_copies` fusion (before every generation: the
+    buffers are copies, and freed in between)."""
+    for member, offset, size in zip(fused.members, _offsets(fused.sizes), fused.sizes, strict=True):
+        fused.weight[offset : offset + size].copy_(member.weight)
+        if fused.bias is not None:
+            fused.bias[offset : offset + size].copy_(member.bias)
 
 
 def _rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
