@@ -6,6 +6,7 @@
     python benchmarks/memory.py --set training.per_device_train_batch_size=8 ...   # recipe overrides (before/after)
     python benchmarks/memory.py --workers prorl --prorl-from 3 --json-dir runs/     # part of the work, JSON kept
     python benchmarks/memory.py --from-json runs/*.json                             # one table from several calls
+    python benchmarks/memory.py --workers prorl --prorl-from 3 --memory-cap-gib 10.14  # does it run within 10.14 GiB?
 
 On an H100 the whole default set takes about 20 minutes one worker at a time (a 4,096-token phase step 1.5 min,
 reset-4 4 min); split it with `--workers` / `--prorl-from` to fit shorter device calls. Workers write their JSON after every phase, so a
@@ -153,12 +154,34 @@ class PhaseMemory(TrainerCallback):
             torch.cuda.synchronize(self.device)
             record["peak_allocated"] = torch.cuda.max_memory_allocated(self.device)
             record["peak_reserved"] = torch.cuda.max_memory_reserved(self.device)
+            record["segments"] = segment_summary(torch.cuda.memory_snapshot())
         else:  # process-wide high-water mark (monotonic): only shows that the script runs
             record["peak_allocated"] = record["peak_reserved"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         self.records.append(record)
         if self.on_record:
             self.on_record(list(self.records))
         self._reset()
+
+
+def segment_summary(snapshot: list[dict], largest: int = 12) -> dict:
+    """What the allocator holds (reserved) at a phase's end, where reserved memory only grows: segments by stream and
+    pool (a CUDA graph's private pool, or the default one) with their allocated bytes, and the largest segments. Why:
+    the peak reserved memory of two paths with the same peak allocated memory differs by how training reuses what
+    generation left cached (JSON only; the table shows the peaks)."""
+    groups: dict[str, dict] = {}
+    for segment in snapshot:
+        pool = "default" if tuple(segment.get("segment_pool_id", (0, 0))) == (0, 0) else "private"
+        name = f"stream {segment['stream']:#x}, {pool} pool, {segment['segment_type']}"
+        group = groups.setdefault(name, {"segments": 0, "reserved": 0, "allocated": 0})
+        group["segments"] += 1
+        group["reserved"] += segment["total_size"]
+        group["allocated"] += segment["allocated_size"]
+    top = sorted(snapshot, key=lambda segment: -segment["total_size"])[:largest]
+    return {
+        "by_stream_and_pool": groups,
+        "largest": [{"mib": round(s["total_size"] / 2**20, 1), "allocated_mib": round(s["allocated_size"] / 2**20, 1),
+                     "stream": f"{s['stream']:#x}"} for s in top],  # fmt: skip
+    }
 
 
 def device_label(device: torch.device) -> str:
@@ -213,6 +236,9 @@ def worker(name: str, options: argparse.Namespace, save=None) -> dict:
     """Run one worker in this process: `prorl` (all phases) or `grpo:N` (phase N). Returns its JSON-able result;
     `save(result)` is also called after every phase, so a run cut short keeps the phases it finished."""
     device = torch.device("cpu") if options.smoke else torch.device("cuda", torch.cuda.current_device())
+    if options.memory_cap_gib and device.type == "cuda":  # the allocator frees its cache and retries before an OOM
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(options.memory_cap_gib * GIB / total, 1.0), device)
     tokenizer = build_tiny_tokenizer()
     with tempfile.TemporaryDirectory(prefix="prorl-memory-") as workdir:
         first = options.prorl_from if name == "prorl" else 0
@@ -223,6 +249,7 @@ def worker(name: str, options: argparse.Namespace, save=None) -> dict:
         keys = ("per_device_train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "compiled_generation")
         result = {
             "worker": name, "first_phase": first, "records": [], "device": device_label(device), "prompt_tokens": len(dataset[0]["prompt"]),
+            "memory_cap_gib": options.memory_cap_gib,
             "training": {key: getattr(args, key) for key in keys},
             "resolved": [dataclasses.asdict(phase) for phase in phases],
         }  # fmt: skip
@@ -248,6 +275,8 @@ def run_workers(names: list[str], options: argparse.Namespace, jobs: int, folder
     base = [sys.executable, str(Path(__file__).resolve()), "--recipe", str(options.recipe), "--steps", str(options.steps)]
     base += [f"--set={item}" for item in options.set] + (["--smoke"] if options.smoke else [])
     base += ["--prorl-from", str(options.prorl_from)]
+    if options.memory_cap_gib:
+        base += ["--memory-cap-gib", str(options.memory_cap_gib)]
     if options.prompt_tokens:
         base += ["--prompt-tokens", str(options.prompt_tokens)]
     results, pending, running = [], list(names), []
@@ -337,6 +366,9 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help="Also write the table (with a header) to this file.")
+    parser.add_argument("--memory-cap-gib", type=float, default=None,
+                        help="Cap each worker's CUDA memory (torch.cuda.set_per_process_memory_fraction): whether the "
+                             "phases run within it, cached blocks freed on demand as before a real OOM.")  # fmt: skip
     options = parser.parse_args(argv)
     if options.steps < 1:
         parser.error("--steps must be >= 1.")

@@ -324,11 +324,17 @@ def test_same_seed_same_tokens(tiny):
     assert torch.equal(RolloutEngine(steps_per_graph=2).generate(model, input_ids, mask, sampling).tokens, drawn)
 
 
-def test_generation_buffers_are_freed_between_generations_and_folds_live_there(tiny):
+@pytest.mark.parametrize("kv_per_layer", [True, False], ids=["kv_per_layer", "kv_block"])
+def test_generation_buffers_are_freed_between_generations_and_folds_live_there(tiny, kv_per_layer, monkeypatch):
     """The KV buffers, the decode state and the fold groups (q/k/v's base weights with their adapters' A rows) are
     views of one arena, freed after each generation (nothing of the fold stays allocated beside training, and no
-    parameter is re-pointed for it), made again, with the same views, for the next, which gives the same tokens."""
+    parameter is re-pointed for it), made again, with the same views, for the next, which gives the same tokens (with
+    the KV buffers per layer or as one block)."""
     from peft import LoraConfig, get_peft_model
+
+    from prorl_trl.rollout import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "KV_PER_LAYER", kv_per_layer)
 
     _, tokenizer = tiny
     model = get_peft_model(build_tiny(seed=0)[0], LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj"]))
@@ -348,11 +354,52 @@ def test_generation_buffers_are_freed_between_generations_and_folds_live_there(t
     assert all(fused.extra_rows == 8 and fused.stacked.untyped_storage().nbytes() == 0 for fused in stacks)
     assert [proj.base_layer.weight.data_ptr() for proj in (attention.q_proj, attention.k_proj)] == own
     assert torch.equal(engine.generate(model, input_ids, mask, sampling, seed=5).tokens, first)
+    assert len(arena.address) == (2 * len(parts.layers) if kv_per_layer else 1) + 2  # KV, state, fold groups
+    torch.manual_seed(0)
+    reference = RolloutEngine(steps_per_graph=4).generate(build_tiny(seed=0)[0], input_ids, mask, sampling, seed=5)
+    assert not torch.equal(reference.tokens, first)  # the adapters matter (else the fold is not tested)
     assert engine._arena is arena and all(parts.stacks[f"fused_qkv.{i}"] is fused for i, fused in enumerate(stacks))
     engine.release_cache = False
     engine.generate(model, input_ids, mask, sampling, seed=5)
     assert arena.held and all(entry is not None for entry in parts.fused_qkv)
-    assert all(entry.stacked.untyped_storage().data_ptr() == arena.address for entry in parts.fused_qkv)
+    assert all(entry.stacked.untyped_storage().data_ptr() in arena.address for entry in parts.fused_qkv)
+
+
+def test_step_on_arena_buffers_goes_through_aot_autograd(tiny):
+    """Both halves of the decode step, on the arena's KV and state views and with fold groups, trace through dynamo
+    and AOT autograd (`aot_eager`: what inductor runs first, on CPU) and equal the eager step. A buffer of one dtype
+    viewed as others did not: "aot_autograd() does not yet handle input mutations on views with different dtypes"
+    (the forward half then ran uncompiled on the GPU)."""
+    from peft import LoraConfig, get_peft_model
+
+    from prorl_trl.rollout.engine import forward_half, select_half
+
+    _, tokenizer = tiny
+    model = get_peft_model(build_tiny(seed=0)[0], LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj"]))
+    input_ids, mask = left_padded(4, 8, tokenizer.pad_token_id)
+    sampling = config(tokenizer, max_new_tokens=9, top_p=0.9)
+    engine = RolloutEngine(steps_per_graph=4, release_cache=False)
+    engine.generate(model, input_ids, mask, sampling, seed=1)
+    parts, state, layout = engine._parts[1], engine._state, sampler_settings(sampling).layout
+    assert all(fused is not None and fused.extra_rows for fused in parts.fused_qkv)
+
+    keys, values = engine._caches()
+
+    def run(forward, select):
+        state.step.fill_(1)
+        logits = forward(state, keys, values)
+        select(logits, state, engine._sampler)
+        return logits, state.out.clone(), torch.stack(keys + values)
+
+    snapshot = [tensor.clone() for tensor in (*state, *keys, *values)]
+    with torch.no_grad():
+        eager = run(forward_half(parts), select_half(layout, ways=2))
+        for tensor, saved in zip((*state, *keys, *values), snapshot):
+            tensor.copy_(saved)
+        compiled = run(torch.compile(forward_half(parts), backend="aot_eager", dynamic=False),
+                       torch.compile(select_half(layout, ways=2), backend="aot_eager", dynamic=False))  # fmt: skip
+    for ours, reference in zip(compiled, eager):
+        torch.testing.assert_close(ours, reference)
 
 
 def test_recapture_decisions(tiny, monkeypatch):

@@ -167,9 +167,10 @@ class FoldGroup:
         biases, `name + ".bias"`."""
         weight = self.bases[0].weight
         rows = sum(base.weight.shape[0] for base in self.bases)
-        regions = [Region(self.name, (rows + self.extra_rows, weight.shape[1]), weight.dtype)]
+        buffer = f"folds {weight.dtype}"  # one allocation for every group's stack (of one dtype)
+        regions = [Region(self.name, (rows + self.extra_rows, weight.shape[1]), weight.dtype, buffer)]
         if self.bases[0].bias is not None:
-            regions.append(Region(self.name + ".bias", (rows,), self.bases[0].bias.dtype))
+            regions.append(Region(self.name + ".bias", (rows,), self.bases[0].bias.dtype, buffer))
         return regions
 
 

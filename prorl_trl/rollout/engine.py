@@ -64,6 +64,12 @@ PROMPT_ALIGN = 64  # prompt budgets grow in these steps, so nearby prompt widths
 # launch overlaps the end of the previous kernel and waits on the GPU for its results (benchmarks/results/
 # rollout_engine.md, seventh session). A/B: `rollout_engine@nopdl`.
 DEFAULT_COMPILE_OPTIONS = {"combo_kernels": True, "triton.enable_pdl": True}
+# The KV buffers as one allocation per layer for keys and one for values (36 MiB each at the GSM8K recipe's Initial
+# shape), as transformers' StaticCache makes them, instead of one block (1.7 GiB). Why: between generations training
+# reuses the freed memory, and a single block it splits with tensors that outlive the step is neither reusable for its
+# 684 MiB MLP activations nor releasable under memory pressure: under a 10.14 GiB cap (`compiled_generation`'s peak
+# reserved) the reset-3 step ran out of memory with one block (benchmarks/results/rollout_engine.md, tenth session).
+KV_PER_LAYER = True
 
 
 def default_compile_options() -> dict:
@@ -76,8 +82,9 @@ def default_compile_options() -> dict:
 
 
 class DecodeState(NamedTuple):
-    """The per-row state a decode step reads and updates in place (fixed addresses: the graph's inputs; views of the
-    generation arena, `state_regions`)."""
+    """The per-row state a decode step reads and updates in place (fixed addresses: the graph's inputs). The integer
+    tensors are views of the generation arena (`state_regions`; `out` is 1-3 MiB at the recipe's shapes), the two
+    flags a few bytes kept between generations (a buffer of their own would be one more address that can move)."""
 
     token: torch.Tensor  # (batch,) the token fed to the next step
     step: torch.Tensor  # (1,) index of the token the next step chooses
@@ -88,12 +95,28 @@ class DecodeState(NamedTuple):
     done: torch.Tensor  # () bool: every row finished
 
 
+STATE_FLAGS = ("finished", "done")  # DecodeState's bool fields, outside the arena
+
+
 def state_regions(batch: int, columns: int) -> list[Region]:
-    """`DecodeState`'s tensors as arena regions, in field order."""
-    shapes = {"token": (batch,), "step": (1,), "width": (1,), "start": (batch,), "finished": (batch,),
-              "out": (batch, columns), "done": ()}  # fmt: skip
-    return [Region(name, shapes[name], torch.bool if name in ("finished", "done") else torch.long)
-            for name in DecodeState._fields]  # fmt: skip
+    """`DecodeState`'s integer tensors as arena regions, one buffer."""
+    shapes = {"token": (batch,), "step": (1,), "width": (1,), "start": (batch,), "out": (batch, columns)}
+    return [Region(name, shape, torch.long, "state") for name, shape in shapes.items()]
+
+
+def kv_regions(layer_shape: tuple[int, ...], layers: int, dtype: torch.dtype) -> list[Region]:
+    """The KV buffers as arena regions: a buffer per layer for keys and one for values (`KV_PER_LAYER`), else one."""
+    if KV_PER_LAYER:
+        return [Region(f"{kind}.{layer}", layer_shape, dtype, f"{kind}.{layer}")
+                for kind in ("keys", "values") for layer in range(layers)]  # fmt: skip
+    return [Region("kv", (2, layers, *layer_shape), dtype, "kv")]
+
+
+def kv_views(arena: GenerationArena, layers: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Per layer, the key and the value buffer of `arena` (`kv_regions`' layout)."""
+    if "kv" in arena.views:
+        return tuple(arena.views["kv"][0].unbind(0)), tuple(arena.views["kv"][1].unbind(0))
+    return tuple(tuple(arena.views[f"{kind}.{layer}"] for layer in range(layers)) for kind in ("keys", "values"))
 
 
 @dataclass
@@ -349,6 +372,8 @@ class RolloutEngine:
         self.stats = EngineStats()
         self._capture_record: CaptureRecord | None = None
         self._arena: GenerationArena | None = None
+        self._kv: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] = ((), ())
+        self._flags: dict[str, torch.Tensor] = {}
         self._graph: torch.cuda.CUDAGraph | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._state: DecodeState | None = None
@@ -459,25 +484,32 @@ class RolloutEngine:
             live_splits=decode_attention.LIVE_SPLITS, fold_lora_a=lora_decode.FOLD_LORA_A,
             race_kernel=sampler_module.RACE_KERNEL, softmax_kernel=sampler_module.SOFTMAX_KERNEL,
         )  # fmt: skip
-        kv_shape = (2, len(parts.layers), batch, parts.num_kv_heads, key.cache_len, parts.head_dim)
+        layer_shape = (batch, parts.num_kv_heads, key.cache_len, parts.head_dim)
         layout = (
-            Region("kv", kv_shape, key.kv_dtype),
+            *kv_regions(layer_shape, len(parts.layers), key.kv_dtype),
             *state_regions(batch, 1 + chunks * self.steps_per_graph),
             *(region for fold in folds for region in fold.regions()),
         )
+        if self._capture_record is None or key != self._capture_record.key:
+            self._sampler = SamplerTensors.allocate(settings.layout.num_eos, device)
+            self._flags = {"finished": torch.zeros(batch, dtype=torch.bool, device=device),
+                           "done": torch.zeros((), dtype=torch.bool, device=device)}  # fmt: skip
         if self._arena is None or self._arena.layout != layout:
             if self._arena is not None:
                 self._arena.release()  # before the new one is allocated
             self._arena = GenerationArena(layout, device)
-            self._state = DecodeState(*(self._arena.views[name] for name in DecodeState._fields))
-        self._arena.acquire()  # uninitialised: zeroed (KV columns past a row's keys are masked, but a NaN bit pattern
-        for name in ("kv", *DecodeState._fields):  # there would still poison the products), the state as a fresh one
-            self._arena.views[name].zero_()
+            self._kv = kv_views(self._arena, len(parts.layers))
+        self._arena.acquire()
+        views = self._arena.views
+        self._state = DecodeState(**{name: self._flags[name] if name in STATE_FLAGS else views[name]
+                                     for name in DecodeState._fields})  # fmt: skip
+        # the arena comes back uninitialised: KV columns past a row's keys are masked, but a NaN bit pattern there
+        # would still poison the products; the state starts as a fresh one
+        for tensor in (*self._kv[0], *self._kv[1], *self._state):
+            tensor.zero_()
         self._state.step.fill_(1)
         self._state.width.fill_(self.prompt_budget)
-        load_folds(parts, folds, self._arena.views)
-        if self._capture_record is None or key != self._capture_record.key:
-            self._sampler = SamplerTensors.allocate(settings.layout.num_eos, device)
+        load_folds(parts, folds, views)
         record = CaptureRecord(key, model_fingerprint(parts.model), layout, self._arena.address)
         reasons = capture_reasons(self._capture_record, record)
         self.stats.last = {"capture_reasons": reasons}
@@ -507,8 +539,8 @@ class RolloutEngine:
         return self._steps[cache_key]
 
     def _caches(self) -> tuple[tuple, tuple]:
-        kv = self._arena.views["kv"]
-        return tuple(kv[0].unbind(0)), tuple(kv[1].unbind(0))
+        """Per layer, the key and the value buffer (views of the arena, the same objects while it lasts)."""
+        return self._kv
 
     def _capture(self, parts: DecoderParts, settings: SamplerSettings, key: CaptureKey, reasons: list[str]) -> None:
         started = time.perf_counter()
@@ -549,10 +581,10 @@ class RolloutEngine:
 
     def _load(self, settings, seed, input_ids, attention_mask, prompt_kv, logits, parts) -> None:
         """Copy the prefill's keys/values and first tokens into the buffers the graph reads."""
-        width, kv = input_ids.shape[1], self._arena.views["kv"]
+        width, (keys, values) = input_ids.shape[1], self._kv
         for layer, (key, value) in enumerate(prompt_kv):
-            kv[0, layer, :, :, :width].copy_(key)
-            kv[1, layer, :, :, :width].copy_(value)
+            keys[layer][:, :, :width].copy_(key)
+            values[layer][:, :, :width].copy_(value)
         sampler, state = self._sampler, self._state
         sampler.load(settings, seed)
         first = next_tokens(logits, settings.layout, sampler, torch.zeros_like(state.step), ways=2)
