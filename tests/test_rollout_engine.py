@@ -324,17 +324,12 @@ def test_same_seed_same_tokens(tiny):
     assert torch.equal(RolloutEngine(steps_per_graph=2).generate(model, input_ids, mask, sampling).tokens, drawn)
 
 
-@pytest.mark.parametrize("kv_per_layer", [True, False], ids=["kv_per_layer", "kv_block"])
-def test_generation_buffers_are_freed_between_generations_and_folds_live_there(tiny, kv_per_layer, monkeypatch):
+def test_generation_buffers_are_freed_between_generations_and_folds_live_there(tiny):
     """The KV buffers, the decode state and the fold groups (q/k/v's base weights with their adapters' A rows) are
-    views of one arena, freed after each generation (nothing of the fold stays allocated beside training, and no
-    parameter is re-pointed for it), made again, with the same views, for the next, which gives the same tokens (with
-    the KV buffers per layer or as one block)."""
+    views of the generation arena, freed after each generation (nothing of the fold stays allocated beside training,
+    and no parameter is re-pointed for it), made again, with the same views, for the next, which gives the same
+    tokens."""
     from peft import LoraConfig, get_peft_model
-
-    from prorl_trl.rollout import engine as engine_module
-
-    monkeypatch.setattr(engine_module, "KV_PER_LAYER", kv_per_layer)
 
     _, tokenizer = tiny
     model = get_peft_model(build_tiny(seed=0)[0], LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj"]))
@@ -354,7 +349,7 @@ def test_generation_buffers_are_freed_between_generations_and_folds_live_there(t
     assert all(fused.extra_rows == 8 and fused.stacked.untyped_storage().nbytes() == 0 for fused in stacks)
     assert [proj.base_layer.weight.data_ptr() for proj in (attention.q_proj, attention.k_proj)] == own
     assert torch.equal(engine.generate(model, input_ids, mask, sampling, seed=5).tokens, first)
-    assert len(arena.address) == (2 * len(parts.layers) if kv_per_layer else 1) + 2  # KV, state, fold groups
+    assert len(arena.address) == 3  # KV, state, fold groups
     torch.manual_seed(0)
     reference = RolloutEngine(steps_per_graph=4).generate(build_tiny(seed=0)[0], input_ids, mask, sampling, seed=5)
     assert not torch.equal(reference.tokens, first)  # the adapters matter (else the fold is not tested)

@@ -64,12 +64,6 @@ PROMPT_ALIGN = 64  # prompt budgets grow in these steps, so nearby prompt widths
 # launch overlaps the end of the previous kernel and waits on the GPU for its results (benchmarks/results/
 # rollout_engine.md, seventh session). A/B: `rollout_engine@nopdl`.
 DEFAULT_COMPILE_OPTIONS = {"combo_kernels": True, "triton.enable_pdl": True}
-# The KV buffers as one allocation per layer for keys and one for values (36 MiB each at the GSM8K recipe's Initial
-# shape), as transformers' StaticCache makes them, instead of one block (1.7 GiB). Why: between generations training
-# reuses the freed memory, and a single block it splits with tensors that outlive the step is neither reusable for its
-# 684 MiB MLP activations nor releasable under memory pressure: under a 10.14 GiB cap (`compiled_generation`'s peak
-# reserved) the reset-3 step ran out of memory with one block (benchmarks/results/rollout_engine.md, tenth session).
-KV_PER_LAYER = True
 
 
 def default_compile_options() -> dict:
@@ -102,21 +96,6 @@ def state_regions(batch: int, columns: int) -> list[Region]:
     """`DecodeState`'s integer tensors as arena regions, one buffer."""
     shapes = {"token": (batch,), "step": (1,), "width": (1,), "start": (batch,), "out": (batch, columns)}
     return [Region(name, shape, torch.long, "state") for name, shape in shapes.items()]
-
-
-def kv_regions(layer_shape: tuple[int, ...], layers: int, dtype: torch.dtype) -> list[Region]:
-    """The KV buffers as arena regions: a buffer per layer for keys and one for values (`KV_PER_LAYER`), else one."""
-    if KV_PER_LAYER:
-        return [Region(f"{kind}.{layer}", layer_shape, dtype, f"{kind}.{layer}")
-                for kind in ("keys", "values") for layer in range(layers)]  # fmt: skip
-    return [Region("kv", (2, layers, *layer_shape), dtype, "kv")]
-
-
-def kv_views(arena: GenerationArena, layers: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """Per layer, the key and the value buffer of `arena` (`kv_regions`' layout)."""
-    if "kv" in arena.views:
-        return tuple(arena.views["kv"][0].unbind(0)), tuple(arena.views["kv"][1].unbind(0))
-    return tuple(tuple(arena.views[f"{kind}.{layer}"] for layer in range(layers)) for kind in ("keys", "values"))
 
 
 @dataclass
@@ -484,9 +463,9 @@ class RolloutEngine:
             live_splits=decode_attention.LIVE_SPLITS, fold_lora_a=lora_decode.FOLD_LORA_A,
             race_kernel=sampler_module.RACE_KERNEL, softmax_kernel=sampler_module.SOFTMAX_KERNEL,
         )  # fmt: skip
-        layer_shape = (batch, parts.num_kv_heads, key.cache_len, parts.head_dim)
+        kv_shape = (2, len(parts.layers), batch, parts.num_kv_heads, key.cache_len, parts.head_dim)
         layout = (
-            *kv_regions(layer_shape, len(parts.layers), key.kv_dtype),
+            Region("kv", kv_shape, key.kv_dtype, "kv"),  # one block: per-layer buffers fared no better (tenth session)
             *state_regions(batch, 1 + chunks * self.steps_per_graph),
             *(region for fold in folds for region in fold.regions()),
         )
@@ -498,7 +477,8 @@ class RolloutEngine:
             if self._arena is not None:
                 self._arena.release()  # before the new one is allocated
             self._arena = GenerationArena(layout, device)
-            self._kv = kv_views(self._arena, len(parts.layers))
+            kv = self._arena.views["kv"]
+            self._kv = (tuple(kv[0].unbind(0)), tuple(kv[1].unbind(0)))
         self._arena.acquire()
         views = self._arena.views
         self._state = DecodeState(**{name: self._flags[name] if name in STATE_FLAGS else views[name]
