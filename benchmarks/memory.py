@@ -7,6 +7,7 @@
     python benchmarks/memory.py --workers prorl --prorl-from 3 --json-dir runs/     # part of the work, JSON kept
     python benchmarks/memory.py --from-json runs/*.json                             # one table from several calls
     python benchmarks/memory.py --workers prorl --prorl-from 3 --memory-cap-gib 10.14  # does it run within 10.14 GiB?
+    python benchmarks/memory.py ... --trace-segments   # + what occupies every large segment at each phase's end / OOM
 
 On an H100 the whole default set takes about 20 minutes one worker at a time (a 4,096-token phase step 1.5 min,
 reset-4 4 min); split it with `--workers` / `--prorl-from` to fit shorter device calls. Workers write their JSON after every phase, so a
@@ -61,6 +62,7 @@ from prorl_trl.recipe import load_recipe  # noqa: E402
 from prorl_trl.tiny import build_tiny_tokenizer  # noqa: E402
 from prorl_trl.trainer import ProRLTrainer  # noqa: E402
 from trainer_gpu import build_model  # noqa: E402  (benchmarks/: tiny model on CPU, random Qwen2-0.5B in bf16 on GPU)
+from generation_memory import origin  # noqa: E402  (the code that allocated a block, from its recorded frames)
 
 DEFAULT_RECIPE = ROOT / "recipes" / "prorl_gsm8k_qwen2_0.5b.yaml"
 CARD_BYTES = 24e9  # "24 GB" card: decimal gigabytes
@@ -112,8 +114,9 @@ def prompt_dataset(tokenizer, prompt_tokens: int, rows: int = 64) -> Dataset:
 class PhaseMemory(TrainerCallback):
     """Per inner `train()` call (one phase): peak memory since the previous call ended, wall time, completion length."""
 
-    def __init__(self, device: torch.device, on_record=None):
+    def __init__(self, device: torch.device, on_record=None, trace_segments: bool = False):
         self.device, self.records, self._start, self.on_record = device, [], None, on_record
+        self.trace_segments = trace_segments  # also each large segment's blocks (`segment_blocks`) per record
         self._generate_seconds: list[float] = []
         self.engine = None  # the trainer's RolloutEngine, when it has one: its captures go in the records
 
@@ -155,6 +158,8 @@ class PhaseMemory(TrainerCallback):
             record["peak_allocated"] = torch.cuda.max_memory_allocated(self.device)
             record["peak_reserved"] = torch.cuda.max_memory_reserved(self.device)
             record["segments"] = segment_summary(torch.cuda.memory_snapshot())
+            if self.trace_segments:
+                record["segment_blocks"] = segment_blocks(torch.cuda.memory._snapshot())
         else:  # process-wide high-water mark (monotonic): only shows that the script runs
             record["peak_allocated"] = record["peak_reserved"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         self.records.append(record)
@@ -182,6 +187,35 @@ def segment_summary(snapshot: list[dict], largest: int = 12) -> dict:
         "largest": [{"mib": round(s["total_size"] / 2**20, 1), "allocated_mib": round(s["allocated_size"] / 2**20, 1),
                      "stream": f"{s['stream']:#x}"} for s in top],  # fmt: skip
     }
+
+
+def segment_blocks(snapshot: dict, min_mib: float = 64, min_block_mib: float = 1) -> list[dict]:
+    """Every default-pool segment of at least `min_mib`, its blocks in address order: free runs as a number of MiB,
+    live blocks of at least `min_block_mib` as "<MiB> MiB <the code that allocated them>" (PyTorch's allocation
+    history must be on), runs of smaller live blocks as "<MiB> MiB small". Why: a segment training cannot reuse for a
+    large request, or release under memory pressure, is one whose free space is cut by live blocks; this says which
+    (`--trace-segments`)."""
+    report = []
+    for segment in sorted(snapshot["segments"], key=lambda segment: -segment["total_size"]):
+        if segment["total_size"] < min_mib * 2**20 or tuple(segment.get("segment_pool_id", (0, 0))) != (0, 0):
+            continue
+        items: list = []  # [kind, MiB, label]: kind "free", "small" or "live"
+        for block in segment["blocks"]:
+            mib = block["size"] / 2**20
+            if block["state"] != "active_allocated":
+                kind, label = "free", ""
+            elif block["size"] < min_block_mib * 2**20:
+                kind, label = "small", "small"
+            else:
+                kind, label = "live", origin(block.get("frames", []))
+            if items and items[-1][0] == kind != "live":
+                items[-1][1] += mib  # consecutive free (or small live) blocks: one run
+            else:
+                items.append([kind, mib, label])
+        blocks = [round(mib, 1) if kind == "free" else f"{mib:.1f} MiB {label}" for kind, mib, label in items]
+        report.append({"mib": round(segment["total_size"] / 2**20, 1), "stream": f"{segment['stream']:#x}",
+                       "blocks": blocks})  # fmt: skip
+    return report
 
 
 def device_label(device: torch.device) -> str:
@@ -236,6 +270,8 @@ def worker(name: str, options: argparse.Namespace, save=None) -> dict:
     """Run one worker in this process: `prorl` (all phases) or `grpo:N` (phase N). Returns its JSON-able result;
     `save(result)` is also called after every phase, so a run cut short keeps the phases it finished."""
     device = torch.device("cpu") if options.smoke else torch.device("cuda", torch.cuda.current_device())
+    if options.trace_segments and device.type == "cuda":
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
     if options.memory_cap_gib and device.type == "cuda":  # the allocator frees its cache and retries before an OOM
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(options.memory_cap_gib * GIB / total, 1.0), device)
@@ -253,7 +289,8 @@ def worker(name: str, options: argparse.Namespace, save=None) -> dict:
             "training": {key: getattr(args, key) for key in keys},
             "resolved": [dataclasses.asdict(phase) for phase in phases],
         }  # fmt: skip
-        probe = PhaseMemory(device, on_record=lambda records: save and save(dict(result, records=records)))
+        probe = PhaseMemory(device, on_record=lambda records: save and save(dict(result, records=records)),
+                            trace_segments=options.trace_segments and device.type == "cuda")  # fmt: skip
         try:
             if name == "prorl":
                 run_prorl(recipe, args, options.smoke, device, tokenizer, dataset, probe)
@@ -262,6 +299,8 @@ def worker(name: str, options: argparse.Namespace, save=None) -> dict:
                 run_grpo(recipe, kwargs, args, phase, options.smoke, device, tokenizer, dataset, probe)
         except torch.OutOfMemoryError as error:
             result["error"] = f"OOM: {str(error).splitlines()[0][:160]}"
+            if probe.trace_segments:  # the step's tensors are still alive (the traceback holds its frames)
+                result["oom_segment_blocks"] = segment_blocks(torch.cuda.memory._snapshot())
         finally:
             free_memory(device)
         result["records"] = list(probe.records)
@@ -277,6 +316,8 @@ def run_workers(names: list[str], options: argparse.Namespace, jobs: int, folder
     base += ["--prorl-from", str(options.prorl_from)]
     if options.memory_cap_gib:
         base += ["--memory-cap-gib", str(options.memory_cap_gib)]
+    if options.trace_segments:
+        base += ["--trace-segments"]
     if options.prompt_tokens:
         base += ["--prompt-tokens", str(options.prompt_tokens)]
     results, pending, running = [], list(names), []
@@ -369,6 +410,9 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--memory-cap-gib", type=float, default=None,
                         help="Cap each worker's CUDA memory (torch.cuda.set_per_process_memory_fraction): whether the "
                              "phases run within it, cached blocks freed on demand as before a real OOM.")  # fmt: skip
+    parser.add_argument("--trace-segments", action="store_true",
+                        help="Record allocation history; the JSON gets what occupies every segment of 64 MiB or more "
+                             "at each phase's end and at an OOM (slower).")  # fmt: skip
     options = parser.parse_args(argv)
     if options.steps < 1:
         parser.error("--steps must be >= 1.")

@@ -66,3 +66,29 @@ def test_committed_table_is_what_the_committed_runs_give(benchmark):
     table = benchmark.main(["--from-json", *[str(runs / f"{name}.json") for name in names]])
     assert table in (RESULTS / "memory.md").read_text()
     assert all(row[7] == "yes" and row[8] == "yes" for row in rows(table))
+
+
+def test_segment_reports_show_what_cuts_a_segment(benchmark):
+    """The allocator-segment summaries (`segments`, `--trace-segments`) read `torch.cuda.memory._snapshot()`'s layout:
+    a free run cut by a small live block stays two runs (that cut is what the report is for), private pools are left
+    out of the block report and counted apart in the summary."""
+    mib = 2**20
+    frames = [{"filename": "/x/site-packages/transformers/models/qwen2/modeling_qwen2.py", "line": 97, "name": "forward"}]
+    snapshot = {"segments": [
+        {"total_size": 200 * mib, "allocated_size": 50 * mib + mib // 2, "stream": 0, "segment_type": "large",
+         "segment_pool_id": (0, 0), "blocks": [
+             {"size": 100 * mib, "state": "inactive"}, {"size": mib // 2, "state": "active_allocated"},
+             {"size": 10 * mib, "state": "inactive"}, {"size": 50 * mib, "state": "active_allocated", "frames": frames},
+             {"size": 39 * mib + mib // 2, "state": "inactive"}]},
+        {"total_size": 72 * mib, "allocated_size": 0, "stream": 7, "segment_type": "large", "segment_pool_id": (1, 2),
+         "blocks": [{"size": 72 * mib, "state": "inactive"}]},
+    ]}  # fmt: skip
+    report = benchmark.segment_blocks(snapshot)
+    assert report == [{"mib": 200.0, "stream": "0x0", "blocks": [
+        100.0, "0.5 MiB small", 10.0, "50.0 MiB transformers/models/qwen2/modeling_qwen2.py:97 forward", 39.5]}]  # fmt: skip
+    summary = benchmark.segment_summary(snapshot["segments"])
+    assert summary["by_stream_and_pool"] == {
+        "stream 0x0, default pool, large": {"segments": 1, "reserved": 200 * mib, "allocated": 50 * mib + mib // 2},
+        "stream 0x7, private pool, large": {"segments": 1, "reserved": 72 * mib, "allocated": 0},
+    }
+    assert [entry["mib"] for entry in summary["largest"]] == [200.0, 72.0]
