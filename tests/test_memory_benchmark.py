@@ -73,7 +73,8 @@ def test_segment_reports_show_what_cuts_a_segment(benchmark):
     a free run cut by a small live block stays two runs (that cut is what the report is for), private pools are left
     out of the block report and counted apart in the summary."""
     mib = 2**20
-    frames = [{"filename": "/x/site-packages/transformers/models/qwen2/modeling_qwen2.py", "line": 97, "name": "forward"}]
+    path = "/x/site-packages/transformers/models/qwen2/modeling_qwen2.py"
+    frames = [{"filename": path, "line": 97, "name": "forward"}]
     snapshot = {"segments": [
         {"total_size": 200 * mib, "allocated_size": 50 * mib + mib // 2, "stream": 0, "segment_type": "large",
          "segment_pool_id": (0, 0), "blocks": [
@@ -84,8 +85,8 @@ def test_segment_reports_show_what_cuts_a_segment(benchmark):
          "blocks": [{"size": 72 * mib, "state": "inactive"}]},
     ]}  # fmt: skip
     report = benchmark.segment_blocks(snapshot)
-    assert report == [{"mib": 200.0, "stream": "0x0", "blocks": [
-        100.0, "0.5 MiB small", 10.0, "50.0 MiB transformers/models/qwen2/modeling_qwen2.py:97 forward", 39.5]}]  # fmt: skip
+    live = "50.0 MiB transformers/models/qwen2/modeling_qwen2.py:97 forward"
+    assert report == [{"mib": 200.0, "stream": "0x0", "blocks": [100.0, "0.5 MiB small", 10.0, live, 39.5]}]
     summary = benchmark.segment_summary(snapshot["segments"])
     assert summary["by_stream_and_pool"] == {
         "stream 0x0, default pool, large": {"segments": 1, "reserved": 200 * mib, "allocated": 50 * mib + mib // 2},
