@@ -20,11 +20,11 @@ into one allocation each, `decoder.plan_fusions`) or LoRA state (merged, disable
 dropout, input casting), and the generation arena's layout and address (`arena.GenerationArena`: the KV buffers, the
 decode state and the fold groups, `decoder.FoldGroup`, whose base weights and A weights are copied there before every
 generation): it is freed after every generation (so training gets the memory back, as with `generate`), and when the
-allocator hands it back elsewhere the graph is recaptured (no recompilation; in `benchmarks/step_time.py`'s trainer
-run at the Initial shape on an H100 it did not happen: 1 capture in 3 steps). Optimizer steps update parameters in
-place: the graph reads the live storage (and the fold groups' fresh copies), no recapture. Values that change between
-calls (temperature, top_p, min_p, min_new_tokens, the seed, the prompts and their padding) are copied into tensors the
-graph reads.
+allocator hands it back elsewhere the graph is recaptured (~0.3 s, no recompilation; in `benchmarks/step_time.py`'s
+trainer run at the Initial shape on an H100 that happened once, after the first training step: 2 captures in 4 steps).
+Optimizer steps update parameters in place: the graph reads the live storage (and the fold groups' fresh copies), no
+recapture. Values that change between calls (temperature, top_p, min_p, min_new_tokens, the seed, the prompts and
+their padding) are copied into tensors the graph reads.
 
 Off CUDA (or with `cuda_graphs=False`) the same step function runs eagerly, chunk by chunk: that is what the CPU
 tests exercise. Dropout active in train mode is refused (generation would apply it); with every dropout at 0 the loop
@@ -207,7 +207,7 @@ class CaptureRecord(NamedTuple):
     key: CaptureKey
     fingerprint: tuple  # model_fingerprint: (parameter storage, LoRA state)
     arena_layout: tuple  # GenerationArena.layout: KV, state and fold-group buffers
-    arena_address: int
+    arena_address: tuple[int, ...]  # GenerationArena.address: where each buffer starts
 
 
 def capture_reasons(previous: CaptureRecord | None, current: CaptureRecord) -> list[str]:
@@ -485,7 +485,7 @@ class RolloutEngine:
                                      for name in DecodeState._fields})  # fmt: skip
         # the arena comes back uninitialised: KV columns past a row's keys are masked, but a NaN bit pattern there
         # would still poison the products; the state starts as a fresh one
-        for tensor in (*self._kv[0], *self._kv[1], *self._state):
+        for tensor in (views["kv"], *self._state):
             tensor.zero_()
         self._state.step.fill_(1)
         self._state.width.fill_(self.prompt_budget)
