@@ -57,6 +57,11 @@ def origin(frames: list[dict]) -> str:
     return _short(named[0]) + ("" if ours is None or ours is named[0] else f" (from {_short(ours)})")
 
 
+def in_default_pool(segment: dict) -> bool:
+    """A segment of `torch.cuda.memory._snapshot()` in the default pool (not a CUDA graph's private pool)."""
+    return tuple(segment.get("segment_pool_id", (0, 0))) == (0, 0)
+
+
 def kept_allocations(snapshot: dict) -> dict:
     """Active blocks grouped by pool (default / private) and origin; reserved bytes of the private pools (CUDA
     graphs) and of the default pool by stream (the default one, others)."""
@@ -64,7 +69,7 @@ def kept_allocations(snapshot: dict) -> dict:
     reserved: dict[str, int] = defaultdict(int)
     default_stream = torch.cuda.default_stream().cuda_stream if torch.cuda.is_available() else 0
     for segment in snapshot["segments"]:
-        pool = "default" if tuple(segment.get("segment_pool_id", (0, 0))) == (0, 0) else "private"
+        pool = "default" if in_default_pool(segment) else "private"
         if pool == "private":
             reserved["private_reserved"] += segment["total_size"]
         elif segment.get("stream", 0) in (0, default_stream):

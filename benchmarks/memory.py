@@ -62,7 +62,7 @@ from prorl_trl.recipe import load_recipe  # noqa: E402
 from prorl_trl.tiny import build_tiny_tokenizer  # noqa: E402
 from prorl_trl.trainer import ProRLTrainer  # noqa: E402
 from trainer_gpu import build_model  # noqa: E402  (benchmarks/: tiny model on CPU, random Qwen2-0.5B in bf16 on GPU)
-from generation_memory import origin  # noqa: E402  (the code that allocated a block, from its recorded frames)
+from generation_memory import in_default_pool, origin  # noqa: E402  (reading the allocator's snapshots)
 
 DEFAULT_RECIPE = ROOT / "recipes" / "prorl_gsm8k_qwen2_0.5b.yaml"
 CARD_BYTES = 24e9  # "24 GB" card: decimal gigabytes
@@ -157,9 +157,10 @@ class PhaseMemory(TrainerCallback):
             torch.cuda.synchronize(self.device)
             record["peak_allocated"] = torch.cuda.max_memory_allocated(self.device)
             record["peak_reserved"] = torch.cuda.max_memory_reserved(self.device)
-            record["segments"] = segment_summary(torch.cuda.memory_snapshot())
+            snapshot = torch.cuda.memory._snapshot()
+            record["segments"] = segment_summary(snapshot["segments"])
             if self.trace_segments:
-                record["segment_blocks"] = segment_blocks(torch.cuda.memory._snapshot())
+                record["segment_blocks"] = segment_blocks(snapshot)
         else:  # process-wide high-water mark (monotonic): only shows that the script runs
             record["peak_allocated"] = record["peak_reserved"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         self.records.append(record)
@@ -175,7 +176,7 @@ def segment_summary(snapshot: list[dict], largest: int = 12) -> dict:
     generation left cached (JSON only; the table shows the peaks)."""
     groups: dict[str, dict] = {}
     for segment in snapshot:
-        pool = "default" if tuple(segment.get("segment_pool_id", (0, 0))) == (0, 0) else "private"
+        pool = "default" if in_default_pool(segment) else "private"
         name = f"stream {segment['stream']:#x}, {pool} pool, {segment['segment_type']}"
         group = groups.setdefault(name, {"segments": 0, "reserved": 0, "allocated": 0})
         group["segments"] += 1
@@ -197,7 +198,7 @@ def segment_blocks(snapshot: dict, min_mib: float = 64, min_block_mib: float = 1
     (`--trace-segments`)."""
     report = []
     for segment in sorted(snapshot["segments"], key=lambda segment: -segment["total_size"]):
-        if segment["total_size"] < min_mib * 2**20 or tuple(segment.get("segment_pool_id", (0, 0))) != (0, 0):
+        if segment["total_size"] < min_mib * 2**20 or not in_default_pool(segment):
             continue
         items: list = []  # [kind, MiB, label]: kind "free", "small" or "live"
         for block in segment["blocks"]:

@@ -74,7 +74,7 @@ class GenerationArena:
     @property
     def address(self) -> tuple[int, ...]:
         """Where each buffer starts (0 while released): a captured graph is valid only at the addresses it saw."""
-        return tuple(buffer.untyped_storage().data_ptr() if self.held else 0 for buffer in self._buffers.values())
+        return tuple(buffer.untyped_storage().data_ptr() for buffer in self._buffers.values())
 
     def acquire(self) -> None:
         """Allocate the buffers again after a `release` (uninitialised; the caching allocator picks the addresses)."""

@@ -196,7 +196,7 @@ def plan_fusions(parts: DecoderParts) -> list[FoldGroup]:
                 fresh.append(None)
             elif not always:
                 fresh.append(None)
-            elif kept is not None and kept.stacked is None and kept.members == bases and kept.holds():
+            elif kept is not None and kept.members == bases and kept.holds():
                 fresh.append(kept)
             else:
                 fresh.append(fuse_linears(bases, previous=kept))
@@ -227,8 +227,8 @@ def unload_folds(parts: DecoderParts, folds: list[FoldGroup]) -> None:
 
 
 def refresh_fusions(parts: DecoderParts) -> list[FoldGroup]:
-    """`plan_fusions`, then `load_folds` into buffers of their own (callers that hold no generation arena: tests, the
-    uncompiled step); returns the fold groups."""
+    """`plan_fusions`, then `load_folds` into buffers of their own, for callers that hold no generation arena (the
+    engine uses its arena; the tests call this); returns the fold groups."""
     folds = plan_fusions(parts)
     buffers = {
         region.name: torch.empty(region.shape, dtype=region.dtype, device=fold.bases[0].weight.device)
