@@ -58,7 +58,8 @@ def origin(frames: list[dict]) -> str:
 
 
 def in_default_pool(segment: dict) -> bool:
-    """A segment of `torch.cuda.memory._snapshot()` in the default pool (not a CUDA graph's private pool)."""
+    """A segment of `torch.cuda.memory._snapshot()` in the default pool (not a CUDA graph's or the generation arena's
+    private pool)."""
     return tuple(segment.get("segment_pool_id", (0, 0))) == (0, 0)
 
 

@@ -8,6 +8,7 @@
     python benchmarks/memory.py --from-json runs/*.json                             # one table from several calls
     python benchmarks/memory.py --workers prorl --prorl-from 3 --memory-cap-gib 10.14  # does it run within 10.14 GiB?
     python benchmarks/memory.py ... --trace-segments   # + what occupies every large segment at each phase's end / OOM
+    python benchmarks/memory.py ... --switch arena.PRIVATE_POOL=false   # A/B: a boolean switch of prorl_trl.rollout
 
 On an H100 the whole default set takes about 20 minutes one worker at a time (a 4,096-token phase step 1.5 min,
 reset-4 4 min); split it with `--workers` / `--prorl-from` to fit shorter device calls. Workers write their JSON after every phase, so a
@@ -35,6 +36,7 @@ import argparse
 import dataclasses
 import datetime
 import gc
+import importlib
 import json
 import os
 import resource
@@ -159,8 +161,10 @@ class PhaseMemory(TrainerCallback):
             record["peak_reserved"] = torch.cuda.max_memory_reserved(self.device)
             snapshot = torch.cuda.memory._snapshot()
             record["segments"] = segment_summary(snapshot["segments"])
+            record["free_space"] = free_space(snapshot)
             if self.trace_segments:
                 record["segment_blocks"] = segment_blocks(snapshot)
+                record["side_stream_blocks"] = side_stream_blocks(snapshot)
         else:  # process-wide high-water mark (monotonic): only shows that the script runs
             record["peak_allocated"] = record["peak_reserved"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         self.records.append(record)
@@ -219,6 +223,79 @@ def segment_blocks(snapshot: dict, min_mib: float = 64, min_block_mib: float = 1
     return report
 
 
+def side_stream_blocks(snapshot: dict, frames: int = 8) -> list[dict]:
+    """The live default-pool blocks allocated on a stream other than the default one (a capture's side stream: the
+    engine's, or inductor's CUDA-graph trees'), each with its size and the innermost `frames` Python frames of its
+    allocation (PyTorch's allocation history must be on): what a generation path keeps beside training, however
+    small."""
+    found = []
+    for segment in snapshot["segments"]:
+        if segment["stream"] == 0 or not in_default_pool(segment):
+            continue
+        for block in segment["blocks"]:
+            if block["state"] == "active_allocated":
+                stack = [f"{Path(f['filename']).name}:{f['line']} {f['name']}"
+                         for f in block.get("frames", [])[:frames]]  # fmt: skip
+                found.append({"bytes": block["size"], "origin": origin(block.get("frames", [])), "frames": stack})
+    return found
+
+
+def free_space(snapshot: dict) -> dict:
+    """Where the reserved memory is, in MiB (default pool unless said): live blocks; free memory in segments that also
+    hold live blocks (usable only by requests that fit one of its free runs, never releasable); wholly free segments
+    (released before an OOM is raised); the private pools (CUDA graphs, the generation arena); and the largest free
+    run. At an OOM the wholly free segments are already released, so the rest is what training could not use."""
+    totals = dict.fromkeys(("allocated", "free_in_used_segments", "free_segments", "private_pools"), 0.0)
+    largest_run = 0.0
+    for segment in snapshot["segments"]:
+        if not in_default_pool(segment):
+            totals["private_pools"] += segment["total_size"]
+            continue
+        free = segment["total_size"] - segment["allocated_size"]
+        totals["allocated"] += segment["allocated_size"]
+        totals["free_segments" if segment["allocated_size"] == 0 else "free_in_used_segments"] += free
+        run = 0
+        for block in segment["blocks"]:
+            run = run + block["size"] if block["state"] != "active_allocated" else 0
+            largest_run = max(largest_run, run)
+    result = {key: round(value / 2**20, 1) for key, value in totals.items()}
+    result["largest_free_run"] = round(largest_run / 2**20, 1)
+    return result
+
+
+def watch_out_of_memory(result: dict) -> None:
+    """Keep the allocator's state at each out-of-memory error, taken when it happens (the allocator's observer), not
+    after the failed step's tensors were freed: `free_space` for each (the last is the one that ended the run; one
+    caught and retried, as the generation arena's, comes before it) and the large segments' blocks of the last."""
+
+    def observer(device: int, requested: int, device_allocated: int, device_free: int) -> None:
+        snapshot = torch.cuda.memory._snapshot()
+        states = result.setdefault("oom_states", [])
+        states[:] = states[-3:] + [{"requested_mib": round(requested / 2**20, 1), **free_space(snapshot)}]
+        result["oom_segment_blocks"] = segment_blocks(snapshot)
+
+    torch._C._cuda_attach_out_of_memory_observer(observer)
+
+
+def apply_switches(items: list[str]) -> dict[str, bool]:
+    """`--switch MODULE.NAME=true|false`: set a boolean A/B switch of a `prorl_trl.rollout` module in this process."""
+    applied = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        module_name, _, attribute = name.rpartition(".")
+        try:
+            module = importlib.import_module(f"prorl_trl.rollout.{module_name}")
+        except ImportError:
+            module = None
+        if module is None or not isinstance(getattr(module, attribute, None), bool):
+            raise SystemExit(f"--switch {item}: {name!r} is not a boolean switch of a prorl_trl.rollout module")
+        if value.lower() not in ("true", "false"):
+            raise SystemExit(f"--switch {item}: the value must be true or false")
+        setattr(module, attribute, value.lower() == "true")
+        applied[name] = value.lower() == "true"
+    return applied
+
+
 def device_label(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
@@ -271,6 +348,7 @@ def worker(name: str, options: argparse.Namespace, save=None) -> dict:
     """Run one worker in this process: `prorl` (all phases) or `grpo:N` (phase N). Returns its JSON-able result;
     `save(result)` is also called after every phase, so a run cut short keeps the phases it finished."""
     device = torch.device("cpu") if options.smoke else torch.device("cuda", torch.cuda.current_device())
+    switches = apply_switches(options.switch)
     if options.trace_segments and device.type == "cuda":
         torch.cuda.memory._record_memory_history(max_entries=200_000)
     if options.memory_cap_gib and device.type == "cuda":  # the allocator frees its cache and retries before an OOM
@@ -286,12 +364,14 @@ def worker(name: str, options: argparse.Namespace, save=None) -> dict:
         keys = ("per_device_train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "compiled_generation")
         result = {
             "worker": name, "first_phase": first, "records": [], "device": device_label(device), "prompt_tokens": len(dataset[0]["prompt"]),
-            "memory_cap_gib": options.memory_cap_gib,
+            "memory_cap_gib": options.memory_cap_gib, "switches": switches,
             "training": {key: getattr(args, key) for key in keys},
             "resolved": [dataclasses.asdict(phase) for phase in phases],
         }  # fmt: skip
         probe = PhaseMemory(device, on_record=lambda records: save and save(dict(result, records=records)),
                             trace_segments=options.trace_segments and device.type == "cuda")  # fmt: skip
+        if probe.trace_segments:
+            watch_out_of_memory(result)
         try:
             if name == "prorl":
                 run_prorl(recipe, args, options.smoke, device, tokenizer, dataset, probe)
@@ -300,8 +380,6 @@ def worker(name: str, options: argparse.Namespace, save=None) -> dict:
                 run_grpo(recipe, kwargs, args, phase, options.smoke, device, tokenizer, dataset, probe)
         except torch.OutOfMemoryError as error:
             result["error"] = f"OOM: {str(error).splitlines()[0][:160]}"
-            if probe.trace_segments:  # the step's tensors are still alive (the traceback holds its frames)
-                result["oom_segment_blocks"] = segment_blocks(torch.cuda.memory._snapshot())
         finally:
             free_memory(device)
         result["records"] = list(probe.records)
@@ -319,6 +397,7 @@ def run_workers(names: list[str], options: argparse.Namespace, jobs: int, folder
         base += ["--memory-cap-gib", str(options.memory_cap_gib)]
     if options.trace_segments:
         base += ["--trace-segments"]
+    base += [f"--switch={item}" for item in options.switch]
     if options.prompt_tokens:
         base += ["--prompt-tokens", str(options.prompt_tokens)]
     results, pending, running = [], list(names), []
@@ -414,6 +493,9 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--trace-segments", action="store_true",
                         help="Record allocation history; the JSON gets what occupies every segment of 64 MiB or more "
                              "at each phase's end and at an OOM (slower).")  # fmt: skip
+    parser.add_argument("--switch", action="append", default=[], metavar="MODULE.NAME=true|false",
+                        help="A/B: set a boolean switch of a prorl_trl.rollout module in every worker (repeatable), "
+                             "e.g. arena.PRIVATE_POOL=false.")  # fmt: skip
     options = parser.parse_args(argv)
     if options.steps < 1:
         parser.error("--steps must be >= 1.")

@@ -93,3 +93,28 @@ def test_segment_reports_show_what_cuts_a_segment(benchmark):
         "stream 0x7, private pool, large": {"segments": 1, "reserved": 72 * mib, "allocated": 0},
     }
     assert [entry["mib"] for entry in summary["largest"]] == [200.0, 72.0]
+    free_segment = {"total_size": 20 * mib, "allocated_size": 0, "stream": 0, "segment_type": "large",
+                    "segment_pool_id": (0, 0), "blocks": [{"size": 20 * mib, "state": "inactive"}]}  # fmt: skip
+    side = {"total_size": 2 * mib, "allocated_size": 512, "stream": 9, "segment_type": "small",
+            "segment_pool_id": (0, 0), "blocks": [{"size": 512, "state": "active_allocated", "frames": frames},
+                                                  {"size": 2 * mib - 512, "state": "inactive"}]}  # fmt: skip
+    assert benchmark.side_stream_blocks({"segments": [*snapshot["segments"], side]}) == [
+        {"bytes": 512, "origin": "transformers/models/qwen2/modeling_qwen2.py:97 forward",
+         "frames": ["modeling_qwen2.py:97 forward"]}]  # fmt: skip
+    space = benchmark.free_space({"segments": [*snapshot["segments"], free_segment]})
+    assert space == {"allocated": 50.5, "free_in_used_segments": 149.5, "free_segments": 20.0, "private_pools": 72.0,
+                     "largest_free_run": 100.0}  # fmt: skip
+
+
+def test_switches_set_boolean_rollout_switches_and_refuse_anything_else(benchmark):
+    from prorl_trl.rollout import arena
+
+    before = arena.PRIVATE_POOL
+    try:
+        assert benchmark.apply_switches(["arena.PRIVATE_POOL=false"]) == {"arena.PRIVATE_POOL": False}
+        assert arena.PRIVATE_POOL is False
+    finally:
+        arena.PRIVATE_POOL = before
+    for bad in ("arena.ALIGN=true", "arena.NOPE=true", "nomodule.X=true", "arena.PRIVATE_POOL=maybe"):
+        with pytest.raises(SystemExit, match="--switch"):
+            benchmark.apply_switches([bad])
