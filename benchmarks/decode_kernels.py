@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _graph_timing import replay_microseconds  # noqa: E402
 
 from prorl_trl.rollout import fused_mlp, lora_decode  # noqa: E402
-from prorl_trl.rollout.fused_weights import fuse_linears  # noqa: E402
+from prorl_trl.rollout.fused_weights import copy_members, stack_copies  # noqa: E402
 from prorl_trl.rollout.lora_decode import base_linear  # noqa: E402
 
 HIDDEN, MLP = 896, 4864  # Qwen2-0.5B
@@ -67,7 +67,10 @@ def gated_mlp_layer(rows: int, rank: int, targets: tuple[str, ...], device: torc
                 parameter.data = parameter.data.float()  # PEFT's adapters on a 16-bit base are float32
             if "lora_B" in name:
                 torch.nn.init.normal_(parameter, std=0.02)
-    fused = fuse_linears((base_linear(mlp.gate_proj), base_linear(mlp.up_proj)))
+    members = (base_linear(mlp.gate_proj), base_linear(mlp.up_proj))
+    buffer = torch.empty(2 * MLP, HIDDEN, device=device, dtype=torch.bfloat16)  # as the engine's arena holds it
+    fused = stack_copies(members, buffer, None)
+    copy_members(fused)
     x = torch.randn(rows, 1, HIDDEN, device=device).to(torch.bfloat16)
     return mlp.eval(), fused, x
 

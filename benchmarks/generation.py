@@ -32,6 +32,8 @@ GPU machine needs no TRL):
                        compiled torch ops on float32 logits instead of `softmax_triton`'s kernels).
   rollout_engine_no_prefetch  A/B: rollout_engine with `top_p_triton.PREFETCH` and `race_triton.PREFETCH` off (each
                        block's load waits instead of overlapping the previous block's arithmetic).
+  rollout_engine_default_pool  A/B: rollout_engine with `arena.PRIVATE_POOL` off (the generation arena in the caching
+                       allocator's default pool, cached between generations, instead of given back to the driver).
   continuous_batching  `model.generate_batch(prompt_ids, generation_config=..., continuous_batching_config=
                        ContinuousBatchingConfig(max_memory_percent=0.5))` as TRL's `use_transformers_continuous_batching`.
 Continuous batching runs last for each model: it reserves half the free GPU memory for its paged cache.
@@ -89,6 +91,7 @@ METHODS = (
     "rollout_engine_torch_race",
     "rollout_engine_torch_softmax",
     "rollout_engine_no_prefetch",
+    "rollout_engine_default_pool",
 )
 # Inductor options an engine method takes after '@' (joined with '+'), for A/B rows without a new method each.
 INDUCTOR_PRESETS = {
@@ -230,7 +233,7 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
     top_p = 1.0 if method == "static_compile_top_p1" else args.top_p
     config = trl_generation_config(args, max_new_tokens, eos, pad, top_p)
     if method.startswith("rollout_engine"):
-        from prorl_trl.rollout import decode_attention, fused_mlp, fused_weights, lora_decode, sampler
+        from prorl_trl.rollout import arena, decode_attention, fused_mlp, fused_weights, lora_decode, sampler
         from prorl_trl.rollout.engine import RolloutEngine
 
         cache_len = max(args.cache_len or 0, args.prompt_length + max_new_tokens)
@@ -242,8 +245,9 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
         def run_engine() -> int:
             switches = (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, fused_mlp.FUSED_MLP,
                         decode_attention.LIVE_SPLITS, lora_decode.FOLD_LORA_A, sampler.RACE_KERNEL,
-                        sampler.SOFTMAX_KERNEL, prefetch_switches())  # fmt: skip
+                        sampler.SOFTMAX_KERNEL, arena.PRIVATE_POOL, prefetch_switches())  # fmt: skip
             lora_decode.FUSE_LORA = method != "rollout_engine_unfused"  # the A/B switches
+            arena.PRIVATE_POOL = method != "rollout_engine_default_pool" and arena.PRIVATE_POOL
             fused_weights.FUSE_BASE = method != "rollout_engine_separate"
             fused_mlp.FUSED_MLP = method != "rollout_engine_unfused_mlp" and fused_mlp.FUSED_MLP
             decode_attention.LIVE_SPLITS = method != "rollout_engine_fixed_splits" and decode_attention.LIVE_SPLITS
@@ -257,7 +261,7 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
             finally:
                 (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, fused_mlp.FUSED_MLP,
                  decode_attention.LIVE_SPLITS, lora_decode.FOLD_LORA_A, sampler.RACE_KERNEL,
-                 sampler.SOFTMAX_KERNEL, prefetch) = switches  # fmt: skip
+                 sampler.SOFTMAX_KERNEL, arena.PRIVATE_POOL, prefetch) = switches  # fmt: skip
                 set_prefetch(prefetch)
             if output.tokens.shape[1] != max_new_tokens:
                 raise RuntimeError(f"generated {output.tokens.shape[1]} tokens per sequence, expected {max_new_tokens}")

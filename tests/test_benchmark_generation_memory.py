@@ -24,7 +24,7 @@ def test_origin_names_the_innermost_known_frame_and_ours_that_led_there():
 
 def test_kept_allocations_counts_active_blocks_by_origin_and_reserved_bytes_by_pool():
     benchmark = load_benchmark("generation_memory")
-    fuse = [frame("/work/main/prorl_trl/rollout/fused_weights.py", 137, "fuse_linears")]
+    fuse = [frame("/work/main/prorl_trl/rollout/fused_weights.py", 137, "copy_members")]
     snapshot = {"segments": [
         {"segment_pool_id": (0, 0), "stream": 0, "total_size": 64 * MIB, "blocks": [
             {"state": "active_allocated", "size": 32 * MIB, "frames": fuse},
@@ -42,7 +42,7 @@ def test_kept_allocations_counts_active_blocks_by_origin_and_reserved_bytes_by_p
     assert kept["private_reserved"] == 20 * MIB
     assert kept["default_stream_reserved"] == 64 * MIB and kept["other_streams_reserved"] == 2 * MIB
     assert kept["by_origin"] == [
-        ("default", "main/prorl_trl/rollout/fused_weights.py:137 fuse_linears", 40 * MIB, 2),
+        ("default", "main/prorl_trl/rollout/fused_weights.py:137 copy_members", 40 * MIB, 2),
         ("default", "(no Python frame: C++)", 2 * MIB, 1),
     ]
 

@@ -1,10 +1,9 @@
-"""Fused q/k/v and gate/up base weights (prorl_trl.rollout.fused_weights) on the tiny Qwen2 model, real PEFT and torch.
+"""Stacked q/k/v and gate/up base weights (prorl_trl.rollout.fused_weights, decoder.StackGroup) on the tiny Qwen2
+model, real PEFT and torch.
 
-Fusing re-points the Parameters into one allocation per group: the outputs must stay those of the modules, the
-Parameter objects and the optimizer must keep working on them (an AdamW step lands in the fused storage), checkpoints
-must round-trip (`save_pretrained`/`from_pretrained`, `torch.save`), re-pointing by someone else must be noticed
-(`holds`, `refresh_fusions`), and storage someone else owns (DeepSpeed's flat buffers) must be left alone.
-A few seconds on 2 cores.
+A stack is a copy made for a generation: the outputs must be those of the modules, the Parameters must be left
+exactly as they were (same objects, same storage: the optimizer, checkpoints, DeepSpeed's flat buffers see nothing),
+and the next generation's copy must carry every update made since. A few seconds on 2 cores.
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
 
 from prorl_trl.rollout import fused_mlp, fused_weights, lora_decode
 from prorl_trl.rollout.decoder import decode_logits, decoder_parts, refresh_fusions
@@ -28,65 +26,53 @@ def gate_up(layer):
     return layer.mlp.gate_proj, layer.mlp.up_proj
 
 
+def storage(model) -> dict[str, tuple[int, int]]:
+    return {name: (p.data_ptr(), id(p)) for name, p in model.named_parameters()}
+
+
 @torch.no_grad()
-def test_fusing_keeps_outputs_parameters_and_values():
+def test_stacks_are_copies_with_the_modules_outputs_and_the_parameters_untouched():
     model = build_tiny(seed=0)[0].eval()
-    layer = model.model.layers[0]
-    modules = qkv(layer)
-    params = [p for module in modules for p in (module.weight, module.bias)]
-    values = [p.detach().clone() for p in params]
-    x = torch.randn(3, 1, modules[0].in_features, generator=torch.Generator().manual_seed(0))
-    expected = [module(x) for module in modules]
-    fused = fused_weights.fuse_linears(modules)
-    assert fused is not None and fused.holds()
-    assert [p for module in modules for p in (module.weight, module.bias)] == params  # same Parameter objects
-    assert all(torch.equal(p, v) for p, v in zip(params, values))
-    assert len({p.untyped_storage().data_ptr() for p in (m.weight for m in modules)}) == 1  # one allocation
-    assert fused.weight.shape == (sum(m.out_features for m in modules), modules[0].in_features)
-    for ours, reference in zip(fused(x), expected, strict=True):
-        torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-6)
-    assert fused_weights.fuse_linears(modules).weight.data_ptr() == fused.weight.data_ptr()  # reused, not copied
+    before = storage(model)
+    parts = decoder_parts(model)
+    stacks = refresh_fusions(parts)
+    assert {stack.group for stack in stacks} == {"fused_qkv", "fused_gate_up"}  # o and down: nothing to fold
+    assert len(stacks) == 2 * len(parts.layers) and all(not stack.extra_rows for stack in stacks)
+    assert storage(model) == before  # same Parameter objects in the same storage
+    for layer, fused in zip(parts.layers, parts.fused_qkv, strict=True):
+        modules = qkv(layer)
+        assert fused.extra_rows == 0 and fused.weight.data_ptr() not in {m.weight.data_ptr() for m in modules}
+        x = torch.randn(3, 1, modules[0].in_features, generator=torch.Generator().manual_seed(0))
+        for ours, module in zip(fused(x), modules, strict=True):
+            torch.testing.assert_close(ours, module(x), rtol=1e-6, atol=1e-6)
+    assert parts.fused_o == [None] * len(parts.layers) and parts.fused_down == [None] * len(parts.layers)
 
 
-def test_optimizer_steps_land_in_the_fused_storage():
+def test_the_next_generations_copy_carries_every_optimizer_step():
     model = build_tiny(seed=0)[0].train()
-    modules = gate_up(model.model.layers[1])
-    fused = fused_weights.fuse_linears(modules)
-    before = fused.weight.detach().clone()
+    parts = decoder_parts(model)
+    refresh_fusions(parts)
+    first = parts.fused_gate_up[1]
+    copied = first.weight.detach().clone()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     input_ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
     model(input_ids=input_ids, labels=input_ids).loss.backward()
-    assert all(m.weight.grad is not None and m.weight.grad.shape == m.weight.shape for m in modules)
     optimizer.step()
-    assert fused.holds()
-    assert not torch.equal(fused.weight, before)
-    for member, part in zip(modules, fused.weight.split(fused.sizes), strict=True):
+    modules = gate_up(parts.layers[1])
+    assert torch.equal(first.weight, copied)  # a copy: the step did not reach it ...
+    assert not torch.equal(torch.cat([m.weight for m in modules]), copied)
+    refresh_fusions(parts)  # ... the next generation's copy does
+    again = parts.fused_gate_up[1]
+    for member, part in zip(modules, again.weight.split(again.sizes), strict=True):
         assert torch.equal(member.weight, part)
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_fused_model_round_trips_through_checkpoints(tmp_path, tied):
-    model = build_tiny(seed=0)[0].eval()
-    if tied:  # as Qwen2-0.5B has: the one storage transformers already shares on purpose
-        model.config.tie_word_embeddings = True
-        model.tie_weights()
-    parts = decoder_parts(model)
-    refresh_fusions(parts)
-    assert all(f is not None for f in parts.fused_qkv + parts.fused_gate_up)
-    state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-    model.save_pretrained(tmp_path / "hf")
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
-    for name, tensor in loaded.state_dict().items():
-        assert torch.equal(tensor, state[name]), name
-    torch.save(model.state_dict(), tmp_path / "state.pt")
-    for name, tensor in torch.load(tmp_path / "state.pt", weights_only=True).items():
-        assert torch.equal(tensor, state[name]), name
-
-
 @pytest.mark.parametrize("targets", [["q_proj", "k_proj"], "all-linear"], ids=str)
-def test_merged_save_of_a_fused_lora_model_loads_back(tmp_path, targets):
-    """A reset's merged save (`merged/reset-<k>/`) after the engine fused the base: adapted weights merged, the rest
-    saved as the views they are, also o and down alone in allocations with folded A rows after them (all-linear)."""
+def test_merged_save_after_stacking_a_lora_model_is_the_merged_model(tmp_path, targets):
+    """A reset's merged save (`merged/reset-<k>/`) after the engine stacked the groups (with folded A rows for q/k/v,
+    and o and down with all-linear): the saved weights are the merged model's, nothing of the stacks leaks in."""
+    from transformers import AutoModelForCausalLM
+
     from prorl_trl.reset import merged_state_dict, save_merged_model
     from prorl_trl.tiny import build_tiny_tokenizer
 
@@ -96,9 +82,9 @@ def test_merged_save_of_a_fused_lora_model_loads_back(tmp_path, targets):
             torch.nn.init.normal_(param, std=0.3)
     parts = decoder_parts(model)
     refresh_fusions(parts)
-    assert all(f is not None for f in parts.fused_qkv + parts.fused_gate_up)
-    assert all(f.extra_rows for f in parts.fused_qkv)
-    single = parts.fused_o + parts.fused_down  # fused only to fold their A products: when adapted
+    assert all(f is not None and f.extra_rows for f in parts.fused_qkv)
+    assert all(f is not None and not f.extra_rows for f in parts.fused_gate_up)
+    single = parts.fused_o + parts.fused_down  # stacked only to fold their A products: when adapted
     assert all(bool(f is not None and f.extra_rows) == (targets == "all-linear") for f in single)
     expected = {name: tensor.detach().clone() for name, tensor in merged_state_dict(model).items()}
     folder = save_merged_model(model, build_tiny_tokenizer(), tmp_path / "merged")
@@ -109,24 +95,9 @@ def test_merged_save_of_a_fused_lora_model_loads_back(tmp_path, targets):
 
 
 @torch.no_grad()
-def test_re_pointed_members_are_noticed_and_fused_again():
-    model = build_tiny(seed=0)[0].eval()
-    parts = decoder_parts(model)
-    refresh_fusions(parts)
-    first = parts.fused_qkv[0]
-    q_proj = qkv(parts.layers[0])[0]
-    q_proj.weight.data = q_proj.weight.data.clone() + 1  # as `module.to`, `load_state_dict(assign=True)` would
-    assert not first.holds()
-    refresh_fusions(parts)
-    again = parts.fused_qkv[0]
-    assert again is not first and again.holds()
-    assert torch.equal(again.weight[: q_proj.out_features], q_proj.weight)
-    assert parts.fused_qkv[1] is not None and parts.fused_qkv[1].holds()
-
-
-@torch.no_grad()
-def test_storage_owned_by_someone_else_is_left_alone():
-    """DeepSpeed ZeRO-1/2 keep bf16 parameters as views of one flat buffer (weights and biases interleaved)."""
+def test_views_of_someone_elses_flat_buffer_are_copied_and_left_alone():
+    """DeepSpeed ZeRO-1/2 keep bf16 parameters as views of one flat buffer (weights and biases interleaved): the stack
+    copies their values and leaves the views where they are."""
     model = build_tiny(seed=0)[0].eval()
     modules = qkv(model.model.layers[0])
     params = [p for module in modules for p in (module.weight, module.bias)]
@@ -136,16 +107,26 @@ def test_storage_owned_by_someone_else_is_left_alone():
         p.data = flat[offset : offset + p.numel()].view_as(p)
         offset += p.numel()
     pointers = [p.data_ptr() for p in params]
-    assert fused_weights.fuse_linears(modules) is None
-    assert [p.data_ptr() for p in params] == pointers  # nothing re-pointed
+    parts = decoder_parts(model)
+    refresh_fusions(parts)
+    assert [p.data_ptr() for p in params] == pointers
+    fused = parts.fused_qkv[0]
+    assert torch.equal(fused.weight, torch.cat([m.weight for m in modules]))
+    assert torch.equal(fused.bias, torch.cat([m.bias for m in modules]))
 
 
-def test_groups_that_do_not_fit_are_not_fused():
+def test_groups_that_do_not_fit_are_not_stacked():
     model = build_tiny(seed=0)[0]
     attention = model.model.layers[0].self_attn
-    assert fused_weights.fuse_linears((attention.q_proj,)) is None  # one member
-    assert fused_weights.fuse_linears((attention.q_proj, attention.o_proj)) is None  # bias and no bias
-    assert fused_weights.fuse_linears((attention.o_proj, model.model.layers[0].mlp.down_proj)) is None  # widths
+    assert not fused_weights.fusable((attention.q_proj,))  # one member (o and down stack only to fold)
+    assert not fused_weights.fusable((attention.q_proj, attention.o_proj))  # bias and no bias
+    assert not fused_weights.fusable((attention.o_proj, model.model.layers[0].mlp.down_proj))  # input widths
+    with torch.device("meta"):
+        on_meta = torch.nn.Linear(4, 4)
+    assert not fused_weights.copyable((on_meta,))  # nothing to copy from (as FSDP's DTensor shards: not plain)
+    buffer = torch.empty(2, attention.q_proj.in_features)
+    with pytest.raises(ValueError, match="cannot stack"):
+        fused_weights.stack_copies(qkv(model.model.layers[0]), buffer, None)
 
 
 @pytest.mark.parametrize("targets", [["q_proj", "k_proj"], "all-linear"], ids=str)

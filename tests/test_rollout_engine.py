@@ -324,11 +324,11 @@ def test_same_seed_same_tokens(tiny):
     assert torch.equal(RolloutEngine(steps_per_graph=2).generate(model, input_ids, mask, sampling).tokens, drawn)
 
 
-def test_generation_buffers_are_freed_between_generations_and_folds_live_there(tiny):
-    """The KV buffers, the decode state and the fold groups (q/k/v's base weights with their adapters' A rows) are
-    views of the generation arena, freed after each generation (nothing of the fold stays allocated beside training,
-    and no parameter is re-pointed for it), made again, with the same views, for the next, which gives the same
-    tokens."""
+def test_generation_buffers_are_freed_between_generations_and_stacks_live_there(tiny):
+    """The KV buffers, the decode state and the stacked projections (q/k/v's base weights with their adapters' A rows,
+    gate/up's) are views of the generation arena, freed after each generation (nothing of them stays allocated beside
+    training, and no parameter is moved for them), made again, with the same views, for the next, which gives the
+    same tokens."""
     from peft import LoraConfig, get_peft_model
 
     _, tokenizer = tiny
@@ -336,28 +336,33 @@ def test_generation_buffers_are_freed_between_generations_and_folds_live_there(t
     for name, param in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(param, std=0.3)
-    attention = model.get_base_model().model.layers[0].self_attn
-    own = [proj.base_layer.weight.data_ptr() for proj in (attention.q_proj, attention.k_proj)]
+    own = [parameter.data_ptr() for parameter in model.parameters()]
     input_ids, mask = left_padded(4, 8, tokenizer.pad_token_id)
     sampling = config(tokenizer, max_new_tokens=9, top_p=0.9)
     engine = RolloutEngine(steps_per_graph=4)
     first = engine.generate(model, input_ids, mask, sampling, seed=5).tokens
     arena, parts = engine._arena, engine._parts[1]
     assert not arena.held  # released: training gets the memory back
-    assert all(entry is None for entry in parts.fused_qkv)  # no stale view of freed memory is reachable
+    assert all(entry is None for entry in parts.fused_qkv + parts.fused_gate_up)  # no stale view of freed memory
     stacks = [parts.stacks[f"fused_qkv.{index}"] for index in range(len(parts.layers))]
     assert all(fused.extra_rows == 8 and fused.stacked.untyped_storage().nbytes() == 0 for fused in stacks)
-    assert [proj.base_layer.weight.data_ptr() for proj in (attention.q_proj, attention.k_proj)] == own
+    gate_up = [parts.stacks[f"fused_gate_up.{index}"] for index in range(len(parts.layers))]
+    assert all(fused.extra_rows == 0 and fused.stacked.untyped_storage().nbytes() == 0 for fused in gate_up)
+    assert [parameter.data_ptr() for parameter in model.parameters()] == own
+    from prorl_trl.rollout import decode_attention
+
+    assert all(t.untyped_storage().nbytes() for t in decode_attention._ARRIVALS.values())  # no lent counter outlives it
     assert torch.equal(engine.generate(model, input_ids, mask, sampling, seed=5).tokens, first)
-    assert len(arena.address) == 3  # KV, state, fold groups
+    assert len(arena.address) == 6  # KV, state (with the sampler's integers), flags, sampler floats, arrivals, stacks
     torch.manual_seed(0)
     reference = RolloutEngine(steps_per_graph=4).generate(build_tiny(seed=0)[0], input_ids, mask, sampling, seed=5)
     assert not torch.equal(reference.tokens, first)  # the adapters matter (else the fold is not tested)
     assert engine._arena is arena and all(parts.stacks[f"fused_qkv.{i}"] is fused for i, fused in enumerate(stacks))
     engine.release_cache = False
     engine.generate(model, input_ids, mask, sampling, seed=5)
-    assert arena.held and all(entry is not None for entry in parts.fused_qkv)
-    assert all(entry.stacked.untyped_storage().data_ptr() in arena.address for entry in parts.fused_qkv)
+    assert arena.held and all(entry is not None for entry in parts.fused_qkv + parts.fused_gate_up)
+    stacked = parts.fused_qkv + parts.fused_gate_up
+    assert all(entry.stacked.untyped_storage().data_ptr() in arena.address for entry in stacked)
 
 
 def test_step_on_arena_buffers_goes_through_aot_autograd(tiny):
@@ -646,3 +651,19 @@ def test_default_compile_options_are_kept_only_where_inductor_knows_them(monkeyp
     monkeypatch.setattr(engine_module, "DEFAULT_COMPILE_OPTIONS", {"combo_kernels": True, "no_such_option": 1})
     assert RolloutEngine().compile_options == {"combo_kernels": True}
     assert RolloutEngine(compile_options={"combo_kernels": False}).compile_options == {"combo_kernels": False}
+
+
+def test_lent_arrival_counters_are_used_until_withdrawn():
+    from prorl_trl.rollout import decode_attention
+
+    lent = torch.zeros(6, dtype=torch.int32)
+    decode_attention.lend_arrival_counters(lent)
+    try:
+        assert decode_attention.arrival_counters(torch.device("cpu"), 6) is lent
+        decode_attention.withdraw_arrival_counters(torch.zeros(6, dtype=torch.int32))  # not the lent one: no effect
+        assert decode_attention.arrival_counters(torch.device("cpu"), 6) is lent
+    finally:
+        decode_attention.withdraw_arrival_counters(lent)
+    own = decode_attention.arrival_counters(torch.device("cpu"), 6)
+    assert own is not lent and own.dtype == torch.int32 and not own.any()
+    assert decode_attention.arrival_counters(torch.device("cpu"), 6) is own  # allocated once, then kept

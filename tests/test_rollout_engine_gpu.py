@@ -103,17 +103,21 @@ def test_graphs_follow_weights_like_generate(lora_model, switches, monkeypatch):
     assert torch.equal(engine.generate(model, input_ids, mask, config).tokens, swapped)
 
 
-def test_graphs_follow_full_fine_tuning_of_fused_weights():
-    """Full fine-tuning: the engine re-points q/k/v and gate/up into one allocation each (`fused_weights`), and AdamW
-    steps on every weight still reach the captured graph without a recapture; greedy tokens equal `generate`."""
+def test_graphs_follow_full_fine_tuning_of_stacked_weights():
+    """Full fine-tuning: the engine stacks copies of q/k/v's and gate/up's weights in its arena for each generation
+    (`fused_weights`), leaving the Parameters where they are, and AdamW steps on every weight still reach the next
+    generation (the graph reads the fresh copies and the live storage); greedy tokens equal `generate`."""
     model, tokenizer = build_tiny(seed=1)
     model = model.cuda().train()
     input_ids, mask = inputs(tokenizer.pad_token_id)
     config = greedy_config(tokenizer)
     engine = RolloutEngine(steps_per_graph=8)
+    pointers = [p.data_ptr() for p in model.parameters()]
     before = engine.generate(model, input_ids, mask, config).tokens
     parts = engine._decoder_parts(model)
-    assert all(f is not None and f.holds() for f in parts.fused_qkv + parts.fused_gate_up)
+    assert [p.data_ptr() for p in model.parameters()] == pointers
+    assert len(parts.stacks) == 2 * len(parts.layers)  # q/k/v and gate/up of every layer were stacked ...
+    assert all(f is None for f in parts.fused_qkv + parts.fused_gate_up)  # ... and let go with the arena
     assert torch.equal(before, reference(model, input_ids, mask, config))
     train_then_generate(engine, model, tokenizer, list(model.parameters()), 0.05, before)
 
@@ -138,6 +142,23 @@ def test_capture_keeps_no_cublas_workspace_beside_training():
     assert engine.stats.captures == 1 and not engine._arena.held
     assert kept < 2 * 2**20, f"{kept / 2**20:.1f} MiB still allocated after the generation"
     assert torch.equal(tokens, reference(model, input_ids, mask, greedy_config(tokenizer)))  # and it replayed right
+
+
+def test_one_capture_while_the_arena_goes_back_to_the_driver_between_generations(lora_model):
+    """The generation arena's memory leaves the process after every generation (training gets all of it) and comes
+    back at the same addresses (`fixed_addresses`), whatever training allocated in between: one capture for three
+    generations, each equal to `generate`."""
+    model, tokenizer = lora_model
+    input_ids, mask = inputs(tokenizer.pad_token_id)
+    config = greedy_config(tokenizer)
+    engine = RolloutEngine(steps_per_graph=8)
+    expected = reference(model, input_ids, mask, config)
+    kept = []
+    for _ in range(3):
+        assert torch.equal(engine.generate(model, input_ids, mask, config).tokens, expected)
+        assert engine._arena.fixed_address_pool and not engine._arena.held
+        kept.append(torch.empty(engine._arena.nbytes // 2, dtype=torch.uint8, device="cuda"))  # training's tensors
+    assert engine.stats.captures == 1, engine.stats.last
 
 
 @pytest.mark.parametrize("switch", ["fused_mlp", "live_splits", "both"])

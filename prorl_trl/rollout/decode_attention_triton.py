@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .decode_attention import arrival_counters
+
 
 @triton.jit
 def _split_kernel(
@@ -115,19 +117,6 @@ def _merge_splits(
     output = acc / tl.where(total == 0.0, 1.0, total)[:, None]
     out_rows = (row_head * GROUPS + groups)[:, None] * HEAD_DIM + dims[None, :]
     tl.store(Out + out_rows, output.to(Out.dtype.element_ty), mask=(groups < GROUPS)[:, None])
-
-
-_ARRIVALS: dict[tuple[str, int], torch.Tensor] = {}  # per (device, count): zero between launches
-
-
-def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
-    """Arrival counters for a split kernel's last-to-arrive merge, allocated once per device and size; a launch leaves
-    them at 0, so a CUDA graph replays it without a memset. Launches on one stream run one after another, so every
-    split kernel shares them."""
-    key = (str(device), count)
-    if key not in _ARRIVALS:
-        _ARRIVALS[key] = torch.zeros(count, dtype=torch.int32, device=device)
-    return _ARRIVALS[key]
 
 
 def launch_gqa_decode(

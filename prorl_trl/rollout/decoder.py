@@ -27,7 +27,7 @@ import torch
 from . import fused_weights
 from .arena import Region
 from .decode_attention import gqa_decode_attention
-from .fused_weights import FusedLinear, copy_members, copyable, fuse_linears, stack_copies
+from .fused_weights import FusedLinear, copy_members, copyable, stack_copies
 from .lora_decode import LoraFactors, base_linear, fold_factors, fold_rows, gated_mlp, project, refresh_folded
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
@@ -52,15 +52,15 @@ class DecoderParts:
     num_kv_heads: int
     head_dim: int
     qk_norm: bool
-    # per layer, the base q/k/v and gate/up projections stored as one (`fused_weights`; None: separate GEMMs), or
-    # q/k/v, o and down stacked with copies of their adapters' A weights as extra rows in buffers held for the
-    # generation (`FoldGroup`; None for o and down without adapters), set by `plan_fusions` and `load_folds` before
-    # every generation
+    # per layer, the base q/k/v and gate/up projections stacked as copies in buffers held for the generation, with
+    # copies of their adapters' A weights as extra rows where those fold (q/k/v, o and down; `StackGroup`); None:
+    # separate GEMMs (always for o and down without adapters); set by `plan_fusions` and `load_stacks` before every
+    # generation, None again after it
     fused_qkv: list[FusedLinear | None] = field(default_factory=list)
     fused_gate_up: list[FusedLinear | None] = field(default_factory=list)
     fused_o: list[FusedLinear | None] = field(default_factory=list)
     fused_down: list[FusedLinear | None] = field(default_factory=list)
-    stacks: dict[str, FusedLinear] = field(default_factory=dict)  # `load_folds`' stacks by `FoldGroup.name`, reused
+    stacks: dict[str, FusedLinear] = field(default_factory=dict)  # `load_stacks`' by `StackGroup.name`, reused
 
 
 def generation_target(model: Any) -> Any:
@@ -143,20 +143,25 @@ _GROUPS = (
 
 
 @dataclass(eq=False)
-class FoldGroup:
-    """A layer's q/k/v, o or down whose adapters' A products fold into its base GEMM (`lora_decode.FOLD_LORA_A`).
+class StackGroup:
+    """A layer's q/k/v, gate/up, o or down, stacked for one generation as a copy: one GEMM instead of one per member.
 
-    For a generation its base weights (and biases) are copied into a buffer with room for copies of the A weights
-    after them (`regions`, `load_folds`), so one GEMM computes the base outputs and every `lora_A(x)`. The buffers are
-    the caller's to hold only while it generates (the engine's `arena.GenerationArena`): rows kept after the base
-    weights in their own allocation stayed allocated beside training (+6.5 / +60 MiB of peak at the GSM8K recipe's
-    reset-3 / reset-4; benchmarks/results/rollout_engine.md, ninth and tenth sessions)."""
+    Its base weights (and biases) are copied before every generation into a buffer (`regions`, `load_stacks`), with
+    room after them for copies of the adapters' A weights where those products fold into the same GEMM
+    (`lora_decode.FOLD_LORA_A`: q/k/v, o and down; `extra_rows` 0 otherwise, as for gate/up, whose adapters go to
+    `fused_mlp`'s kernel). The buffers are the caller's to hold only while it generates (the engine's
+    `arena.GenerationArena`), and the Parameters are never touched. Why copies: re-pointing the members' Parameters
+    into one persistent allocation (the seventh to tenth sessions) freed their old storage in the middle of the
+    weights' allocator segments, holes only small tensors fit, so training's large activations needed more memory
+    than `compiled_generation`'s (out of memory under its reserved memory at the GSM8K recipe's reset-3, eleventh
+    session); and A rows kept after the base weights stayed allocated beside training (+6.5 / +60 MiB at reset-3 /
+    reset-4, ninth session). A copy costs memory only while generating."""
 
-    group: str  # the `DecoderParts` field: "fused_qkv", "fused_o" or "fused_down"
+    group: str  # the `DecoderParts` field: "fused_qkv", "fused_gate_up", "fused_o" or "fused_down"
     index: int  # the layer
     bases: tuple[torch.nn.Linear, ...]
-    adapted: list[LoraFactors]  # `fold_factors`: the live A weights whose copies ride as extra rows
-    extra_rows: int  # `fold_rows`
+    adapted: list[LoraFactors]  # `fold_factors`: the live A weights whose copies ride as extra rows (none: no fold)
+    extra_rows: int  # `fold_rows`; 0 without a fold
 
     @property
     def name(self) -> str:
@@ -167,76 +172,70 @@ class FoldGroup:
         biases, `name + ".bias"`."""
         weight = self.bases[0].weight
         rows = sum(base.weight.shape[0] for base in self.bases)
-        buffer = f"folds {weight.dtype}"  # one allocation for every group's stack (of one dtype)
+        buffer = f"stacks {weight.dtype}"  # one allocation for every group's stack (of one dtype)
         regions = [Region(self.name, (rows + self.extra_rows, weight.shape[1]), weight.dtype, buffer)]
         if self.bases[0].bias is not None:
             regions.append(Region(self.name + ".bias", (rows,), self.bases[0].bias.dtype, buffer))
         return regions
 
 
-def plan_fusions(parts: DecoderParts) -> list[FoldGroup]:
-    """(Re)store each layer's q/k/v and gate/up base weights as one allocation where that is safe (`fuse_linears`; a
-    group something re-pointed since, `FusedLinear.holds`, is fused again) and return the groups whose adapters' A
-    products fold instead (q/k/v's, o's and down's: `lora_decode.fold_factors`), whose entries stay None until
-    `load_folds` stacks them. Run before every generation (before fingerprinting for a capture)."""
-    folds = []
+def plan_fusions(parts: DecoderParts) -> list[StackGroup]:
+    """The groups to stack for the next generation: each layer's q/k/v and gate/up (`copyable` ones), and o and down
+    where their adapters' A products fold (`lora_decode.fold_factors`). Their `parts` entries are None until
+    `load_stacks` sets them (None for good: separate GEMMs). Run before every generation (the adapters may have
+    changed: a hard reset)."""
+    stacks = []
     for name, inputs, folds_here, always in _GROUPS:
-        if not fused_weights.FUSE_BASE:  # the A/B switch: separate GEMMs (the storage stays as it is)
-            setattr(parts, name, [])
-            continue
-        current = getattr(parts, name)
-        fresh = []
-        for index, layer in enumerate(parts.layers):
-            kept = current[index] if index < len(current) else None
+        entries: list[FusedLinear | None] = []
+        for index, layer in enumerate(parts.layers if fused_weights.FUSE_BASE else ()):  # off: separate GEMMs
             modules = tuple(module for module in inputs(layer) if module is not None)
             bases = tuple(base_linear(module) for module in modules)
-            adapted = fold_factors(modules) if folds_here and copyable(bases) else []
+            entries.append(None)
+            if not copyable(bases):
+                continue
+            adapted = fold_factors(modules) if folds_here else []
             if adapted:
-                folds.append(FoldGroup(name, index, bases, adapted, fold_rows(adapted, bases[0].weight.dtype)))
-                fresh.append(None)
-            elif not always:
-                fresh.append(None)
-            elif kept is not None and kept.members == bases and kept.holds():
-                fresh.append(kept)
-            else:
-                fresh.append(fuse_linears(bases, previous=kept))
-        setattr(parts, name, fresh)
-    return folds
+                stacks.append(StackGroup(name, index, bases, adapted, fold_rows(adapted, bases[0].weight.dtype)))
+            elif always and len(bases) > 1:
+                stacks.append(StackGroup(name, index, bases, [], 0))
+        setattr(parts, name, entries)
+    return stacks
 
 
-def load_folds(parts: DecoderParts, folds: list[FoldGroup], buffers: Mapping[str, torch.Tensor]) -> None:
-    """Stack every group of `folds` in `buffers` (`FoldGroup.regions`' names): its base weights and biases and the A
+def load_stacks(parts: DecoderParts, stacks: list[StackGroup], buffers: Mapping[str, torch.Tensor]) -> None:
+    """Stack every group of `stacks` in `buffers` (`StackGroup.regions`' names): its base weights and biases and the A
     rows (`lora_decode.refresh_folded`) copied from the live parameters, and set it in `parts`. A group stacked in the
     same buffers before keeps its `FusedLinear` (the compiled step sees the same objects)."""
-    for fold in folds:
-        stacked, bias = buffers[fold.name], buffers.get(fold.name + ".bias")
-        fused = parts.stacks.get(fold.name)
-        if fused is None or fused.members != fold.bases or fused.stacked is not stacked or fused.bias is not bias:
-            fused = stack_copies(fold.bases, stacked, bias)
-            parts.stacks[fold.name] = fused
+    for stack in stacks:
+        stacked, bias = buffers[stack.name], buffers.get(stack.name + ".bias")
+        fused = parts.stacks.get(stack.name)
+        if fused is None or fused.members != stack.bases or fused.stacked is not stacked or fused.bias is not bias:
+            fused = stack_copies(stack.bases, stacked, bias)
+            parts.stacks[stack.name] = fused
         copy_members(fused)
-        refresh_folded(fused, fold.adapted)
-        getattr(parts, fold.group)[fold.index] = fused
+        if stack.adapted:
+            refresh_folded(fused, stack.adapted)
+        getattr(parts, stack.group)[stack.index] = fused
 
 
-def unload_folds(parts: DecoderParts, folds: list[FoldGroup]) -> None:
-    """Take `folds` out of `parts` (their entries None) before their buffers are freed: a view of freed memory reads
-    whatever lives there next, so nothing may reach one between generations (`load_folds` sets them again)."""
-    for fold in folds:
-        getattr(parts, fold.group)[fold.index] = None
+def unload_stacks(parts: DecoderParts, stacks: list[StackGroup]) -> None:
+    """Take `stacks` out of `parts` (their entries None) before their buffers are freed: a view of freed memory reads
+    whatever lives there next, so nothing may reach one between generations (`load_stacks` sets them again)."""
+    for stack in stacks:
+        getattr(parts, stack.group)[stack.index] = None
 
 
-def refresh_fusions(parts: DecoderParts) -> list[FoldGroup]:
-    """`plan_fusions`, then `load_folds` into buffers of their own, for callers that hold no generation arena (the
-    engine uses its arena; the tests call this); returns the fold groups."""
-    folds = plan_fusions(parts)
+def refresh_fusions(parts: DecoderParts) -> list[StackGroup]:
+    """`plan_fusions`, then `load_stacks` into buffers of their own, for callers that hold no generation arena (the
+    engine uses its arena; the tests call this); returns the groups."""
+    stacks = plan_fusions(parts)
     buffers = {
-        region.name: torch.empty(region.shape, dtype=region.dtype, device=fold.bases[0].weight.device)
-        for fold in folds
-        for region in fold.regions()
+        region.name: torch.empty(region.shape, dtype=region.dtype, device=stack.bases[0].weight.device)
+        for stack in stacks
+        for region in stack.regions()
     }
-    load_folds(parts, folds, buffers)
-    return folds
+    load_stacks(parts, stacks, buffers)
+    return stacks
 
 
 def _cache_keyword(model: torch.nn.Module) -> str:

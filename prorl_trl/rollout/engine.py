@@ -15,14 +15,15 @@ What makes a new capture (`capture_reasons`, logged with its time): the batch si
 the sampler's static layout, the autocast dtype, the A/B switches (`lora_decode.FUSE_LORA`, `fused_weights.FUSE_BASE`,
 `fused_mlp.FUSED_MLP`, `decode_attention.LIVE_SPLITS`, `lora_decode.FOLD_LORA_A`, `sampler.RACE_KERNEL`,
 `sampler.SOFTMAX_KERNEL`), the model's parameter storage
-(data pointers, shapes, dtypes: a LoRA rank/target change, `.data` swaps; the first call re-points q/k/v and gate/up
-into one allocation each, `decoder.plan_fusions`) or LoRA state (merged, disabled, active adapter, scaling, variant,
-dropout, input casting), and the generation arena's layout and address (`arena.GenerationArena`: the KV buffers, the
-decode state and the fold groups, `decoder.FoldGroup`, whose base weights and A weights are copied there before every
-generation): it is freed after every generation (so training gets the memory back, as with `generate`), and when the
-allocator hands it back elsewhere the graph is recaptured (~0.3 s, no recompilation; in `benchmarks/step_time.py`'s
-trainer run at the Initial shape on an H100 that happened once, after the first training step: 2 captures in 4 steps).
-Optimizer steps update parameters in place: the graph reads the live storage (and the fold groups' fresh copies), no
+(data pointers, shapes, dtypes: a LoRA rank/target change, `.data` swaps) or LoRA state (merged, disabled, active
+adapter, scaling, variant, dropout, input casting), and the generation arena's layout and address
+(`arena.GenerationArena`: the KV buffers, the decode state and the stacked projections, `decoder.StackGroup`, whose
+base weights and A weights are copied there before every generation). The arena is freed after every generation, its
+memory back to the driver, so training gets all of it back, as with `generate`, and mapped again at the same virtual
+addresses for the next (`fixed_addresses`): one capture in `benchmarks/step_time.py`'s 4 trainer steps at the
+Initial shape on an H100. Where the addresses do move (no virtual memory management) the graph is recaptured (~0.2 s,
+no recompilation).
+Optimizer steps update parameters in place: the graph reads the live storage (and the stacks' fresh copies), no
 recapture. Values that change between calls (temperature, top_p, min_p, min_new_tokens, the seed, the prompts and
 their padding) are copied into tensors the graph reads.
 
@@ -48,8 +49,8 @@ from . import sampler as sampler_module
 from .arena import GenerationArena, Region
 from .compiled import raise_recompile_limit
 from .decoder import (
-    DecoderParts, FoldGroup, UnsupportedModel, decode_logits, decoder_parts, generation_target, load_folds,
-    plan_fusions, prefill, unload_folds,
+    DecoderParts, StackGroup, UnsupportedModel, decode_logits, decoder_parts, generation_target, load_stacks,
+    plan_fusions, prefill, unload_stacks,
 )  # fmt: skip
 from .sampler import SamplerLayout, SamplerSettings, SamplerTensors, UnsupportedGeneration, next_tokens, sampler_settings
 
@@ -76,9 +77,8 @@ def default_compile_options() -> dict:
 
 
 class DecodeState(NamedTuple):
-    """The per-row state a decode step reads and updates in place (fixed addresses: the graph's inputs). The integer
-    tensors are views of the generation arena (`state_regions`; `out` is 1-3 MiB at the recipe's shapes), the two
-    flags a few bytes kept between generations (a buffer of their own would be one more address that can move)."""
+    """The per-row state a decode step reads and updates in place (fixed addresses: the graph's inputs), views of the
+    generation arena (`state_regions`; `out` is 1-3 MiB at the recipe's shapes)."""
 
     token: torch.Tensor  # (batch,) the token fed to the next step
     step: torch.Tensor  # (1,) index of the token the next step chooses
@@ -89,13 +89,14 @@ class DecodeState(NamedTuple):
     done: torch.Tensor  # () bool: every row finished
 
 
-STATE_FLAGS = ("finished", "done")  # DecodeState's bool fields, outside the arena
-
-
 def state_regions(batch: int, columns: int) -> list[Region]:
-    """`DecodeState`'s integer tensors as arena regions, one buffer."""
+    """`DecodeState` as arena regions: the integer tensors in buffer "state", the two flags in "flags" (one dtype per
+    buffer). Nothing of the state stays allocated between generations (the flags' and the sampler's few bytes
+    outside the arena were the engine's +5 KB of peak allocated memory over `compiled_generation`, eleventh session)."""
     shapes = {"token": (batch,), "step": (1,), "width": (1,), "start": (batch,), "out": (batch, columns)}
-    return [Region(name, shape, torch.long, "state") for name, shape in shapes.items()]
+    flags = {"finished": (batch,), "done": ()}
+    return [*(Region(name, shape, torch.long, "state") for name, shape in shapes.items()),
+            *(Region(name, shape, torch.bool, "flags") for name, shape in flags.items())]  # fmt: skip
 
 
 @dataclass
@@ -206,7 +207,7 @@ class CaptureKey:
 class CaptureRecord(NamedTuple):
     key: CaptureKey
     fingerprint: tuple  # model_fingerprint: (parameter storage, LoRA state)
-    arena_layout: tuple  # GenerationArena.layout: KV, state and fold-group buffers
+    arena_layout: tuple  # GenerationArena.layout: KV, state and stack buffers
     arena_address: tuple[int, ...]  # GenerationArena.address: where each buffer starts
 
 
@@ -224,7 +225,7 @@ def capture_reasons(previous: CaptureRecord | None, current: CaptureRecord) -> l
     if previous.fingerprint[1] != current.fingerprint[1]:
         reasons.append("LoRA state (merged, disabled, active adapter, scaling, variant, dropout or input casting)")
     if previous.arena_layout != current.arena_layout:
-        reasons.append("generation buffers' layout (KV, state or fold groups)")
+        reasons.append("generation buffers' layout (KV, state or stacked projections)")
     elif previous.arena_address != current.arena_address:
         reasons.append("generation buffers moved")
     return reasons
@@ -320,7 +321,7 @@ class RolloutEngine:
             eager step (recorded in `stats.compile_error`, logged).
         prompt_budget: prompt tokens reserved in the KV cache (the trainer's `generation_max_prompt_length`), so prompt
             widths up to it share one capture. A wider batch grows the budget (one more capture).
-        release_cache: free the generation arena (KV buffers, decode state, fold groups) after each generation
+        release_cache: free the generation arena (KV buffers, decode state, stacked projections) after each generation
             (default), so training gets the memory back; False keeps it (and the graph replayable, as
             benchmarks/generation.py's profile does).
         require_compile: raise instead of running a half of the step uncompiled when compilation fails (benchmarks).
@@ -352,7 +353,6 @@ class RolloutEngine:
         self._capture_record: CaptureRecord | None = None
         self._arena: GenerationArena | None = None
         self._kv: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] = ((), ())
-        self._flags: dict[str, torch.Tensor] = {}
         self._graph: torch.cuda.CUDAGraph | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._state: DecodeState | None = None
@@ -396,12 +396,12 @@ class RolloutEngine:
         autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
         use_graphs = device.type == "cuda" if self.cuda_graphs is None else self.cuda_graphs
         started = time.perf_counter()
-        folds: list[FoldGroup] = []
+        stacks: list[StackGroup] = []
         try:
             with eval_mode(parts.model), autocast:
-                folds = plan_fusions(parts)  # before the fingerprint: fusing re-points parameters
+                stacks = plan_fusions(parts)
                 logits, prompt_kv = prefill(parts, input_ids, attention_mask)
-                key = self._prepare(parts, settings, input_ids, prompt_kv, autocast_dtype, use_graphs, folds)
+                key = self._prepare(parts, settings, input_ids, prompt_kv, autocast_dtype, use_graphs, stacks)
                 self._load(settings, seed, input_ids, attention_mask, prompt_kv, logits, parts)
                 del prompt_kv, logits
                 prefill_seconds = _elapsed(started, device)
@@ -411,7 +411,8 @@ class RolloutEngine:
             decode_seconds = _elapsed(decode_started, device)
         finally:
             if self.release_cache and self._arena is not None:
-                unload_folds(parts, folds)  # their buffers are about to be freed
+                unload_stacks(parts, stacks)  # their buffers are about to be freed
+                decode_attention.withdraw_arrival_counters(self._arena.views["arrivals"])
                 self._arena.release()  # training gets the memory back; the graph is re-checked next call
         self.stats.generations += 1
         self.stats.last.update(
@@ -448,8 +449,8 @@ class RolloutEngine:
             self._parts = (id(target), decoder_parts(model))
         return self._parts[1]
 
-    def _prepare(self, parts, settings, input_ids, prompt_kv, autocast_dtype, use_graphs, folds) -> CaptureKey:
-        """Allocate the generation arena (KV buffers, decode state, `folds`' stacks, loaded from the live weights) and
+    def _prepare(self, parts, settings, input_ids, prompt_kv, autocast_dtype, use_graphs, stacks) -> CaptureKey:
+        """Allocate the generation arena (KV buffers, decode state, `stacks`, copied from the live weights) and
         the sampler's tensors for this call; recapture when anything the graph depends on changed."""
         batch, width = input_ids.shape
         device = input_ids.device
@@ -467,12 +468,10 @@ class RolloutEngine:
         layout = (
             Region("kv", kv_shape, key.kv_dtype, "kv"),  # one block: per-layer buffers fared no better (tenth session)
             *state_regions(batch, 1 + chunks * self.steps_per_graph),
-            *(region for fold in folds for region in fold.regions()),
+            *SamplerTensors.regions(settings.layout.num_eos, integers="state", floats="sampler"),
+            Region("arrivals", (batch * parts.num_kv_heads,), torch.int32, "arrivals"),  # decode_attention's counters
+            *(region for stack in stacks for region in stack.regions()),
         )
-        if self._capture_record is None or key != self._capture_record.key:
-            self._sampler = SamplerTensors.allocate(settings.layout.num_eos, device)
-            self._flags = {"finished": torch.zeros(batch, dtype=torch.bool, device=device),
-                           "done": torch.zeros((), dtype=torch.bool, device=device)}  # fmt: skip
         if self._arena is None or self._arena.layout != layout:
             if self._arena is not None:
                 self._arena.release()  # before the new one is allocated
@@ -481,15 +480,19 @@ class RolloutEngine:
             self._kv = (tuple(kv[0].unbind(0)), tuple(kv[1].unbind(0)))
         self._arena.acquire()
         views = self._arena.views
-        self._state = DecodeState(**{name: self._flags[name] if name in STATE_FLAGS else views[name]
-                                     for name in DecodeState._fields})  # fmt: skip
+        self._state = DecodeState(**{name: views[name] for name in DecodeState._fields})
+        self._sampler = SamplerTensors.from_views(views)
         # the arena comes back uninitialised: KV columns past a row's keys are masked, but a NaN bit pattern there
-        # would still poison the products; the state starts as a fresh one
-        for tensor in (views["kv"], *self._state):
+        # would still poison the products; the state starts as a fresh one, the sampler as neutral values for a
+        # capture's warm-up (`_load` writes the call's settings)
+        for tensor in (views["kv"], views["arrivals"], *self._state, *self._sampler):
             tensor.zero_()
+        decode_attention.lend_arrival_counters(views["arrivals"])
+        self._sampler.temperature.fill_(1.0)
+        self._sampler.top_p.fill_(1.0)
         self._state.step.fill_(1)
         self._state.width.fill_(self.prompt_budget)
-        load_folds(parts, folds, views)
+        load_stacks(parts, stacks, views)
         record = CaptureRecord(key, model_fingerprint(parts.model), layout, self._arena.address)
         reasons = capture_reasons(self._capture_record, record)
         self.stats.last = {"capture_reasons": reasons}

@@ -19,13 +19,13 @@ dynamo's guards recompile). Uncompiled (CPU tests, a failed compile) the product
 `fused_mlp`'s one kernel instead (gate/up GEMMs, their B products and SiLU(gate) * up in one pass).
 
 Folded A products (`FOLD_LORA_A`): q/k/v's, o's and down's base weights are copied for each generation into one
-buffer with copies of their adapters' A weights as extra rows (`decoder.FoldGroup`, in the engine's generation arena,
+buffer with copies of their adapters' A weights as extra rows (`decoder.StackGroup`, in the engine's generation arena,
 freed while training; `fold_factors` picks the adapters, `fold_rows` sizes the rows, `refresh_folded` copies them),
 and one GEMM with float32 output gives the base outputs and every `lora_A(x)` (`_folded`): the A reduction kernel of
 each group goes (32 x 4,096 on an H100: 18,466 -> 20,021 tokens/s). float32 adapters on bf16 weights ride as two
 bf16 rows (A and its remainder), so the products keep float32 precision; the base outputs are rounded once after the
-bias, as F.linear's. The copies cost memory only while generating: the adapted groups' base weights (55 MB at the
-GSM8K recipe's Initial shape, r32 q,k; 0.35 GB at reset-4, r64 all-linear), far under what training then needs.
+bias, as F.linear's. The copies cost memory only while generating (every stacked group is a copy now, folded or not:
+`fused_weights`), far under what training then needs.
 """
 
 from __future__ import annotations

@@ -28,11 +28,13 @@ min-p, min_new_tokens are on, the number of EOS ids) is the `SamplerLayout`.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
+from .arena import Region
 from .decode_attention import triton_available
 
 # GenerationConfig fields that add a logits processor, stopping criterion or decoding mode this loop does not
@@ -173,6 +175,9 @@ def sampler_settings(config: Any) -> SamplerSettings:
     )
 
 
+_SAMPLER_DTYPES = (torch.float32, torch.float32, torch.float32, torch.long, torch.long, torch.long, torch.long)
+
+
 class SamplerTensors(NamedTuple):
     """Device copies of the values a CUDA graph reads at replay (changing them needs no recapture)."""
 
@@ -190,6 +195,18 @@ class SamplerTensors(NamedTuple):
         longs = {"dtype": torch.long, "device": device}
         return cls(torch.ones(1, **floats), torch.ones(1, **floats), torch.zeros(1, **floats), torch.zeros(1, **longs),
                    torch.zeros(num_eos, **longs), torch.zeros(1, **longs), torch.zeros(1, **longs))  # fmt: skip
+
+    @classmethod
+    def regions(cls, num_eos: int, integers: str, floats: str) -> list[Region]:
+        """The tensors as regions of a generation arena (`arena.GenerationArena`): the int64 ones in buffer
+        `integers`, the float32 ones in `floats`; `from_views` makes the tuple. `load` writes every one of them."""
+        shapes = {"eos": (num_eos,)}
+        return [Region(f"sampler.{name}", shapes.get(name, (1,)), dtype, integers if dtype == torch.long else floats)
+                for name, dtype in zip(cls._fields, _SAMPLER_DTYPES, strict=True)]  # fmt: skip
+
+    @classmethod
+    def from_views(cls, views: Mapping[str, torch.Tensor]) -> SamplerTensors:
+        return cls(*(views[f"sampler.{name}"] for name in cls._fields))
 
     def load(self, settings: SamplerSettings, seed: int) -> None:
         """Copy `settings` and `seed` into the tensors in place (the captured graph keeps their addresses)."""
