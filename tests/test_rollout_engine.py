@@ -349,9 +349,9 @@ def test_generation_buffers_are_freed_between_generations_and_stacks_live_there(
     gate_up = [parts.stacks[f"fused_gate_up.{index}"] for index in range(len(parts.layers))]
     assert all(fused.extra_rows == 0 and fused.stacked.untyped_storage().nbytes() == 0 for fused in gate_up)
     assert [parameter.data_ptr() for parameter in model.parameters()] == own
-    from prorl_trl.rollout import decode_attention
+    from prorl_trl.rollout import arrivals
 
-    assert all(t.untyped_storage().nbytes() for t in decode_attention._ARRIVALS.values())  # no lent counter outlives it
+    assert all(t.untyped_storage().nbytes() for t in arrivals._ARRIVALS.values())  # no lent counter outlives it
     assert torch.equal(engine.generate(model, input_ids, mask, sampling, seed=5).tokens, first)
     assert len(arena.address) == 6  # KV, state (with the sampler's integers), flags, sampler floats, arrivals, stacks
     torch.manual_seed(0)
@@ -654,16 +654,16 @@ def test_default_compile_options_are_kept_only_where_inductor_knows_them(monkeyp
 
 
 def test_lent_arrival_counters_are_used_until_withdrawn():
-    from prorl_trl.rollout import decode_attention
+    from prorl_trl.rollout import arrivals
 
     lent = torch.zeros(6, dtype=torch.int32)
-    decode_attention.lend_arrival_counters(lent)
+    arrivals.lend_arrival_counters(lent)
     try:
-        assert decode_attention.arrival_counters(torch.device("cpu"), 6) is lent
-        decode_attention.withdraw_arrival_counters(torch.zeros(6, dtype=torch.int32))  # not the lent one: no effect
-        assert decode_attention.arrival_counters(torch.device("cpu"), 6) is lent
+        assert arrivals.arrival_counters(torch.device("cpu"), 6) is lent
+        arrivals.withdraw_arrival_counters(torch.zeros(6, dtype=torch.int32))  # not the lent one: no effect
+        assert arrivals.arrival_counters(torch.device("cpu"), 6) is lent
     finally:
-        decode_attention.withdraw_arrival_counters(lent)
-    own = decode_attention.arrival_counters(torch.device("cpu"), 6)
+        arrivals.withdraw_arrival_counters(lent)
+    own = arrivals.arrival_counters(torch.device("cpu"), 6)
     assert own is not lent and own.dtype == torch.int32 and not own.any()
-    assert decode_attention.arrival_counters(torch.device("cpu"), 6) is own  # allocated once, then kept
+    assert arrivals.arrival_counters(torch.device("cpu"), 6) is own  # allocated once, then kept

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import arrival_counters
+from .arrivals import arrival_counters
 
 
 @triton.jit

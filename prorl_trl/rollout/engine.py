@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import decode_attention, fused_mlp, fused_weights, lora_decode
+from . import arrivals, decode_attention, fused_mlp, fused_weights, lora_decode
 from . import sampler as sampler_module
 from .arena import GenerationArena, Region
 from .compiled import raise_recompile_limit
@@ -412,7 +412,7 @@ class RolloutEngine:
         finally:
             if self.release_cache and self._arena is not None:
                 unload_stacks(parts, stacks)  # their buffers are about to be freed
-                decode_attention.withdraw_arrival_counters(self._arena.views["arrivals"])
+                arrivals.withdraw_arrival_counters(self._arena.views["arrivals"])
                 self._arena.release()  # training gets the memory back; the graph is re-checked next call
         self.stats.generations += 1
         self.stats.last.update(
@@ -469,7 +469,7 @@ class RolloutEngine:
             Region("kv", kv_shape, key.kv_dtype, "kv"),  # one block: per-layer buffers fared no better (tenth session)
             *state_regions(batch, 1 + chunks * self.steps_per_graph),
             *SamplerTensors.regions(settings.layout.num_eos, integers="state", floats="sampler"),
-            Region("arrivals", (batch * parts.num_kv_heads,), torch.int32, "arrivals"),  # decode_attention's counters
+            Region("arrivals", (batch * parts.num_kv_heads,), torch.int32, "arrivals"),  # the attention kernel's
             *(region for stack in stacks for region in stack.regions()),
         )
         if self._arena is None or self._arena.layout != layout:
@@ -487,7 +487,7 @@ class RolloutEngine:
         # capture's warm-up (`_load` writes the call's settings)
         for tensor in (views["kv"], views["arrivals"], *self._state, *self._sampler):
             tensor.zero_()
-        decode_attention.lend_arrival_counters(views["arrivals"])
+        arrivals.lend_arrival_counters(views["arrivals"])
         self._sampler.temperature.fill_(1.0)
         self._sampler.top_p.fill_(1.0)
         self._state.step.fill_(1)
