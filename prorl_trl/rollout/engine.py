@@ -485,11 +485,10 @@ class RolloutEngine:
         # the arena comes back uninitialised: KV columns past a row's keys are masked, but a NaN bit pattern there
         # would still poison the products; the state starts as a fresh one, the sampler as neutral values for a
         # capture's warm-up (`_load` writes the call's settings)
-        for tensor in (views["kv"], views["arrivals"], *self._state, *self._sampler):
+        for tensor in (views["kv"], views["arrivals"], *self._state):
             tensor.zero_()
+        self._sampler.reset()
         arrivals.lend_arrival_counters(views["arrivals"])
-        self._sampler.temperature.fill_(1.0)
-        self._sampler.top_p.fill_(1.0)
         self._state.step.fill_(1)
         self._state.width.fill_(self.prompt_budget)
         load_stacks(parts, stacks, views)

@@ -149,6 +149,7 @@ class FixedAddressAllocator:
         self.driver = _Driver()
         self.books: dict[int, AddressBook] = {}
         self._granularity: dict[int, int] = {}
+        self._supported: dict[int, bool] = {}  # `supports`, asked of the driver once per device
         self._lock = threading.Lock()
         malloc_type = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
         free_type = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
@@ -156,6 +157,11 @@ class FixedAddressAllocator:
         self._free = free_type(self.free)
         address = ctypes.cast(self._malloc, ctypes.c_void_p).value, ctypes.cast(self._free, ctypes.c_void_p).value
         self.torch_allocator = torch._C._cuda_customAllocator(*address)
+
+    def supports(self, device: int) -> bool:
+        if device not in self._supported:
+            self._supported[device] = self.driver.supports_vmm(device)
+        return self._supported[device]
 
     def granularity(self, device: int) -> int:
         if device not in self._granularity:
@@ -236,6 +242,6 @@ def allocator(device: torch.device) -> FixedAddressAllocator | None:
     if made is None or device.type != "cuda":
         return None
     try:
-        return made if made.driver.supports_vmm(device.index or 0) else None
+        return made if made.supports(device.index or 0) else None
     except RuntimeError:
         return None

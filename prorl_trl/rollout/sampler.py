@@ -191,10 +191,18 @@ class SamplerTensors(NamedTuple):
 
     @classmethod
     def allocate(cls, num_eos: int, device: torch.device) -> SamplerTensors:
-        floats = {"dtype": torch.float32, "device": device}
-        longs = {"dtype": torch.long, "device": device}
-        return cls(torch.ones(1, **floats), torch.ones(1, **floats), torch.zeros(1, **floats), torch.zeros(1, **longs),
-                   torch.zeros(num_eos, **longs), torch.zeros(1, **longs), torch.zeros(1, **longs))  # fmt: skip
+        """Tensors of their own (outside an arena), holding `reset`'s neutral values."""
+        tensors = cls.from_views({region.name: torch.empty(region.shape, dtype=region.dtype, device=device)
+                                  for region in cls.regions(num_eos, integers="", floats="")})  # fmt: skip
+        tensors.reset()
+        return tensors
+
+    def reset(self) -> None:
+        """Neutral values (temperature and top_p 1, the rest 0), for a capture's warm-up before `load`."""
+        for tensor in self:
+            tensor.zero_()
+        self.temperature.fill_(1.0)
+        self.top_p.fill_(1.0)
 
     @classmethod
     def regions(cls, num_eos: int, integers: str, floats: str) -> list[Region]:
