@@ -35,6 +35,10 @@ GRPO_PHASE_FIELDS = (
 PRORL_PHASE_FIELDS = ("overlong_buffer", "overlong_penalty_factor", "plateau_patience", "plateau_min_delta")
 # PhaseConfig fields that mirror a peft.LoraConfig field: phase field -> LoraConfig attribute.
 LORA_PHASE_FIELDS = {"lora_r": "r", "lora_alpha": "lora_alpha", "lora_target_modules": "target_modules"}
+# How a hard reset keeps the LoRA delta (`ProRLConfig.lora_reset_mode`; see prorl_trl/reset/frozen.py).
+LORA_RESET_MODES = ("frozen", "merge")
+# The dtypes a merged save can be written in (`ProRLConfig.merged_save_dtype`; see prorl_trl/reset/save.py).
+MERGED_SAVE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -208,6 +212,13 @@ class ProRLConfig(GRPOConfig):
         reset_reference (`bool`, defaults to `True`): A reset moves the KL reference to the current policy.
         save_merged_on_reset (`bool`, defaults to `True`): Save the merged model under
             `<output_dir>/merged/reset-<k>/` at every reset.
+        merged_save_dtype (`str`, defaults to `"auto"`): The dtype of merged saves (`merged/reset-<k>/`, `final/`),
+            whose LoRA deltas are folded in float32 first. `"auto"`: the base weights' dtype when that keeps the
+            deltas (at most 1 % of their norm rounded away), else float32; or `"float32"`, `"bfloat16"`, `"float16"`.
+        lora_reset_mode (`str`, defaults to `"frozen"`): How a hard reset keeps the LoRA delta. `"frozen"`: as frozen
+            low-rank factors beside the base weights, which are never written (exact in every dtype, quantised bases
+            included; the forward pays for the frozen rank). `"merge"`: added into the base weights (exact only for
+            a float32 base computed without autocast; a bf16 base rounds most of a small delta away).
 
         > Overlong penalty
 
@@ -271,6 +282,23 @@ class ProRLConfig(GRPOConfig):
     )
     save_merged_on_reset: bool = field(
         default=True, metadata={"help": "Save the merged model under <output_dir>/merged/reset-<k>/ at each reset."}
+    )
+    merged_save_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "dtype of merged saves (merged/reset-<k>/, final/), folded in float32 first: 'auto' writes the base "
+            "dtype when that keeps the LoRA deltas (<= 1 % of their norm rounded away), else float32.",
+            "choices": list(MERGED_SAVE_DTYPES),
+        },
+    )
+    lora_reset_mode: str = field(
+        default="frozen",
+        metadata={
+            "help": "How a hard reset keeps the LoRA delta: 'frozen' keeps each phase's adapter as frozen low-rank "
+            "factors beside the base weights (exact in every dtype, QLoRA included); 'merge' adds it into the base "
+            "weights (exact only in float32 without autocast: a bf16 base rounds most of a small delta away).",
+            "choices": list(LORA_RESET_MODES),
+        },
     )
     overlong_buffer: int = field(
         default=0, metadata={"help": "DAPO soft overlong buffer length in tokens before the cap; 0 disables."}
@@ -341,6 +369,15 @@ class ProRLConfig(GRPOConfig):
             self.phases = [p if isinstance(p, PhaseConfig) else PhaseConfig(**p) for p in self.phases]
             if not self.phases:
                 raise ValueError("`phases` is empty: give at least one phase, or leave it unset for a single phase.")
+        if self.lora_reset_mode not in LORA_RESET_MODES:
+            raise ValueError(
+                f"lora_reset_mode must be one of {list(LORA_RESET_MODES)}, got {self.lora_reset_mode!r}: 'frozen' keeps "
+                "each phase's LoRA delta exactly as frozen factors, 'merge' adds it into the base weights."
+            )
+        if self.merged_save_dtype not in MERGED_SAVE_DTYPES:
+            raise ValueError(
+                f"merged_save_dtype must be one of {list(MERGED_SAVE_DTYPES)}, got {self.merged_save_dtype!r}."
+            )
         if self.plateau_mode not in ("max", "min"):
             raise ValueError(f"plateau_mode must be 'max' or 'min', got {self.plateau_mode!r}.")
         if self.overlong_buffer < 0:

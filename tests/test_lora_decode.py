@@ -14,6 +14,8 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
+from prorl_trl.reset import freeze_lora_delta, frozen_layers, lora_layers, reinit_adapter
+from prorl_trl.reset.frozen import FROZEN_MODULE, frozen_delta_of
 from prorl_trl.rollout import fused_mlp, lora_decode
 from prorl_trl.rollout.decoder import decode_logits, decoder_parts, refresh_fusions
 from prorl_trl.tiny import build_tiny
@@ -206,7 +208,8 @@ def assert_folded_equal_modules(parts, dtype, generator) -> tuple[int, int, int]
     for modules, fused in folded_groups(parts):
         x = torch.randn(5, 1, modules[0].in_features, generator=generator).to(dtype)
         factors = [lora_decode.lora_factors(module, x) for module in modules]
-        folds += lora_decode._folded(x, fused, factors) is not None
+        stages = [lora_decode.stage_of(module, live) for module, live in zip(modules, factors)]
+        folds += lora_decode._folded(x, fused, stages) is not None
         same, count = assert_outputs_match(lora_decode.project(x, modules, fused), [m(x) for m in modules], 1e-5)
         identical, compared = identical + same, compared + count
     return folds, identical, compared
@@ -259,3 +262,68 @@ def test_folded_a_products_equal_peft_through_updates_and_a_new_rank(case, dtype
     assert all(f is None for f in parts.fused_down)  # down lost its adapter: a plain GEMM again
     folds, _, _ = assert_folded_equal_modules(parts, dtype, torch.Generator().manual_seed(4))
     assert folds == 2 * len(parts.layers)
+
+
+def frozen_model(dtype: torch.dtype, **lora):
+    """An adapted model after two hard resets that kept each delta as frozen factors (the second with another
+    lora_alpha where the config has no per-layer patterns, so the concatenation carries a scaling ratio), with a
+    trained live adapter on top."""
+    model = adapted_model(dtype, **lora)
+    for seed, alpha in ((5, None), (6, None if "alpha_pattern" in lora else 12)):
+        freeze_lora_delta(model)
+        reinit_adapter(model, lora_alpha=alpha, seed=seed)
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=0.3)
+    return model.eval()
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@torch.no_grad()
+def test_frozen_factors_of_earlier_resets_take_part_in_every_projection_path(case, dtype, monkeypatch):
+    """The frozen factors sit in the base layers' hooks; where the decode step computes base outputs from stacked
+    copies it must add them itself: called as modules (the hook), stacked GEMMs (`_apply_stages` on the raw outputs),
+    folded A rows (each module's frozen parts' A weights, then its live one's), and gate/up leave `fused_mlp`'s kernel
+    for `project`.
+    Each path equals calling the modules (float32: to 1e-5; bf16: within one ulp, mostly identical: one rounding, as
+    PEFT's), and differs from the same step without the frozen factors."""
+    model = frozen_model(dtype, **CASES[case])
+    frozen = frozen_layers(model)
+    assert frozen and all(  # two resets, one part each of the layer's rank
+        [down.shape[0] for down, _, _ in frozen_delta_of(layer.base_layer).parts] == [layer.r["default"]] * 2
+        for _, layer in lora_layers(model)
+    )
+    parts = decoder_parts(model)
+    generator = torch.Generator().manual_seed(7)
+    for modules in projection_groups(model):  # unfused: the hooks do it
+        x = torch.randn(5, 1, modules[0].in_features, generator=generator).to(dtype)
+        assert_outputs_match(lora_decode.project(x, modules), [module(x) for module in modules], 1e-5)
+
+    refresh_fusions(parts)  # stacked with folded A rows: the live ranks, then the frozen ranks
+    folds, identical, compared = assert_folded_equal_modules(parts, dtype, generator)
+    assert folds == len(folded_groups(parts)) > 0
+    for modules, fused in folded_groups(parts):
+        live = sum(adapter_down(m).shape[0] for m in modules if adapter_down(m) is not None)
+        kept = sum(f.rank for m in modules if (f := frozen_delta_of(lora_decode.base_linear(m))) is not None)
+        assert kept > 0
+        assert fused.extra_rows == (live + kept) * (2 if dtype == torch.bfloat16 else 1)
+    if dtype == torch.bfloat16:
+        assert identical >= 0.9 * compared, f"{identical}/{compared} outputs identical"
+
+    monkeypatch.setattr(lora_decode, "FOLD_LORA_A", False)  # stacked without folds: the frozen stage on raw outputs
+    refresh_fusions(parts)
+    qkv = (parts.layers[0].self_attn.q_proj, parts.layers[0].self_attn.k_proj, parts.layers[0].self_attn.v_proj)
+    x = torch.randn(5, 1, qkv[0].in_features, generator=generator).to(dtype)
+    stacked = lora_decode.project(x, qkv, parts.fused_qkv[0])
+    assert_outputs_match(stacked, [module(x) for module in qkv], 1e-5)
+    if case != "q,k":
+        mlp = parts.layers[0].mlp
+        h = torch.randn(5, 1, mlp.gate_proj.in_features, generator=generator).to(dtype)
+        assert lora_decode._fused_gated_activation(mlp, h, parts.fused_gate_up[0]) is None
+        gated = lora_decode.gated_mlp(mlp, h, parts.fused_gate_up[0], parts.fused_down[0])
+        assert_outputs_match([gated], [mlp(h)], 1e-5)
+    for _, base, _ in frozen:  # without the frozen factors the same step gives other outputs: they were in use
+        delattr(base, FROZEN_MODULE)
+    without = lora_decode.project(x, qkv, parts.fused_qkv[0])
+    assert any(not torch.equal(a, b) for a, b in zip(without, stacked) if a.numel())

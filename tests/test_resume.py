@@ -3,8 +3,8 @@
 Run A trains 2 phases (hard reset between them) without interruption. Run B is the same run killed while it saves
 checkpoint 3 of phase 2 (after checkpoint 2 was complete), so checkpoint-3 is on disk but unfinished. Run C is a new
 trainer (new model object) that resumes B with `train(resume_from_checkpoint=True)`: it must pick checkpoint 2 of
-phase 2, rebuild the merged base of reset 1 and the adapter/optimizer/scheduler/RNG of the checkpoint, and end with
-the weights of run A.
+phase 2, restore the frozen LoRA factors of reset 1 and the adapter/optimizer/scheduler/RNG of the checkpoint, and end
+with the weights of run A.
 """
 
 import json
@@ -16,6 +16,7 @@ from peft import LoraConfig
 from transformers import TrainerCallback
 
 from prorl_trl.config import ProRLConfig
+from prorl_trl.reset import frozen_state_dict, merged_state_dict
 from prorl_trl.reset.checkpoint import PRORL_STATE_NAME, latest_checkpoint
 from prorl_trl.tiny import build_tiny
 from prorl_trl.trainer import ProRLTrainer
@@ -73,7 +74,8 @@ def make_trainer(output_dir, callbacks=()):
 
 
 def weights(trainer):
-    return {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    """Every parameter and the frozen LoRA factors of earlier resets: the whole policy."""
+    return {name: p.detach().clone() for name, p in trainer.model.named_parameters()} | frozen_state_dict(trainer.model)
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +104,7 @@ def test_interrupted_save_leaves_previous_checkpoint_in_use(runs):
     assert runs["chosen"] == b / "checkpoint-2"
     state = json.loads((runs["chosen"] / PRORL_STATE_NAME).read_text())
     assert state["phase_index"] == 1 and state["resets"] == 1 and state["merged_base"].endswith("reset-1")
+    assert state["frozen_factors"] == "frozen/reset-1.safetensors" and state["lora_reset_mode"] == "frozen"
 
 
 def test_resumed_run_ends_with_the_uninterrupted_weights(runs):
@@ -113,6 +116,7 @@ def test_resumed_run_ends_with_the_uninterrupted_weights(runs):
     assert wa.keys() == wc.keys()
     max_diff = max((wa[k] - wc[k]).abs().max().item() for k in wa)
     assert max_diff < 1e-6, max_diff
-    # and training did move the weights after the resume point (the comparison is not vacuous)
-    start = make_trainer(runs["root"] / "unused")
-    assert max((wa[k] - v).abs().max().item() for k, v in weights(start).items() if k in wa and "lora" not in k) > 1e-4
+    assert any(".prorl_frozen." in k for k in wa)  # reset 1 kept phase 1's delta as frozen factors
+    # and training did move the policy after the resume point (the comparison is not vacuous)
+    start, end = merged_state_dict(make_trainer(runs["root"] / "unused").model), merged_state_dict(a.model)
+    assert max((end[k] - v).abs().max().item() for k, v in start.items()) > 1e-4

@@ -22,6 +22,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from prorl_trl.reset import freeze_lora_delta, frozen_layers, reinit_adapter
 from prorl_trl.rollout import decode_attention, fused_mlp, lora_decode, sampler
 from prorl_trl.rollout.decode_attention import gqa_decode_attention_reference, triton_available
 from prorl_trl.rollout.engine import RolloutEngine, resolved_generation_config, unsupported_reason
@@ -222,6 +223,16 @@ def test_greedy_tokens_equal_generate_with_left_padding_and_lora(tiny, steps_per
     with peft_model.disable_adapter():
         assert not torch.equal(reference, generate_reference(peft_model, input_ids, mask, greedy)), "LoRA had no effect"
     assert torch.equal(engine.generate(peft_model, input_ids, mask, greedy).tokens, reference)
+
+    # after a hard reset that kept the delta as frozen factors, and a new adapter trained on top (another shape)
+    freeze_lora_delta(peft_model)
+    reinit_adapter(peft_model, r=2, target_modules=["q_proj", "k_proj", "down_proj"], seed=1)
+    for name, param in peft_model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.3)
+    after_reset = generate_reference(peft_model, input_ids, mask, greedy)
+    assert frozen_layers(peft_model) and not torch.equal(after_reset, reference)
+    assert torch.equal(engine.generate(peft_model, input_ids, mask, greedy).tokens, after_reset)
 
 
 def test_eos_padding_lengths_and_cap_follow_generate(tiny):

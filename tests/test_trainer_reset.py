@@ -69,7 +69,9 @@ def test_hard_reset_preserves_outputs_and_resets_adapter_optimizer_reference(tmp
 
 
 def test_phase_boundary_reset_logs_the_share_of_the_delta_the_merge_rounded_away(tmp_path):
-    trainer = build(tmp_path, max_steps=-1, phases=[PhaseConfig(max_steps=1), PhaseConfig(max_steps=1)])
+    trainer = build(
+        tmp_path, max_steps=-1, phases=[PhaseConfig(max_steps=1), PhaseConfig(max_steps=1)], lora_reset_mode="merge"
+    )
     trainer.train()
     logged = [e["prorl/merge_delta_lost"] for e in trainer.prorl_log_history if "prorl/merge_delta_lost" in e]
     assert trainer.prorl_resets == 1
@@ -79,14 +81,15 @@ def test_phase_boundary_reset_logs_the_share_of_the_delta_the_merge_rounded_away
 
 def test_reset_warns_when_a_bf16_base_rounds_the_delta_away(tmp_path, caplog):
     model, tokenizer = tiny_model()
-    trainer = build(tmp_path, model=model.to(torch.bfloat16), tokenizer=tokenizer)
+    trainer = build(tmp_path, model=model.to(torch.bfloat16), tokenizer=tokenizer, lora_reset_mode="merge")
     with torch.no_grad():  # a delta far under half a bf16 step of the weights, as a few steps at a small lr leave
         for _, layer in lora_layers(trainer.model):
             layer.lora_B["default"].weight.fill_(1e-7)
     with caplog.at_level(logging.WARNING, logger="prorl_trl"):
         trainer.hard_reset(reason="test")
     assert trainer.prorl_merge_delta_lost > 0.9
-    assert "rounded away" in caplog.text and "bfloat16 base weights" in caplog.text and "float32" in caplog.text
+    assert "rounded away" in caplog.text and "bfloat16 base weights" in caplog.text
+    assert "lora_reset_mode: frozen" in caplog.text  # the remedy named is the exact reset, not a float32 base
 
 
 def test_full_finetuning_reset_copies_policy_into_reference(tmp_path, tiny_dir):

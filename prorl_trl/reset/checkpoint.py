@@ -1,10 +1,12 @@
-"""What a ProRL checkpoint needs beyond TRL's: the phase, the reset count, the continuous step and the merged base.
+"""What a ProRL checkpoint needs beyond TRL's: the phase, the reset count, the continuous step and the earlier phases'
+LoRA deltas.
 
-TRL/HF checkpoints of a LoRA run hold only the adapter, but after a hard reset the base weights themselves have moved
-(the old deltas were merged in place). `ProRLTrainer` therefore writes `prorl_state.json` next to every checkpoint
-(which phase, how many resets, the step offset, and the `merged/reset-<k>` directory that holds the base at that
-point) and, on resume, loads that merged base into the live model before TRL loads the checkpoint's adapter,
-optimizer and scheduler.
+TRL/HF checkpoints of a LoRA run hold only the live adapter, but after a hard reset the policy also holds every earlier
+phase's delta: as frozen factors (`lora_reset_mode="frozen"`, saved at each reset as `frozen/reset-<k>.safetensors`)
+or merged into the base weights (`"merge"`, the `merged/reset-<k>` folder). `ProRLTrainer` therefore writes
+`prorl_state.json` next to every checkpoint (which phase, how many resets, the step offset, and which of those files
+holds the deltas at that point) and, on resume, restores them into the live model before TRL loads the checkpoint's
+adapter, optimizer and scheduler.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch import nn
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .gathered import load_state_
-from .support import unwrap_model
+from .support import base_model_of
 
 PRORL_STATE_NAME = "prorl_state.json"
 SUPERSEDED_STATE_NAME = "prorl_state.superseded.json"
@@ -32,6 +34,12 @@ _CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 def phase_dir_name(index: int) -> str:
     """Checkpoint folder of phase `index` (`ProRLTrainer._get_output_dir` writes it, `latest_checkpoint` globs it)."""
     return f"phase-{index}"
+
+
+def in_phase_dir(checkpoint: str | os.PathLike) -> bool:
+    """Whether `checkpoint` sits in a phase folder (`<run>/phase-<i>/checkpoint-<step>`), i.e. was written by
+    ProRLTrainer; its run folder is then two levels up."""
+    return re.fullmatch(phase_dir_name(r"\d+"), Path(checkpoint).resolve().parent.name) is not None
 
 
 def write_json(path: str | os.PathLike, data: Any) -> None:
@@ -47,6 +55,22 @@ def write_text_atomically(path: str | os.PathLike, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def save_tensors_atomically(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> None:
+    """A safetensors file written as `write_text_atomically` writes text: the previous file or the new one, never a
+    truncated one."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        save_file(tensors, str(tmp))
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -148,8 +172,7 @@ def load_merged_base(model: nn.Module, path: str | os.PathLike) -> None:
     model, under every engine (FSDP2 shards, ZeRO-3 partitions: collective there, see `gathered.load_state_`).
     Every base tensor must be present: a partial load would silently mix two bases.
     """
-    base = unwrap_model(model)
-    base = base.get_base_model() if hasattr(base, "get_base_model") else base
+    base = base_model_of(model)
     missing = load_state_(base, _read_weights(Path(path)))
     tied = getattr(base.config, "tie_word_embeddings", False)
     missing = [k for k in missing if not (tied and k.endswith("lm_head.weight"))]

@@ -1,4 +1,5 @@
-"""LoRA mechanics of a hard reset: merge the delta into the base in place, then start a fresh adapter.
+"""LoRA mechanics of a hard reset: merge the delta into the base in place (`lora_reset_mode="merge"`; the default keeps
+it as frozen factors instead, `frozen.py`), then start a fresh adapter.
 
 Why "in place": the HF training loop, the DDP wrapper, `accelerator._models`, `callback_handler.model` and TRL's
 `vllm_generation.model` all hold the live `PeftModel` and its Parameter objects (see
@@ -21,7 +22,15 @@ import torch
 from torch import nn
 
 from .rounding import MergeRounding
-from .support import ADAPTER_NAME, ResetNotSupportedError, check_lora_supported, lora_layers, peft_model_of, unwrap_model
+from .support import (
+    ADAPTER_NAME,
+    ResetNotSupportedError,
+    check_lora_supported,
+    is_bnb_lora_layer,
+    lora_layers,
+    peft_model_of,
+    unwrap_model,
+)
 
 
 def lora_delta(layer: nn.Module) -> torch.Tensor:
@@ -42,6 +51,12 @@ def merge_lora_in_place(model: nn.Module) -> MergeRounding:
     """
     check_lora_supported(model)
     rounding = MergeRounding()
+    for name, layer in lora_layers(model):
+        if is_bnb_lora_layer(layer):
+            raise ResetNotSupportedError(
+                f"LoRA layer {name} sits on a quantised (bitsandbytes) weight: merging into it would re-quantise the "
+                "base. Keep the delta as frozen factors instead (`frozen.freeze_lora_delta`, lora_reset_mode 'frozen')."
+            )
     for _, layer in lora_layers(model):
         if ADAPTER_NAME not in layer.merged_adapters:
             weight = layer.get_base_layer().weight

@@ -19,44 +19,73 @@ import torch
 from torch import nn
 
 from .checkpoint import PRORL_STATE_NAME
-from .lora import lora_delta
-from .support import ADAPTER_NAME, check_lora_supported, lora_layers, peft_model_of
+from .gathered import gathered_state_dict, iter_policy_weights
+from .rounding import MergeRounding
+from .support import check_lora_supported, peft_model_of, quantization_method
+
+# "auto" writes a merged save in the base dtype when rounding into it loses at most this share of the deltas' norm.
+AUTO_KEPT_LOSS = 0.01
 
 
 @torch.no_grad()
-def merged_state_dict(model: nn.Module, device: str | torch.device | None = "cpu") -> dict[str, torch.Tensor]:
-    """The base model's state dict with the active, unmerged "default" LoRA delta added, and no LoRA tensors.
+def merged_state_dict(
+    model: nn.Module,
+    device: str | torch.device | None = "cpu",
+    folded_dtype: torch.dtype | None = None,
+    rounding: MergeRounding | None = None,
+) -> dict[str, torch.Tensor]:
+    """The policy as a plain model's state dict: base weights with every LoRA delta folded in (the live "default"
+    adapter's and the frozen ones of earlier resets), and no LoRA tensors.
 
-    Computed out of place, one layer at a time (the live model is not touched); the sum is done in float32 and cast
-    to the base dtype. Merged tensors are moved to `device` (default CPU) as they are made, so GPU memory grows by one
-    layer at most; untouched tensors (and layers whose B is zero, e.g. right after a reset) are not copied.
+    Computed out of place, one layer at a time (`gathered.iter_policy_weights`, whose `folded_dtype` and `rounding`
+    this passes on; the live model is not touched); each sum is done in float32 and cast once (default: to the base
+    dtype), and a quantised base is dequantised to the model's float dtype. Folded tensors are moved to `device`
+    (default CPU) as they are made, so GPU memory grows by one layer at most; untouched tensors (and layers whose B is
+    zero and have nothing frozen, e.g. right after a merge) are not copied.
     """
     check_lora_supported(model)
-    base = peft_model_of(model).get_base_model()
-    pending = {}  # state-dict key -> (layer, "weight" | "bias")
-    for name, layer in lora_layers(base):
-        if layer.disable_adapters or ADAPTER_NAME in layer.merged_adapters or ADAPTER_NAME not in layer.active_adapters:
-            continue
-        lora_b = layer.lora_B[ADAPTER_NAME]
-        if lora_b.weight.count_nonzero() or (lora_b.bias is not None and lora_b.bias.count_nonzero()):
-            pending[f"{name}.weight"] = (layer, "weight")
-            if layer.lora_bias[ADAPTER_NAME]:
-                pending[f"{name}.bias"] = (layer, "bias")
-    state = {}
-    for key, tensor in base.state_dict().items():
-        if "lora_" in key:
-            continue
-        key = key.replace(".base_layer.", ".")
-        if key in pending:
-            layer, kind = pending[key]
-            if kind == "weight":
-                delta = lora_delta(layer)
-            else:
-                delta = layer.lora_B[ADAPTER_NAME].bias.float() * layer.scaling[ADAPTER_NAME]
-            tensor = (tensor.float() + delta).to(tensor.dtype)
-            tensor = tensor.to(device) if device is not None else tensor
-        state[key] = tensor
-    return state
+    return {
+        name: value.to(device) if is_new and device is not None else value
+        for name, value, is_new in iter_policy_weights(model, folded_dtype=folded_dtype, rounding=rounding)
+    }
+
+
+@torch.no_grad()
+def merged_weights(
+    model: nn.Module, save_dtype: str = "auto", sharded: bool = False
+) -> tuple[dict[str, torch.Tensor] | None, torch.dtype, MergeRounding]:
+    """A LoRA policy's weights for a merged save, on the CPU in the dtype to write: `(state, dtype, rounding)`.
+
+    Every delta is folded in float32 (`merged_state_dict`, or `gathered.gathered_state_dict` when `sharded`, which is
+    collective and gives rank 0 the state, the others None); `rounding` says what casting them into the base dtype
+    rounds away. `save_dtype` "auto" writes the base dtype when that keeps the deltas (at most `AUTO_KEPT_LOSS` of
+    their norm rounded away) and float32 otherwise: a bf16 merged save of a run at a small learning rate would
+    silently drop most of what it learned (the reason hard resets keep frozen factors). A named dtype is written as
+    asked.
+    """
+    rounding = MergeRounding()
+    if sharded:
+        state = gathered_state_dict(model, folded_dtype=torch.float32, rounding=rounding)
+    else:
+        state = merged_state_dict(model, folded_dtype=torch.float32, rounding=rounding)
+    if sharded:
+        rounding.broadcast_from(0, _device_of(model))
+    base_dtype = rounding.dtype or _float_dtype_of(model)
+    if save_dtype == "auto":
+        dtype = base_dtype if rounding.lost_fraction <= AUTO_KEPT_LOSS else torch.float32
+    else:
+        dtype = getattr(torch, save_dtype)
+    if state is not None:
+        state = {k: v.to("cpu", dtype) if v.is_floating_point() else v.to("cpu") for k, v in state.items()}
+    return state, dtype, rounding
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _float_dtype_of(model: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
 
 
 def save_merged_model(
@@ -78,10 +107,35 @@ def save_merged_model(
     merged = merged_state_dict(model) if weights is None else weights
 
     def write(folder: Path) -> None:
-        base.save_pretrained(folder, state_dict=merged)
+        dtypes = {t.dtype for t in merged.values() if t.is_floating_point()}
+        if quantization_method(base) is not None or dtypes != {base.dtype}:
+            _save_plain(base, merged, folder, next(iter(dtypes)) if len(dtypes) == 1 else base.dtype)
+        else:
+            base.save_pretrained(folder, state_dict=merged)
         _write_extras(folder, tokenizer, state)
 
     return write_dir_atomically(path, write)
+
+
+def _save_plain(base: nn.Module, state: dict[str, torch.Tensor], folder: Path, dtype: torch.dtype) -> None:
+    """Save merged weights that `save_pretrained` would mislabel: in another dtype than the live model's (its
+    `config.dtype` follows the live model, and `from_pretrained` casts to it) or dense weights of a quantised base
+    (its quantizer replaces the state dict). The config says `dtype` and has no `quantization_config`; safetensors
+    shards as `save_pretrained` names them; a tied output embedding left out as transformers leaves it out."""
+    import copy
+
+    from huggingface_hub import save_torch_state_dict
+
+    config = copy.deepcopy(base.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = dtype
+    if getattr(config.get_text_config(decoder=True), "tie_word_embeddings", False):
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    config.save_pretrained(folder)
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(folder)
+    save_torch_state_dict({k: v.contiguous() for k, v in state.items()}, folder)
 
 
 def write_dir_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:

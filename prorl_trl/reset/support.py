@@ -31,6 +31,23 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter or module name as `from_pretrained` spells it: no wrapper prefixes (activation checkpointing,
+    compile), no PEFT `.base_layer`."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name.replace(".base_layer.", ".").removesuffix(".base_layer")
+
+
+def base_model_of(model: nn.Module) -> nn.Module:
+    """The model under wrappers and, for a PeftModel, under PEFT (whose LoRA layers live inside it)."""
+    model = unwrap_model(model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def peft_model_of(model: nn.Module):
     """The `PeftModel` under any wrapper; `TypeError` (saying what to pass) for anything else."""
     from peft import PeftModel
@@ -65,7 +82,8 @@ def check_lora_supported(model: nn.Module) -> None:
     peft_model = peft_model_of(model)
     config = peft_model.peft_config.get(ADAPTER_NAME)
     supported = (
-        "Supported: LoraConfig on Linear layers with init_lora_weights=True or 'gaussian', use_dora=False, "
+        "Supported: LoraConfig on Linear layers (or bitsandbytes 4/8-bit ones) with init_lora_weights=True or "
+        "'gaussian', use_dora=False, "
         "no modules_to_save / target_parameters / trainable_token_indices, lora_bias only on layers with a bias. Use a plain LoraConfig(r=..., lora_alpha=..., target_modules=...) or turn "
         "hard resets off (`hard_reset_between_phases: false`, no `hard_reset: true` phase, no HardResetCallback)."
     )
@@ -89,8 +107,11 @@ def check_lora_supported(model: nn.Module) -> None:
     if getattr(config, "trainable_token_indices", None):
         problems.append("trainable_token_indices is set")
     for name, layer in lora_layers(peft_model):
-        if type(layer) is not LoraLinear:
-            problems.append(f"layer {name} is a {type(layer).__module__}.{type(layer).__name__}, not a LoRA Linear")
+        if type(layer) is not LoraLinear and not is_bnb_lora_layer(layer):
+            problems.append(
+                f"layer {name} is a {type(layer).__module__}.{type(layer).__name__}, not a LoRA Linear (on an "
+                "nn.Linear or a bitsandbytes 4/8-bit layer)"
+            )
             break
         if layer.lora_bias.get(ADAPTER_NAME) and getattr(layer.get_base_layer(), "bias", None) is None:
             problems.append(f"lora_bias=True but layer {name} has no bias to merge it into")
@@ -100,6 +121,12 @@ def check_lora_supported(model: nn.Module) -> None:
             break
     if problems:
         raise ResetNotSupportedError("Hard reset is not supported for this adapter: " + "; ".join(problems) + f". {supported}")
+
+
+def is_bnb_lora_layer(layer: nn.Module) -> bool:
+    """PEFT's LoRA layer over a bitsandbytes 4-bit or 8-bit base (QLoRA): `peft.tuners.lora.bnb.Linear4bit/8bitLt`."""
+    cls = type(layer)
+    return cls.__module__ == "peft.tuners.lora.bnb" and cls.__name__ in ("Linear4bit", "Linear8bitLt")
 
 
 def quantization_method(model: nn.Module) -> str | None:
@@ -157,24 +184,32 @@ def check_reset_support(args: Any, model: nn.Module | None, accelerator: Any = N
     Call it once, before the first step, whenever the run will hard-reset. Refused:
     * Engines whose weights a reset cannot edit in place (`check_engine_support`: FSDP1, CPU/NVMe offload, ZeRO++
       hpZ, a DeepSpeed `scheduler` block, Megatron-LM). Single process, DDP, FSDP2 and ZeRO-2/3 are supported.
-    * A quantised base (QLoRA, GPTQ, ...): merging re-quantises the base at every reset and the rounding error
-      accumulates over a long run. We refuse rather than merge silently lossily; merging through full precision would
-      need a float copy of the base, which is what QLoRA exists to avoid.
+    * With `lora_reset_mode="merge"`, a quantised base (QLoRA, GPTQ, ...): merging re-quantises the base at every
+      reset and the rounding error accumulates over a long run. The default `"frozen"` never writes the base, so a
+      bitsandbytes 4/8-bit base is supported there, in one process or under DDP (other quantisations have LoRA
+      layers of their own, which `check_lora_supported` refuses).
     * LoRA variants we do not merge/re-init (see `check_lora_supported`).
     Full fine-tuning (no PeftModel) is supported: only the optimizer and the reference model are reset.
     `model=None` checks only the launch (args/accelerator/environment), e.g. before loading a model by name.
     """
-    check_engine_support(engine_of(args, accelerator))
+    engine = engine_of(args, accelerator)
+    check_engine_support(engine)
     if model is None:  # launch-only check, usable before the model is loaded
         return
     method = quantization_method(model)
-    if method is not None:
+    mode = getattr(args, "lora_reset_mode", "merge")
+    if method is not None and mode == "merge":
         raise ResetNotSupportedError(
-            f"Hard resets are not supported on a quantised base model ({method}, e.g. QLoRA): merging the LoRA delta "
-            "re-quantises the base at every reset and the rounding error accumulates over the run. Supported: LoRA on a "
-            "bf16/fp16/fp32 base. Either load the base unquantised (drop `load_in_4bit`/`quantization_config`), or keep "
-            "QLoRA and disable resets (`hard_reset_between_phases: false`, no phase with `hard_reset: true`, and no "
-            "LoRA shape change between phases)."
+            f"Hard resets with lora_reset_mode='merge' are not supported on a quantised base model ({method}, e.g. "
+            "QLoRA): merging the LoRA delta re-quantises the base at every reset and the rounding error accumulates "
+            "over the run. Set `lora_reset_mode: frozen` (the default: each phase's delta is kept as frozen factors "
+            "and the quantised base is never written), or load the base unquantised."
+        )
+    if method is not None and engine.sharded:
+        raise ResetNotSupportedError(
+            f"Hard resets on a quantised base ({method}) are supported in one process and under DDP, not under "
+            f"{engine.label}. Launch with `recipes/accelerate/single_gpu.yaml` or `multi_gpu.yaml`, or load the base "
+            "unquantised."
         )
     from peft import PeftModel
 

@@ -18,14 +18,12 @@ dynamo's guards recompile). Uncompiled (CPU tests, a failed compile) the product
 `rows x rank x features` temporaries: small at decode sizes. Where gate/up carry adapters, the MLP's first half is
 `fused_mlp`'s one kernel instead (gate/up GEMMs, their B products and SiLU(gate) * up in one pass).
 
-Folded A products (`FOLD_LORA_A`): q/k/v's, o's and down's base weights are copied for each generation into one
-buffer with copies of their adapters' A weights as extra rows (`decoder.StackGroup`, in the engine's generation arena,
-freed while training; `fold_factors` picks the adapters, `fold_rows` sizes the rows, `refresh_folded` copies them),
-and one GEMM with float32 output gives the base outputs and every `lora_A(x)` (`_folded`): the A reduction kernel of
-each group goes (32 x 4,096 on an H100: 18,466 -> 20,021 tokens/s). float32 adapters on bf16 weights ride as two
-bf16 rows (A and its remainder), so the products keep float32 precision; the base outputs are rounded once after the
-bias, as F.linear's. The copies cost memory only while generating (every stacked group is a copy now, folded or not:
-`fused_weights`), far under what training then needs.
+Frozen factors of earlier hard resets (`prorl_trl.reset.frozen`) sit in a forward hook of the base layer, which adds
+each part's product to the raw base output in float32; PEFT then adds the live adapter and the output is rounded
+once. `project` computes the same from the raw base output (a stacked GEMM's, or the base layer's own without its
+hook) and the module's stage (`stage_of`: the frozen parts, then the live adapter), and `fold_factors` folds every
+part's A weights into the GEMM with the live one's. Gate/up with frozen parts leave `fused_mlp`'s kernel (one adapter
+per projection) for `project`.
 """
 
 from __future__ import annotations
@@ -35,6 +33,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..reset.frozen import frozen_delta_of
 from . import fused_mlp
 from .fused_weights import FusedLinear
 
@@ -46,7 +45,8 @@ FOLD_LORA_A = True
 
 
 class LoraFactors(NamedTuple):
-    """The active adapter of a PEFT LoRA `Linear`: its live weights (never copies) and scale."""
+    """The active adapter of a PEFT LoRA `Linear` (or a base layer's frozen factors): its live weights (never copies)
+    and scale."""
 
     down: torch.Tensor  # lora_A.weight (rank, in_features)
     up: torch.Tensor  # lora_B.weight (out_features, rank)
@@ -90,27 +90,60 @@ def lora_factors(module: torch.nn.Module, x: torch.Tensor) -> LoraFactors | None
     return LoraFactors(down.weight, up.weight, module.scaling[name])
 
 
+def frozen_factors(module: torch.nn.Module) -> list[LoraFactors]:
+    """The frozen parts of earlier hard resets on the module's base layer (`prorl_trl.reset.frozen`), in the order its
+    forward hook adds them, before the live adapter; empty without any, or with a frozen LoRA bias, which only the hook
+    reproduces (`_reproducible` then keeps the module out of this path)."""
+    frozen = frozen_delta_of(base_linear(module))
+    if frozen is None or frozen.bias is not None:
+        return []
+    return [LoraFactors(down, up, scaling) for down, up, scaling in frozen.parts]
+
+
+def _reproducible(module: torch.nn.Module) -> bool:
+    """Whether a raw base output plus `frozen_factors` is the base layer's output (no frozen bias)."""
+    frozen = frozen_delta_of(base_linear(module))
+    return frozen is None or frozen.bias is None
+
+
+def stage_of(module: torch.nn.Module, live: LoraFactors | None) -> list[LoraFactors]:
+    """Everything added to the module's raw base output before its one rounding: the frozen parts, then the live
+    adapter `live` (`lora_factors`)."""
+    return frozen_factors(module) + ([] if live is None else [live])
+
+
 def base_linear(module: torch.nn.Module) -> torch.nn.Module:
     """The layer that computes a projection's base output: a PEFT LoRA `Linear`'s `base_layer`, else the module."""
     return module.base_layer if is_peft_lora_linear(module) else module
 
 
-def _adapted(
-    x: torch.Tensor, factors: Sequence[LoraFactors], bases: Sequence[torch.Tensor], hidden: torch.Tensor | None = None
+def _apply_stages(
+    x: torch.Tensor,
+    bases: Sequence[torch.Tensor],
+    stages: Sequence[Sequence[LoraFactors]],
+    hidden: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
-    """PEFT's output for each module from its base output: the A products of all of them at once (`_lora_hidden`),
-    then per module the B product, one reduction with the scaling, the base output's addition and the cast fused.
-    (Laid out weight-major instead, `(weight rows, batch rows)`, inductor's kernels were slower: 2.02 -> 2.09 ms a
-    step at 32 x 4,096 and 4.47 -> 5.73 at 64 x 6,144 with r64 all-linear on an H100,
-    benchmarks/results/rollout_engine.md; so were these products as a tiled Triton GEMM that reads each adapter once:
-    9.1 -> 16.8 us a layer at 32 rows, 74.9 -> 118 at the reset-4 shape on an H200, fifth session.) `hidden`: the A
-    products already computed (`_folded`)."""
+    """Each module's output from its raw base output and its stage (`stage_of`: frozen parts, then the live adapter):
+    the A products of all of them at once (`_lora_hidden`), then per factor the B product, one reduction with the
+    scaling, added one after the other in the promoted dtype, and the one cast back, as PEFT (and the frozen parts'
+    hook) compute them; a module with an empty stage keeps its base output. (Laid out weight-major instead,
+    `(weight rows, batch rows)`, inductor's kernels were slower: 2.02 -> 2.09 ms a step at 32 x 4,096 and 4.47 ->
+    5.73 at 64 x 6,144 with r64 all-linear on an H100, benchmarks/results/rollout_engine.md; so were these products
+    as a tiled Triton GEMM that reads each adapter once: 9.1 -> 16.8 us a layer at 32 rows, 74.9 -> 118 at the
+    reset-4 shape on an H200, fifth session.) `hidden`: the A products already computed (`_folded`)."""
+    factors = [factor for stage in stages for factor in stage]
+    if not factors:
+        return list(bases)
     if hidden is None:
         hidden = _lora_hidden(x.reshape(-1, x.shape[-1]), factors)
+    parts = iter(_per_module(hidden, factors))
     outputs = []
-    for factor, base, part in zip(factors, bases, _per_module(hidden, factors), strict=True):
-        delta = (part[:, None, :] * factor.up).sum(-1) * factor.scaling  # lora_B(.) * scaling
-        outputs.append((base + delta.view(base.shape)).to(base.dtype))  # added in the promoted dtype, as PEFT does
+    for base, stage in zip(bases, stages, strict=True):
+        output = base
+        for factor in stage:
+            delta = (next(parts)[:, None, :] * factor.up).sum(-1) * factor.scaling  # lora_B(.) * scaling
+            output = output + delta.view(base.shape)  # added in the promoted dtype, as PEFT does
+        outputs.append(output.to(base.dtype) if stage else base)
     return outputs
 
 
@@ -127,9 +160,9 @@ def _lora_hidden(rows: torch.Tensor, factors: Sequence[LoraFactors]) -> torch.Te
 
 
 def fold_factors(modules: Sequence[torch.nn.Module]) -> list[LoraFactors]:
-    """The adapters whose A products fold into the modules' base GEMM, in order; empty where there is no fold: only
-    where `project` would take the fused LoRA path for every adapted module (one adapter dtype, the rest plain
-    `Linear`s)."""
+    """The factors whose A products fold into the modules' base GEMM, module by module in `stage_of` order (frozen
+    parts, then the live adapter; `_folded` reads them back so); empty where there is no fold: only where `project`
+    would take the fused LoRA path for every adapted module (one factor dtype, the rest plain `Linear`s)."""
     if not FOLD_LORA_A or not modules:
         return []
     base_weight = base_linear(modules[0]).weight
@@ -137,7 +170,9 @@ def fold_factors(modules: Sequence[torch.nn.Module]) -> list[LoraFactors]:
     factors = [lora_factors(module, probe) for module in modules]
     if any(factor is None and type(module) is not torch.nn.Linear for module, factor in zip(modules, factors)):
         return []
-    adapted = [factor for factor in factors if factor is not None]
+    if not all(_reproducible(module) for module in modules):
+        return []
+    adapted = [factor for module, live in zip(modules, factors) for factor in stage_of(module, live)]
     return adapted if len({(f.down.dtype, f.up.dtype) for f in adapted}) == 1 else []
 
 
@@ -176,10 +211,11 @@ def _float32_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return rows.float() @ weight.float().t()  # elsewhere: the same products (exact in float32), summed in float32
 
 
-def _folded(x: torch.Tensor, fused: FusedLinear, factors: Sequence[LoraFactors | None]) -> list[torch.Tensor] | None:
+def _folded(x: torch.Tensor, fused: FusedLinear, stages: Sequence[Sequence[LoraFactors]]) -> list[torch.Tensor] | None:
     """PEFT's outputs of the group from one GEMM over `fused.stacked` (base rows, then the A rows `refresh_folded`
-    keeps); None where the extra rows do not fit these adapters (the caller runs the A reduction instead)."""
-    adapted = [factor for factor in factors if factor is not None]
+    keeps, in `stages`' order); None where the extra rows do not fit these factors (the caller runs the A reductions
+    instead)."""
+    adapted = [factor for stage in stages for factor in stage]
     if not FOLD_LORA_A or not adapted or x.dtype != fused.weight.dtype:
         return None
     if fused.extra_rows != fold_rows(adapted, fused.weight.dtype):
@@ -196,40 +232,52 @@ def _folded(x: torch.Tensor, fused: FusedLinear, factors: Sequence[LoraFactors |
     hidden = product[:, width : width + ranks]
     if split:
         hidden = hidden + product[:, width + ranks :]
-    hidden = hidden.to(adapted[0].down.dtype)
-    adapted_bases = [base for base, factor in zip(bases, factors) if factor is not None]
-    outputs = iter(_adapted(x, adapted, adapted_bases, hidden))
-    return [base if factor is None else next(outputs) for base, factor in zip(bases, factors)]
+    return _apply_stages(x, bases, stages, hidden.to(adapted[0].down.dtype))
 
 
 def project(
     x: torch.Tensor, modules: Sequence[torch.nn.Module], fused: FusedLinear | None = None
 ) -> list[torch.Tensor]:
-    """`[module(x) for module in modules]`, with the LoRA products of the PEFT layers among them fused (same dtype:
-    one group; projections whose adapter `lora_factors` refuses are called as modules). `fused`: the modules' base
-    layers stored as one (`fused_weights`), used when every module is a plain `Linear` or takes the fused LoRA path;
-    with extra rows sized by `fold_rows`, the A products come from the same GEMM (`_folded`)."""
+    """`[module(x) for module in modules]`, with the LoRA products of the PEFT layers among them (and the frozen parts
+    of earlier resets on their base layers) fused: per module its raw base output plus its stage (`stage_of`), one
+    rounding; modules whose adapter `lora_factors` refuses are called as modules. `fused`: the modules' base layers
+    stored as one (`fused_weights`), used when every module is a plain `Linear` or takes this path; with extra rows
+    sized by `fold_rows`, the A products come from the same GEMM (`_folded`)."""
     factors = [lora_factors(module, x) for module in modules]
-    whole = [factor is not None or type(module) is torch.nn.Linear for module, factor in zip(modules, factors)]
+    stages = [stage_of(module, live) for module, live in zip(modules, factors)]
+    whole = [
+        (live is not None or type(module) is torch.nn.Linear)
+        and _reproducible(module)
+        and len({factor.down.dtype for factor in stage}) <= 1
+        for module, live, stage in zip(modules, factors, stages)
+    ]
     if fused is not None and all(whole) and fused.members == tuple(base_linear(module) for module in modules):
-        folded = _folded(x, fused, factors)
+        folded = _folded(x, fused, stages)
         if folded is not None:
             return folded
-        bases = fused(x)
-    else:
-        bases = [None if factor is None else module.base_layer(x) for module, factor in zip(modules, factors)]
-    outputs: list[torch.Tensor | None] = []
-    for module, factor, base in zip(modules, factors, bases, strict=True):
-        if factor is not None:
-            outputs.append(None)  # PEFT's function, from the LoRA groups below
-        else:
-            outputs.append(module(x) if base is None else base)  # a plain Linear's may come from `fused`
-    groups: dict[tuple, list[int]] = {}  # fused together: same adapter dtype and same base output dtype
-    for index, (module, factor) in enumerate(zip(modules, factors)):
-        if factor is not None:
-            groups.setdefault((factor.down.dtype, module.base_layer.weight.dtype), []).append(index)
+        return _stages_by_dtype(x, fused(x), stages)
+    # alone: a LoRA layer this path reproduces from its base layer's raw output (the hook bypassed: the stage holds
+    # the frozen parts), anything else called as a module (its hooks included)
+    alone = [live is not None and reproducible for live, reproducible in zip(factors, whole)]
+    bases = [
+        torch.nn.functional.linear(x, module.base_layer.weight, module.base_layer.bias) if use else module(x)
+        for module, use in zip(modules, alone)
+    ]
+    return _stages_by_dtype(x, bases, [stage if use else [] for stage, use in zip(stages, alone)])
+
+
+def _stages_by_dtype(
+    x: torch.Tensor, bases: Sequence[torch.Tensor], stages: Sequence[Sequence[LoraFactors]]
+) -> list[torch.Tensor]:
+    """`_apply_stages` per group of modules whose factors share one dtype (one A reduction per group)."""
+    groups: dict[tuple, list[int]] = {}
+    for index, stage in enumerate(stages):
+        if stage:
+            key = tuple(sorted({str(f.down.dtype) for f in stage})) + (str(bases[index].dtype),)
+            groups.setdefault(key, []).append(index)
+    outputs = list(bases)
     for members in groups.values():
-        adapted = _adapted(x, [factors[i] for i in members], [bases[i] for i in members])
+        adapted = _apply_stages(x, [bases[i] for i in members], [stages[i] for i in members])
         for index, output in zip(members, adapted, strict=True):
             outputs[index] = output
     return outputs
@@ -259,6 +307,8 @@ def _fused_gated_activation(mlp: torch.nn.Module, x: torch.Tensor, fused: FusedL
     modules = (mlp.gate_proj, mlp.up_proj)
     if not fused_mlp.FUSED_MLP or fused is None or fused.bias is not None or not fused_mlp.is_silu(mlp.act_fn):
         return None
+    if any(frozen_delta_of(base_linear(module)) is not None for module in modules):
+        return None  # the kernel adds one stage per projection; frozen factors are a second (`project` runs both)
     if fused.members != tuple(base_linear(module) for module in modules) or x.dtype != fused.weight.dtype:
         return None
     factors = [lora_factors(module, x) for module in modules]

@@ -10,14 +10,26 @@ What TRL 1.16 does (read in `trl/generation/vllm_generation.py` and `GRPOTrainer
   in every phase (`train()` call), so a phase boundary must set `_last_loaded_step = -1` to force the push (else a
   phase whose first step equals the previous phase's last synced step keeps stale vLLM weights). After a hard reset
   the policy function is unchanged (fresh B = 0), but forcing a push costs one sync and removes any doubt.
-* The push (`_iter_named_params`) merges the active adapter, streams base weights renamed to vLLM names (LoRA tensors
-  skipped) and unmerges. A hard reset keeps every base name, shape and dtype (LoRA layers wrap the same Linear), so
-  server mode's cached `_weight_metadata` stays valid even after a rank/target change.
+* TRL's push (`_iter_named_params`) merges the active adapter into the base weights in place, streams them renamed
+  to vLLM names (LoRA tensors skipped) and unmerges. Two things make that wrong for ProRL's LoRA runs, so
+  `stream_policy_weights` replaces it: the frozen factors of earlier resets (`prorl_trl.reset.frozen`) live in a
+  forward hook, not in any weight, so vLLM would sample from a policy without them; and on a bf16 base `unmerge` is
+  not the inverse of `merge` (round(round(W + delta) - delta) != W), so every push would move the base weights by
+  bf16 steps wherever the delta is large. The replacement folds every delta into each weight out of place, in
+  float32, cast once to the weight's dtype (`reset.iter_policy_weights`, one module at a time, collective under
+  ZeRO-3/FSDP2 as TRL's is): vLLM gets that rounded function while the trainer trains the exact one, and the live
+  model is never written. A hard reset keeps every base name, shape and dtype, so server mode's cached
+  `_weight_metadata` stays valid even after a rank/target change.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
+
+import torch
+
+from ..reset.gathered import iter_policy_weights
 
 VLLM_SAMPLING_ATTRIBUTES = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_completion_length")
 # How vLLM's SamplingParams spell each attribute in `generation_kwargs`.
@@ -69,3 +81,15 @@ def force_weight_sync(trainer: Any) -> None:
     if getattr(trainer, "use_vllm", False):
         trainer._last_loaded_step = -1
 
+
+
+def stream_policy_weights(vllm_generation: Any) -> None:
+    """Make TRL's vLLM push (`VLLMGeneration.sync_weights`, which iterates `_iter_named_params`) send the policy with
+    every LoRA delta folded in out of place (see the module docstring). For PEFT models only: a fully fine-tuned
+    model's weights are the policy already, and TRL streams them unchanged."""
+    vllm_generation._iter_named_params = lambda: _policy_stream(vllm_generation)
+
+
+def _policy_stream(vllm_generation: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, value, _ in iter_policy_weights(vllm_generation.model, buffers=False):
+        yield vllm_generation._fix_param_name_to_vllm(name, extra_prefixes=["modules_to_save.default."]), value

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,13 @@ from transformers import TrainerCallback
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from ..reset.checkpoint import PRORL_STATE_NAME, latest_checkpoint, phase_dir_name, read_prorl_state, write_json
+from ..reset.checkpoint import (
+    PRORL_STATE_NAME,
+    in_phase_dir,
+    latest_checkpoint,
+    read_prorl_state,
+    write_json,
+)
 from .callbacks import HardResetCallback, PlateauTracker
 
 
@@ -41,8 +46,7 @@ def resume_state(checkpoint: Path, first_phase: Any) -> dict[str, Any]:
     phase 1 from weights that already trained past phase 0's plan.
     """
     checkpoint = Path(checkpoint)
-    in_a_phase = re.fullmatch(phase_dir_name(r"\d+"), checkpoint.resolve().parent.name) is not None
-    if in_a_phase or (checkpoint / PRORL_STATE_NAME).is_file() or not (checkpoint / TRAINER_STATE_NAME).is_file():
+    if in_phase_dir(checkpoint) or (checkpoint / PRORL_STATE_NAME).is_file() or not (checkpoint / TRAINER_STATE_NAME).is_file():
         return read_prorl_state(checkpoint)  # a ProRL checkpoint without it was interrupted mid-save: refused there
     trainer_state = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())
     step = int(trainer_state["global_step"])
@@ -129,6 +133,9 @@ class ProRLStateCallback(TrainerCallback):
                 "global_step": trainer.prorl_global_step,
                 "resets": trainer.prorl_resets,
                 "merged_base": trainer.prorl_merged_path,
+                # relative to the run folder, so a moved run still finds it
+                "frozen_factors": trainer.prorl_frozen_path,
+                "lora_reset_mode": args.lora_reset_mode,
                 "pending_reset": trainer._pending_reset,
                 "scheduler_horizon": trainer._scheduler_horizon,
                 "sampling": trainer.sampling,

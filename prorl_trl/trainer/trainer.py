@@ -55,14 +55,21 @@ from ..reset.checkpoint import (
     finished_state,
     load_merged_base,
     load_optimizer_state,
+    in_phase_dir,
     phase_dir_name,
+    save_tensors_atomically,
     supersede_after,
     uncommit,
     write_json,
 )
 from ..rollout.compiled import configure_trainer_generation
 from ..rollout.trl_generation import attach_rollout_engine, generate_completions
-from ..rollout.vllm_sync import apply_vllm_sampling, force_weight_sync, shadowed_by_generation_kwargs
+from ..rollout.vllm_sync import (
+    apply_vllm_sampling,
+    force_weight_sync,
+    shadowed_by_generation_kwargs,
+    stream_policy_weights,
+)
 from .checks import check_before_init, check_launch, check_optimizer_hook, check_process_group, resets_possible
 from .dynamic_sampling import DynamicSamplingMixin
 from .early_stop import MinibatchEarlyStopMixin
@@ -70,6 +77,7 @@ from .interrupt import RunInterrupted
 from .overlong import OverlongPenalty
 from .placement import fsdp2_model_init_kwargs, move_stray_tensors_
 from .progress import use_run_progress
+from .reset_probe import ResetProbe
 from .sampling import GENERATION_CONFIG_NAMES, SAMPLING_KEYS, patch_fused_log_prob_heads
 from .state import ProRLStateCallback, find_checkpoint, resume_state
 from .trackers import TrackerSpan
@@ -155,6 +163,8 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         self.prorl_log_history: list[dict[str, Any]] = []
         self.prorl_merged_path: str | None = None
         self.prorl_merge_delta_lost: float | None = None  # the last reset's `MergeRounding.lost_fraction` (LoRA)
+        self.prorl_frozen_path: str | None = None  # the last reset's frozen factors, relative to output_dir
+        self.prorl_reset_change: dict[str, float] = {}  # the last reset's `ResetProbe.measure` (LoRA, in a run)
         self._global_step_offset = 0
         self._in_training_loop = False
         self._pending_reset: str | None = None
@@ -193,6 +203,8 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
             moved = move_stray_tensors_(self.ref_model, self.accelerator.device)
             if moved:
                 logger.info("FSDP2: moved %d reference-model tensors to %s (%s, ...)", len(moved), self.accelerator.device, moved[0])
+        if self.use_vllm and hasattr(reset_ops.unwrap_model(self.model), "peft_config"):
+            stream_policy_weights(self.vllm_generation)  # every LoRA delta folded in, the live weights never written
         self.rollout_engine = attach_rollout_engine(self) if args.rollout_engine else None
         self.sampling: dict[str, Any] = {key: getattr(self, key) for key in SAMPLING_KEYS}
         self._state_callback = ProRLStateCallback(self)
@@ -417,10 +429,7 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
             supersede_after(self.args.output_dir, checkpoint)
         self.accelerator.wait_for_everyone()
         phase = self.phases[state["phase_index"]]
-        if state.get("merged_base"):
-            load_merged_base(self.model, state["merged_base"])
-            if self.ref_model is not None and self.args.reset_reference:
-                load_merged_base(self.ref_model, state["merged_base"])
+        self._restore_reset_deltas(state, checkpoint)
         self.prorl_resets = state["resets"]
         self.prorl_merged_path = state.get("merged_base")
         self._global_step_offset = state["global_step_offset"]
@@ -507,6 +516,51 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         """Seed of the k-th fresh adapter: deterministic, identical on all ranks, different per reset."""
         return self._base_seed * 1000 + 7919 * (self.prorl_resets + 1)
 
+    def _save_frozen_factors(self) -> None:
+        """`<output_dir>/frozen/reset-<k>.safetensors`: every frozen LoRA factor after reset k (replicated on every
+        rank; the main process writes), what a resume puts back onto the original base. Written atomically."""
+        relative = f"frozen/reset-{self.prorl_resets}.safetensors"
+        if self.accelerator.is_main_process and self.args.should_save:
+            factors = reset_ops.frozen_state_dict(self.model)
+            save_tensors_atomically(Path(self.args.output_dir) / relative, factors)
+        self.prorl_frozen_path = relative
+        self.accelerator.wait_for_everyone()
+
+    def _restore_reset_deltas(self, state: dict[str, Any], checkpoint: Path) -> None:
+        """Put the earlier phases' LoRA deltas of a checkpoint back: its frozen factors (read from the run folder the
+        checkpoint is in) or its merged base. Refuses a checkpoint whose deltas cannot be restored, and a resume in
+        the other `lora_reset_mode`, rather than train on a policy that lost them."""
+        is_lora = hasattr(reset_ops.unwrap_model(self.model), "peft_config")
+        recorded = state.get("lora_reset_mode", "merge")  # checkpoints from before frozen factors merged
+        if is_lora and state["resets"] > 0 and recorded != self.args.lora_reset_mode:
+            raise ValueError(
+                f"{checkpoint} was written by a run with lora_reset_mode={recorded!r}, and this one has "
+                f"{self.args.lora_reset_mode!r}: its earlier phases' LoRA deltas are kept the other way. Resume with "
+                f"`lora_reset_mode: {recorded}`."
+            )
+        if state.get("frozen_factors"):
+            from safetensors.torch import load_file
+
+            run_dir = checkpoint.resolve().parent.parent if in_phase_dir(checkpoint) else Path(self.args.output_dir)
+            path = run_dir / state["frozen_factors"]
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"{checkpoint} needs the frozen LoRA factors of its earlier phases at {path}, which is missing; "
+                    "resume from the run folder the checkpoint was written in, with its frozen/ folder."
+                )
+            reset_ops.load_frozen_(self.model, load_file(str(path)))
+            self.prorl_frozen_path = state["frozen_factors"]
+        elif state.get("merged_base"):
+            load_merged_base(self.model, state["merged_base"])
+            if self.ref_model is not None and self.args.reset_reference:
+                load_merged_base(self.ref_model, state["merged_base"])
+        elif is_lora and state["resets"] > 0:
+            raise ValueError(
+                f"{checkpoint} comes after {state['resets']} hard reset(s) that merged the LoRA deltas into the base "
+                "weights, but the merged base was not saved (save_merged_on_reset: false), so the earlier phases' "
+                "learning cannot be restored. Resume from a checkpoint before the first reset, or restart the run."
+            )
+
     def _save_log_history(self) -> None:
         if self.accelerator.is_main_process and self.args.should_save:
             write_json(Path(self.args.output_dir) / LOG_HISTORY_NAME, self.prorl_log_history)
@@ -531,9 +585,20 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
     def _save_merged(self, path: Path, state: dict[str, Any] | None = None) -> None:
         """The live policy as a plain `from_pretrained` model at `path` (rank 0 writes; all ranks wait).
 
-        Under FSDP2/ZeRO the weights are first gathered to rank 0's CPU one module at a time (collective)."""
+        LoRA: every delta folded in float32 and written in `merged_save_dtype` ("auto": the base dtype unless that
+        would round the deltas away, then float32). Under FSDP2/ZeRO the weights are first gathered to rank 0's CPU one
+        module at a time (collective)."""
         model = reset_ops.unwrap_model(self.model)
-        weights = reset_ops.gathered_state_dict(model) if self._engine.sharded else None  # every rank takes part
+        if hasattr(model, "peft_config"):
+            weights, dtype, rounding = reset_ops.merged_weights(model, self.args.merged_save_dtype, self._engine.sharded)
+            if dtype != rounding.dtype and rounding.delta_sq > 0:
+                self.announce(
+                    f"Merged save {path.name} written in {str(dtype).removeprefix('torch.')}: in the "
+                    f"{rounding.dtype_name} of the base weights {100 * rounding.lost_fraction:.1f} % of the LoRA "
+                    "deltas' norm would round away (merged_save_dtype: auto)."
+                )
+        else:
+            weights = reset_ops.gathered_state_dict(model) if self._engine.sharded else None  # every rank takes part
         if self.accelerator.is_main_process and self.args.should_save:
             reset_ops.save_merged(model, self.processing_class, path, state=state, weights=weights)
         self.accelerator.wait_for_everyone()
@@ -578,10 +643,14 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         target = lora_phase or self.current_phase
         model = reset_ops.unwrap_model(self.model)
         engine = self._engine
-        new_params, rounding = False, None
+        new_params, rounding, kept, probe = False, None, None, None
         if hasattr(model, "peft_config"):
-            if engine.sharded:  # in the engine's storage; idle parts of a superset adapter are zero and skipped
-                active = self._active_lora["target_names"] if self._active_lora else None
+            probe = ResetProbe.take(self)
+            # in the engine's storage; idle parts of a superset adapter are zero and skipped
+            active = self._active_lora["target_names"] if engine.sharded and self._active_lora else None
+            if self.args.lora_reset_mode == "frozen":
+                kept = reset_ops.freeze_lora_delta(model, engine.kind, active)
+            elif engine.sharded:
                 rounding = reset_ops.merge_lora_sharded(model, engine.kind, active)
             else:
                 rounding = reset_ops.merge_lora_in_place(model)
@@ -599,13 +668,22 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         self.prorl_resets += 1
         self._pending_reset = None
         force_weight_sync(self)
+        if kept is not None:  # what a resume needs: small, written at every reset whatever the save settings
+            self._save_frozen_factors()
         if self.args.save_merged_on_reset:
             path = Path(self.args.output_dir) / "merged" / f"reset-{self.prorl_resets}"
             self._save_merged(path)
             self.prorl_merged_path = str(path)
-        merged = f"; {rounding.describe()}" if rounding is not None and rounding.delta_sq > 0 else ""
+        if kept is not None and kept.layers:
+            done = f"; {kept.describe()}"
+        else:
+            done = f"; {rounding.describe()}" if rounding is not None and rounding.delta_sq > 0 else ""
         step = self.prorl_global_step
-        self.announce(f"ProRL hard reset #{self.prorl_resets} at global step {step} ({reason}){merged}.")
+        self.announce(f"ProRL hard reset #{self.prorl_resets} at global step {step} ({reason}){done}.")
+        if probe is not None:
+            self.prorl_reset_change = probe.measure(self)
+            for key, value in self.prorl_reset_change.items():
+                self._metrics["train"][key].append(value)
         if rounding is not None:
             self._report_merge_rounding(rounding)
 
@@ -615,14 +693,11 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         self.prorl_merge_delta_lost = rounding.lost_fraction
         self._metrics["train"]["prorl/merge_delta_lost"].append(rounding.lost_fraction)
         if rounding.lost_fraction > reset_ops.LOST_FRACTION_WARNING and self.accelerator.is_main_process:
-            deepspeed = " and launch without mixed precision (DeepSpeed's bf16 mode casts the weights to bf16)"
             logger.warning(
                 "Hard reset #%d: %s. Most of what the adapter learned since the last reset is below the resolution of "
-                "the %s base weights and is gone. Reset less often or train with a larger learning rate, or load the "
-                "base in float32 (`model.dtype: float32`; `bf16: true` keeps the passes in bf16 autocast%s) to keep "
-                "it.",
+                "the %s base weights and is gone. Set `lora_reset_mode: frozen` (the default), which keeps every "
+                "phase's delta exactly as frozen factors and never writes the base weights.",
                 self.prorl_resets, rounding.describe(), rounding.dtype_name,
-                deepspeed if self._engine.deepspeed else "",
             )  # fmt: skip
 
     def _reset_optimizer(self, new_params: bool) -> None:

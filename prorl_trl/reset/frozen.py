@@ -1,0 +1,331 @@
+"""Exact hard resets: each phase's LoRA delta kept as frozen low-rank factors beside the base weights.
+
+Why not merge: a hard reset that adds `scale * B @ A` into a bf16 base rounds every element to 8 bits of mantissa.
+At the recipes' learning rates most of a phase's delta is under half a bf16 step of its weight, so the merge drops
+most of it and adds rounding noise of the same size (measured: 23 % of the phase's effect on the logits kept at lr
+2e-6, ../shared/notes/low-precision-resets.md); into a 4-bit base it would re-quantise the weights at every reset.
+
+How: the delta never touches the base. A `FrozenDelta` child of each adapted *base* layer (the `nn.Linear`, or the
+bitsandbytes layer PEFT wraps) holds one part per reset, the adapter's factors as they were (`down` r x in, `up`
+out x r and `scaling`, float32), and a forward hook on that base layer adds each part's `up @ (down @ x) * scaling`
+to its output, in float32, in reset order. Nothing is rounded away, and a quantised base stays exactly as loaded.
+
+Why on the base layer: everything PEFT and TRL do with "the base" then includes the frozen deltas. PEFT's
+adapter-disabled forward is TRL's reference with beta > 0, so the reference is the policy as of the last reset (as a
+merged reset made it); PEFT's LoRA layer adds the fresh adapter on top.
+
+One rounding, and a reset that changes no bit: inside a PEFT LoRA `Linear` over a plain `nn.Linear` (`deferred`),
+the hook returns its float32 sum and a second hook on the LoRA layer casts the layer's output to the input's dtype
+once, after PEFT has added the live adapter in float32 (`round_lora_output`). The layer computes
+round(((W x + part_1) + ... + part_k) + adapter(x)) with the same operations PEFT runs for an adapter, so freezing the
+adapter as part k+1 and starting a fresh one (B = 0 adds exact zeros) leaves every output bit as it was, and the
+reference equals the policy. Elsewhere (bitsandbytes layers, whose LoRA layers round the adapter's output anyway;
+autocast; a base layer no LoRA layer wraps) the hook rounds its sum itself.
+
+Cost: each part is one more pair of small float32 products per adapted layer, as the live adapter is; when a layer's
+parts reach min(in, out) in total rank they are refactored exactly into one (float64 SVD), so long runs stop growing.
+The rollout engine folds the parts' A weights into its stacked GEMMs (`prorl_trl.rollout.lora_decode`).
+
+The factors are buffers of a module that keeps them in float32 whatever the model is cast to (`FrozenDelta._apply`:
+DeepSpeed's bf16 engine calls `module.bfloat16()` at every phase) and out of the state dict (non-persistent): a run
+saves them itself (`frozen_state_dict`, `load_frozen_`) and merged saves fold them in (`save`, `gathered`).
+`freeze_lora_delta` reads the adapter through `engine.py`'s primitives, so the same call serves one process, DDP,
+FSDP2 and ZeRO-2/3 (collective there); the buffers are replicated on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .engine import FSDP2, full_value, gathered, reshard
+from .support import ADAPTER_NAME, base_model_of, canonical_name, check_lora_supported, lora_layers, peft_model_of
+
+FROZEN_MODULE = "prorl_frozen"  # the child of a base layer that holds its frozen factors
+
+
+class FrozenDelta(nn.Module):
+    """Frozen LoRA factors of one base layer, one part per hard reset: part i adds `up_i @ (down_i @ x) * scaling_i`.
+
+    `down_i` is (rank_i, in_features), `up_i` (out_features, rank_i), float32 buffers; `bias` (out_features,) holds
+    the parts' LoRA biases (`lora_bias=True`), already scaled, or is None. Buffers, not Parameters: no optimizer, DDP
+    reducer, FSDP shard or ZeRO partition ever sees them, and they never train.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.scalings: list[float] = []
+        self.register_buffer("bias", None, persistent=False)
+        self.deferred = False  # the LoRA layer around the base layer rounds the sum (`round_lora_output`)
+
+    def append(self, down: torch.Tensor, up: torch.Tensor, scaling: float) -> None:
+        """One more part (copied in float32)."""
+        index = len(self.scalings)
+        self.register_buffer(f"down_{index}", down.float().contiguous(), persistent=False)
+        self.register_buffer(f"up_{index}", up.float().contiguous(), persistent=False)
+        self.scalings.append(float(scaling))
+
+    @property
+    def parts(self) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+        """`(down, up, scaling)` per part, in reset order."""
+        return [(getattr(self, f"down_{i}"), getattr(self, f"up_{i}"), s) for i, s in enumerate(self.scalings)]
+
+    @property
+    def rank(self) -> int:
+        return sum(down.shape[0] for down, _, _ in self.parts)
+
+    def add_to(self, output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """`output` plus every part's product, added in float32 one after the other as PEFT adds an adapter's
+        (`result + lora_B(lora_A(x)) * scaling` on the input cast to float32); autocast off, the point being the
+        precision. The result is float32."""
+        with torch.autocast(x.device.type, enabled=False):
+            x = x.to(torch.float32)
+            for down, up, scaling in self.parts:
+                output = output + nn.functional.linear(nn.functional.linear(x, down), up) * scaling
+            return output if self.bias is None else output + self.bias
+
+    def weight_delta(self) -> torch.Tensor:
+        """The dense delta, the parts' `up @ down * scaling` summed (out_features, in_features), float32."""
+        return sum((up @ down) * scaling for down, up, scaling in self.parts)
+
+    def refactor(self) -> None:
+        """Replace the parts by one of rank min(out, in) with the same product (float64 SVD, then float32)."""
+        dense = sum((up.double() @ down.double()) * scaling for down, up, scaling in self.parts)
+        left, values, right = torch.linalg.svd(dense, full_matrices=False)
+        for index in range(len(self.scalings)):
+            delattr(self, f"down_{index}")
+            delattr(self, f"up_{index}")
+        self.scalings = []
+        self.append(right, left * values, 1.0)
+
+    def _apply(self, fn, recurse=True):
+        """Move with the model (`.to(device)`, `.cuda()`) but stay float32: a model-wide cast (`.bfloat16()`, which
+        DeepSpeed's bf16 engine applies) would round the factors, which is what this module exists to avoid."""
+        for name, tensor in list(self._buffers.items()):
+            if tensor is not None:
+                self._buffers[name] = tensor.to(device=fn(tensor[:0]).device)
+        return self
+
+
+def add_frozen_delta(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """Forward hook of a base layer: its output plus its frozen parts, in float32; left in float32 where the LoRA
+    layer around it rounds once after adding its adapter (`deferred`), else rounded to the output's dtype."""
+    frozen = getattr(module, FROZEN_MODULE, None)
+    if frozen is None:
+        return output
+    total = frozen.add_to(output, args[0])
+    if frozen.deferred and output.dtype == args[0].dtype and not torch.is_autocast_enabled(output.device.type):
+        return total
+    return total.to(output.dtype)
+
+
+def round_lora_output(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """Forward hook of a LoRA layer whose base layer defers its rounding (`add_frozen_delta`): the output cast once to
+    the input's dtype (a plain `nn.Linear` maps a dtype to itself), after PEFT added the adapter in float32."""
+    if torch.is_autocast_enabled(output.device.type):
+        return output
+    return output.to(args[0].dtype)
+
+
+def frozen_delta_of(base_layer: nn.Module) -> FrozenDelta | None:
+    """The base layer's `FrozenDelta`, or None when no reset has frozen a delta on it."""
+    frozen = getattr(base_layer, FROZEN_MODULE, None)
+    return frozen if isinstance(frozen, FrozenDelta) else None
+
+
+def frozen_layers(model: nn.Module) -> list[tuple[str, nn.Module, FrozenDelta]]:
+    """`(name, base layer, its FrozenDelta)` for every base layer with frozen factors, in module order; names as
+    `from_pretrained` spells the layer (`support.canonical_name`: no PEFT prefix, no `.base_layer`), so they stay the
+    same when a LoRA shape change wraps other modules."""
+    return [
+        (canonical_name(name), module, frozen)
+        for name, module in base_model_of(model).named_modules()
+        if (frozen := frozen_delta_of(module)) is not None
+    ]
+
+
+def base_layers(model: nn.Module) -> dict[str, tuple[nn.Module, nn.Module | None]]:
+    """Canonical name -> (the module that computes that layer's base output, the PEFT LoRA layer wrapping it or None),
+    for every layer with a weight: where frozen factors can be attached."""
+    from peft.tuners.lora import LoraLayer
+
+    layers: dict[str, tuple[nn.Module, nn.Module | None]] = {}
+    wrappers = {}
+    for name, module in base_model_of(model).named_modules():
+        if isinstance(module, LoraLayer):
+            wrappers[canonical_name(name)] = module
+        elif not (isinstance(module, FrozenDelta) or "lora_" in name or not hasattr(module, "weight")):
+            layers[canonical_name(name)] = module
+    return {name: (base, wrappers.get(name)) for name, base in layers.items()}
+
+
+@torch.no_grad()
+def attach_frozen_delta(
+    base_layer: nn.Module,
+    down: torch.Tensor,
+    up: torch.Tensor,
+    scaling: float,
+    bias: torch.Tensor | None = None,
+    lora_layer: nn.Module | None = None,
+) -> FrozenDelta:
+    """Append a part (`down` r x in, `up` out x r, `scaling`; `bias`, unscaled, for a LoRA bias) to the base layer's
+    frozen delta, creating it (and its hook) on first use; copied in float32 onto the base layer's device.
+    `lora_layer`: the PEFT LoRA layer that wraps `base_layer`, whose output is then rounded once (where the base layer
+    is a plain `nn.Linear`). Parts reaching min(in, out) in total rank are refactored into one (`refactor`)."""
+    device = _device_of(base_layer)
+    frozen = frozen_delta_of(base_layer)
+    if frozen is None:
+        frozen = FrozenDelta()
+        base_layer.add_module(FROZEN_MODULE, frozen)
+    frozen.append(down.to(device), up.to(device), scaling)
+    if bias is not None:
+        bias = bias.to(device=device, dtype=torch.float32) * scaling
+        frozen.bias = bias if frozen.bias is None else frozen.bias + bias
+    out_features, in_features = frozen.parts[0][1].shape[0], frozen.parts[0][0].shape[1]
+    if len(frozen.scalings) > 1 and frozen.rank > min(out_features, in_features):
+        frozen.refactor()
+    if add_frozen_delta not in base_layer._forward_hooks.values():
+        base_layer.register_forward_hook(add_frozen_delta)
+    if lora_layer is not None and type(base_layer) is nn.Linear:
+        if round_lora_output not in lora_layer._forward_hooks.values():
+            lora_layer.register_forward_hook(round_lora_output)
+        frozen.deferred = True
+    return frozen
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    weight = getattr(module, "weight", None)
+    if weight is None:
+        weight = next(module.parameters())
+    return weight.device
+
+
+@dataclass
+class FreezeReport:
+    """What a freeze did: `layers` adapted layers whose delta was frozen, `rank_added` (sum over layers of the ranks
+    appended) and `frozen_rank` (the largest concatenated rank of any layer, which the forward pays for)."""
+
+    layers: int = 0
+    rank_added: int = 0
+    frozen_rank: int = 0
+
+    def describe(self) -> str:
+        return (
+            f"the LoRA delta of {self.layers} layers was kept exactly as frozen factors (rank {self.frozen_rank} "
+            "per layer at most), the base weights untouched"
+        )
+
+
+def _live_factors(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The "default" adapter's whole A, B and (LoRA bias) B bias of one layer; call inside `gathered` (ZeRO-3)."""
+    lora_b = layer.lora_B[ADAPTER_NAME]
+    with_bias = bool(layer.lora_bias.get(ADAPTER_NAME)) and lora_b.bias is not None
+    down = full_value(layer.lora_A[ADAPTER_NAME].weight)
+    up = full_value(lora_b.weight)
+    return down, up, (full_value(lora_b.bias) if with_bias else None)
+
+
+@torch.no_grad()
+def freeze_lora_delta(model: nn.Module, engine: str | None = None, active_layers: frozenset[str] | None = None) -> FreezeReport:
+    """Move the "default" adapter's delta into each layer's frozen factors; the base weights are not written.
+
+    The function is unchanged only once B is zeroed (`lora.reinit_adapter` / `sharded.fresh_adapter_sharded`): call
+    them back to back, as a merge and a re-init are. `active_layers` (names in the base model): the layers whose
+    adapter is live this phase (a superset adapter's idle layers hold zeros); None: all. Columns of B that are all zero
+    (a superset adapter's idle rank) are left out. Under every engine the factors are read whole (FSDP2: gathered from
+    the shards; ZeRO-3: inside a read-only gather), so the call is collective there and every rank attaches the same
+    factors. A layer PEFT holds merged (`merge_adapter` without `unmerge_adapter`) is unmerged first.
+    """
+    check_lora_supported(model)
+    if engine == FSDP2:
+        reshard(model)
+    report = FreezeReport()
+    for name, layer in lora_layers(peft_model_of(model).get_base_model()):
+        if active_layers is not None and name not in active_layers:
+            continue
+        if ADAPTER_NAME in layer.merged_adapters:
+            layer.unmerge()
+        lora_b = layer.lora_B[ADAPTER_NAME]
+        tensors = [t for t in (layer.lora_A[ADAPTER_NAME].weight, lora_b.weight, lora_b.bias) if t is not None]
+        with gathered(tensors):
+            down, up, bias = _live_factors(layer)
+            keep = up.abs().sum(0) > 0  # zero columns of B add nothing (a fresh or idle superset rank)
+            if not bool(keep.any()) and (bias is None or not bool(bias.any())):
+                continue
+            frozen = attach_frozen_delta(
+                layer.get_base_layer(), down[keep], up[:, keep], layer.scaling[ADAPTER_NAME], bias, lora_layer=layer
+            )
+        report.layers += 1
+        report.rank_added += int(keep.sum())
+        report.frozen_rank = max(report.frozen_rank, frozen.rank)
+    return report
+
+
+# ------------------------------------------------------------------------------------------- saving and loading
+def frozen_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every frozen factor on the CPU, keyed `<layer>.prorl_frozen.<part>.<down|up|scaling>` (and
+    `<layer>.prorl_frozen.bias`) with the layer's `from_pretrained` name: what `load_frozen_` reads back. `scaling` is
+    a one-element float64 tensor, so safetensors can hold it."""
+    state = {}
+    for name, _, frozen in frozen_layers(model):
+        prefix = f"{name}.{FROZEN_MODULE}."
+        for index, (down, up, scaling) in enumerate(frozen.parts):
+            state[f"{prefix}{index}.down"] = down.detach().cpu().contiguous()
+            state[f"{prefix}{index}.up"] = up.detach().cpu().contiguous()
+            state[f"{prefix}{index}.scaling"] = torch.tensor([scaling], dtype=torch.float64)
+        if frozen.bias is not None:
+            state[prefix + "bias"] = frozen.bias.detach().cpu().contiguous()
+    return state
+
+
+@torch.no_grad()
+def load_frozen_(model: nn.Module, state: dict[str, torch.Tensor]) -> int:
+    """Replace the model's frozen factors with `state` (`frozen_state_dict`'s); returns the number of layers.
+
+    Every layer named must exist and match the factors' shapes: a resume onto another model refuses rather than
+    attaching part of a run. Layers not named lose their frozen factors (the state is the whole set). Every rank
+    loads the same file, so the factors stay replicated.
+    """
+    layers = base_layers(model)
+    names = sorted({key.rsplit(f".{FROZEN_MODULE}.", 1)[0] for key in state})
+    unknown = [name for name in names if name not in layers]
+    if unknown:
+        raise ValueError(
+            f"The saved frozen LoRA factors name {unknown[:3]}, which are not layers of this model: they were saved "
+            "from another model."
+        )
+    for _, base, _ in frozen_layers(model):
+        delattr(base, FROZEN_MODULE)
+    for name in names:
+        prefix = f"{name}.{FROZEN_MODULE}."
+        base, wrapper = layers[name]
+        out_features, in_features = _base_shape(base)
+        index = 0
+        while f"{prefix}{index}.down" in state:
+            down, up = state[f"{prefix}{index}.down"], state[f"{prefix}{index}.up"]
+            if down.shape[1] != in_features or up.shape[0] != out_features or up.shape[1] != down.shape[0]:
+                raise ValueError(
+                    f"The saved frozen LoRA factors of {name!r} are {tuple(up.shape)} x {tuple(down.shape)}, which "
+                    f"does not fit its ({out_features}, {in_features}) weight: they were saved from another model."
+                )
+            scaling = float(state[f"{prefix}{index}.scaling"].item())
+            frozen = attach_frozen_delta(base, down, up, scaling, lora_layer=wrapper)
+            index += 1
+        if prefix + "bias" in state:
+            frozen.bias = state[prefix + "bias"].to(device=_device_of(base), dtype=torch.float32)
+    return len(names)
+
+
+def _base_shape(base: nn.Module) -> tuple[int, int]:
+    """(out_features, in_features) of a base layer (a quantised weight's storage has another shape)."""
+    out_features, in_features = getattr(base, "out_features", None), getattr(base, "in_features", None)
+    if out_features is None or in_features is None:
+        out_features, in_features = base.weight.shape
+    return int(out_features), int(in_features)
+
+
+def frozen_rank_total(model: nn.Module) -> int:
+    """The sum of the frozen ranks over all layers (0: nothing frozen)."""
+    return sum(frozen.rank for _, _, frozen in frozen_layers(model))
