@@ -216,14 +216,23 @@ def launch_problems(recipe: Recipe, world_size: int, launch: Launch | None) -> l
         check_launch(args, engine, phases, recipe.model.name_or_path, recipe.peft_config(), [])
     except ValueError as error:  # ResetNotSupportedError included
         problems.append(RecipeProblem("launch config" if launch else "training", str(error)))
-    if resets_possible(phases, []):
-        if recipe.model.quantization:
+    if resets_possible(phases, []) and recipe.model.quantization:
+        if args.lora_reset_mode == "merge":
+            problems.append(
+                RecipeProblem(
+                    "training.lora_reset_mode",
+                    "hard resets with lora_reset_mode 'merge' are refused on a quantised base (merging re-quantises "
+                    "it at every reset; see prorl_trl.reset.support): use `lora_reset_mode: frozen` (the default, "
+                    "which never writes the base weights), or load the base unquantised",
+                    args.lora_reset_mode,
+                )
+            )
+        elif engine.sharded:
             problems.append(
                 RecipeProblem(
                     "model.quantization",
-                    "hard resets are refused on a quantised base (merging re-quantises it at every reset; see "
-                    "prorl_trl.reset.support): load the base unquantised, or turn resets off "
-                    "(`hard_reset_between_phases: false`, no phase with `hard_reset: true` or a new LoRA shape)",
+                    f"hard resets on a quantised base run in one process or under DDP, not under {engine.label}: "
+                    "launch with recipes/accelerate/single_gpu.yaml or multi_gpu.yaml, or load the base unquantised",
                     recipe.model.quantization,
                 )
             )
