@@ -126,11 +126,21 @@ def qwen2_05b_config() -> Qwen2Config:
     )
 
 
-def build_model(smoke: bool, device: torch.device, dtype: torch.dtype, lora_rank: int, lora_targets: str = "q_proj,k_proj"):
+def build_model(
+    smoke: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+    lora_rank: int,
+    lora_targets: str = "q_proj,k_proj",
+    frozen_resets: int = 0,
+):
     """`(model, eos_token_id, pad_token_id)`: random Qwen2-0.5B (or the tiny test model), optionally LoRA-wrapped.
 
     LoRA mirrors the trainer: `get_peft_model` (adapter weights upcast to fp32, PEFT's default) and
     `enable_input_require_grads` (TRL does it for PEFT + gradient checkpointing); adapters stay unmerged.
+    `frozen_resets`: that many hard resets already behind it, as `lora_reset_mode: frozen` leaves them (each phase's
+    adapter, given a trained-looking B, kept as a frozen part of rank `lora_rank` on its base layers; a fresh adapter
+    with a trained-looking B on top).
     """
     if smoke:
         from prorl_trl.tiny import build_tiny
@@ -151,6 +161,17 @@ def build_model(smoke: bool, device: torch.device, dtype: torch.dtype, lora_rank
         lora = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=targets)
         model = get_peft_model(model, lora)
         model.enable_input_require_grads()
+        for reset in range(frozen_resets + 1):
+            if reset:
+                from prorl_trl.reset import freeze_lora_delta, reinit_adapter
+
+                freeze_lora_delta(model)
+                reinit_adapter(model, seed=reset)
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                torch.manual_seed(reset)
+                for name, param in model.named_parameters():
+                    if "lora_B" in name:
+                        param.normal_(std=1e-3)
     model.train()  # TRL generates inside `training_step`, after `model.train()`
     return model, eos, pad
 
@@ -340,7 +361,10 @@ def decode_floor_seconds(weight_bytes: int, kv_bytes: int, shape, prompt_length:
 
 
 def measure(method, model, args, shape, eos, pad, device, weight_bytes, kv_bytes, bandwidth) -> dict:
-    row = {"shape": f"{shape[0]}x{shape[1]}", "model": "lora" if args.lora_rank_now else "base", "method": method}
+    model_kind = "lora" if args.lora_rank_now else "base"
+    if args.lora_rank_now and args.frozen_resets:
+        model_kind += f", {args.frozen_resets} resets"
+    row = {"shape": f"{shape[0]}x{shape[1]}", "model": model_kind, "method": method}
     try:
         run = make_runner(method, model, args, shape, eos, pad, device)
         if device.type == "cuda":
@@ -488,6 +512,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--models", default="base,lora", help="base and/or lora (LoRA r=--lora-rank on q,k)")
     parser.add_argument("--lora-rank", type=int, default=32)
     parser.add_argument("--lora-targets", default="q_proj,k_proj", help="comma-separated modules, or all-linear")
+    parser.add_argument("--frozen-resets", type=int, default=0,
+                        help="lora: hard resets behind the adapter (lora_reset_mode frozen: a frozen part each)")
     parser.add_argument("--warmup-tokens", type=int, default=0,
                         help="new tokens of the warm-up call of the compiled generate paths (0: the full shape)")
     parser.add_argument("--profile", action="store_true", help="rollout_engine rows: top kernels of a graph replay")
@@ -551,7 +577,9 @@ def main(argv: list[str] | None = None) -> dict:
     start, rows = time.perf_counter(), []
     for model_kind in [m.strip() for m in args.models.split(",") if m.strip()]:
         args.lora_rank_now = args.lora_rank if model_kind == "lora" else 0
-        model, eos, pad = build_model(args.smoke, device, dtype, args.lora_rank_now, args.lora_targets)
+        model, eos, pad = build_model(
+            args.smoke, device, dtype, args.lora_rank_now, args.lora_targets, args.frozen_resets
+        )
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         kv_bytes = kv_cache_bytes_per_token(model.config, dtype)
         jobs = [

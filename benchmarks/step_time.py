@@ -65,6 +65,24 @@ def timed_calls(owner, name: str, sink: list[float], device: torch.device) -> No
     setattr(owner, name, wrapper)
 
 
+@torch.no_grad()
+def hard_reset_timed(trainer, index: int, device: torch.device) -> float:
+    """Give the adapter a trained-looking B, then time one `hard_reset()` (device-synchronised): the resets a run has
+    behind it when its later phases start (`--frozen-resets`)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(index)
+        for name, param in trainer.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=1e-3)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    trainer.hard_reset(reason="benchmark")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
 def run_path(path: str, options, device: torch.device, tokenizer, workdir: str) -> dict:
     cap = options.vanilla_cap if path == "vanilla" and options.vanilla_cap else None
     overrides = list(options.set) + ([f"training.max_completion_length={cap}"] if cap else [])
@@ -76,6 +94,8 @@ def run_path(path: str, options, device: torch.device, tokenizer, workdir: str) 
     kwargs["generation_max_prompt_length"] = prompt_tokens
     kwargs["rollout_engine"] = path == "rollout_engine"
     kwargs["compiled_generation"] = path != "vanilla"
+    kwargs["save_merged_on_reset"] = False  # a reset's own time; the merged save is a disk write (trainer_gpu.py)
+    kwargs["lora_reset_mode"] = options.lora_reset_mode
     args = ProRLConfig(**kwargs)
     phase = resolve_phases(args, recipe.peft_config())[0]
     kwargs["generation_kwargs"] = dict(kwargs.get("generation_kwargs") or {}, min_new_tokens=phase.max_completion_length)
@@ -94,6 +114,7 @@ def run_path(path: str, options, device: torch.device, tokenizer, workdir: str) 
                                processing_class=tokenizer, peft_config=recipe.peft_config(), callbacks=[timer])  # fmt: skip
         if path == "rollout_engine" and trainer.rollout_engine is None and options.smoke:
             trainer.rollout_engine = attach_rollout_engine(trainer, allow_cpu=True)  # exercise it on CPU
+    reset_seconds = [hard_reset_timed(trainer, reset, device) for reset in range(options.frozen_resets)]
     if getattr(trainer, "rollout_engine", None) is not None:
         timed_calls(trainer.rollout_engine, "generate", generate_seconds, device)
     else:
@@ -104,6 +125,8 @@ def run_path(path: str, options, device: torch.device, tokenizer, workdir: str) 
     engine = getattr(trainer, "rollout_engine", None)
     result = {
         "path": path, "cap": phase.max_completion_length, "batch": phase.generation_batch_size,
+        "resets": options.frozen_resets, "reset_seconds": reset_seconds,
+        "lora_reset_mode": args.lora_reset_mode,
         "step_seconds": timer.times, "generate_seconds": generate_seconds,
         "mean_completion_length": max((e["completions/mean_length"] for e in trainer.state.log_history
                                        if "completions/mean_length" in e), default=None),
@@ -152,14 +175,19 @@ def table(meta: dict, results: list[dict]) -> str:
         step, gen = statistics.median(steady), statistics.median(steady_gen)
         ratio = f"{vanilla_steady / step:.1f}" if vanilla_steady and r["path"] != "vanilla" else "-"
         peak = f"{r['peak_allocated_gib']:.2f} / {r['peak_reserved_gib']:.2f}" if "peak_allocated_gib" in r else "-"
+        label = r["path"] + (f", after {r['resets']} {r['lora_reset_mode']} resets" if r.get("resets") else "")
         lines.append(
-            f"| {r['path']} | {r['cap']} | {len(r['step_seconds'])} | {r['step_seconds'][0]:.1f} | {step:.1f} | "
+            f"| {label} | {r['cap']} | {len(r['step_seconds'])} | {r['step_seconds'][0]:.1f} | {step:.1f} | "
             f"{gen:.1f} | {step - gen:.1f} | {peak} | {ratio} |"
         )
     if vanilla_steady:
         lines += ["", f"vanilla at cap {engine['cap']} (extrapolated): {vanilla_steady:.0f} s/step = its measured "
                   f"generation time per token at cap {vanilla['cap']} x {engine['cap']} tokens + the engine run's "
                   "measured non-generation time per step."]  # fmt: skip
+    for r in results:
+        if r.get("reset_seconds"):
+            times = ", ".join(f"{t:.2f}" for t in r["reset_seconds"])
+            lines.append(f"{r['path']}: hard_reset() took {times} s ({r['lora_reset_mode']}, no merged save)")
     for r in results:
         if r.get("engine"):
             lines.append(f"rollout_engine: {r['engine']['captures']} capture(s), {r['engine']['capture_seconds']:.1f} s "
@@ -177,6 +205,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt-tokens", type=int, default=None, help="prompt length and prompt budget (256)")
     parser.add_argument("--vanilla-cap", type=int, default=None, help="run vanilla at this completion cap instead")
     parser.add_argument("--budget-s", type=float, default=1e9, help="skip the paths left after this many seconds")
+    parser.add_argument("--frozen-resets", type=int, default=0,
+                        help="ProRLTrainer paths: hard resets (a trained-looking adapter each) before the timed steps")
+    parser.add_argument("--lora-reset-mode", default="frozen", choices=["frozen", "merge"])
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None)
     options = parser.parse_args(argv)

@@ -161,3 +161,36 @@ def test_a_trained_run_logs_that_its_resets_changed_nothing(tmp_path):
             assert frozen_state_dict(trainer.model)
     assert all(change == 0.0 and lost == 0.0 for change, lost in logged["frozen"]), logged
     assert all(change > 0 and lost > 0.3 for change, lost in logged["merge"]), logged
+
+
+@pytest.mark.parametrize(
+    "dtype, autocast", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, True), (torch.float32, False)],
+    ids=["bf16", "bf16+autocast", "fp32+autocast", "fp32"],
+)
+@torch.no_grad()
+def test_every_reset_is_bitwise_a_no_op_however_the_forward_runs(dtype, autocast):
+    """Each frozen part is computed as PEFT computed the adapter it was, in the same context: a bf16 base with float32
+    adapters (one rounding after the float32 sum), under bf16 autocast (as accelerate runs a bf16 mixed-precision
+    launch), or float32. Three resets in a row, each with a fresh adapter trained on top of the last."""
+    from peft import get_peft_model
+
+    from prorl_trl.reset import freeze_lora_delta, reinit_adapter
+
+    model = get_peft_model(build_tiny(seed=0)[0].to(dtype), lora(r=4, targets=TARGETS)).eval()
+
+    def logits():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return model(input_ids=PROBE).logits
+
+    for reset in range(3):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(reset)
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(std=1e-3)
+        before = logits()
+        freeze_lora_delta(model)
+        reinit_adapter(model, seed=reset)
+        assert torch.equal(logits(), before), f"reset {reset + 1} changed the outputs"
+        with model.disable_adapter():
+            assert torch.equal(logits(), before)  # the KL reference is the policy

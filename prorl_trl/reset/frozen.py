@@ -7,8 +7,9 @@ most of it and adds rounding noise of the same size (measured: 23 % of the phase
 
 How: the delta never touches the base. A `FrozenDelta` child of each adapted *base* layer (the `nn.Linear`, or the
 bitsandbytes layer PEFT wraps) holds one part per reset, the adapter's factors as they were (`down` r x in, `up`
-out x r and `scaling`, float32), and a forward hook on that base layer adds each part's `up @ (down @ x) * scaling`
-to its output, in float32, in reset order. Nothing is rounded away, and a quantised base stays exactly as loaded.
+out x r and `scaling`, in the adapter's dtype), and a forward hook on that base layer adds each part's
+`up @ (down @ x) * scaling` to its output in reset order, computed as PEFT computed the adapter. Nothing is rounded
+away, and a quantised base stays exactly as loaded.
 
 Why on the base layer: everything PEFT and TRL do with "the base" then includes the frozen deltas. PEFT's
 adapter-disabled forward is TRL's reference with beta > 0, so the reference is the policy as of the last reset (as a
@@ -19,14 +20,16 @@ the hook returns its float32 sum and a second hook on the LoRA layer casts the l
 once, after PEFT has added the live adapter in float32 (`round_lora_output`). The layer computes
 round(((W x + part_1) + ... + part_k) + adapter(x)) with the same operations PEFT runs for an adapter, so freezing the
 adapter as part k+1 and starting a fresh one (B = 0 adds exact zeros) leaves every output bit as it was, and the
-reference equals the policy. Elsewhere (bitsandbytes layers, whose LoRA layers round the adapter's output anyway;
-autocast; a base layer no LoRA layer wraps) the hook rounds its sum itself.
+reference equals the policy. Elsewhere the hook mirrors PEFT too: under autocast (a bf16 mixed-precision launch)
+the parts run under autocast and the sum is rounded at once, as PEFT's adapter runs and adds there; PEFT's
+bitsandbytes LoRA layers cast each adapter's output before adding it, and so do the parts on their base layers; a
+base layer no LoRA layer wraps rounds its own sum. Each reset is then bitwise a no-op on the training forward.
 
 Cost: each part is one more pair of small float32 products per adapted layer, as the live adapter is; when a layer's
 parts reach min(in, out) in total rank they are refactored exactly into one (float64 SVD), so long runs stop growing.
 The rollout engine folds the parts' A weights into its stacked GEMMs (`prorl_trl.rollout.lora_decode`).
 
-The factors are buffers of a module that keeps them in float32 whatever the model is cast to (`FrozenDelta._apply`:
+The factors are buffers of a module that keeps their dtype whatever the model is cast to (`FrozenDelta._apply`:
 DeepSpeed's bf16 engine calls `module.bfloat16()` at every phase) and out of the state dict (non-persistent): a run
 saves them itself (`frozen_state_dict`, `load_frozen_`) and merged saves fold them in (`save`, `gathered`).
 `freeze_lora_delta` reads the adapter through `engine.py`'s primitives, so the same call serves one process, DDP,
@@ -41,7 +44,15 @@ import torch
 from torch import nn
 
 from .engine import FSDP2, full_value, gathered, reshard
-from .support import ADAPTER_NAME, base_model_of, canonical_name, check_lora_supported, lora_layers, peft_model_of
+from .support import (
+    ADAPTER_NAME,
+    base_model_of,
+    canonical_name,
+    check_lora_supported,
+    is_bnb_lora_layer,
+    lora_layers,
+    peft_model_of,
+)
 
 FROZEN_MODULE = "prorl_frozen"  # the child of a base layer that holds its frozen factors
 
@@ -49,9 +60,10 @@ FROZEN_MODULE = "prorl_frozen"  # the child of a base layer that holds its froze
 class FrozenDelta(nn.Module):
     """Frozen LoRA factors of one base layer, one part per hard reset: part i adds `up_i @ (down_i @ x) * scaling_i`.
 
-    `down_i` is (rank_i, in_features), `up_i` (out_features, rank_i), float32 buffers; `bias` (out_features,) holds
-    the parts' LoRA biases (`lora_bias=True`), already scaled, or is None. Buffers, not Parameters: no optimizer, DDP
-    reducer, FSDP shard or ZeRO partition ever sees them, and they never train.
+    `down_i` is (rank_i, in_features), `up_i` (out_features, rank_i), copies of the adapter's weights in its own dtype
+    (float32 as PEFT keeps adapters; bf16 where TRL casts a QLoRA adapter), so each part computes what the adapter
+    computed. `bias` (out_features,) holds the parts' LoRA biases, already scaled, or is None. Buffers, not
+    Parameters: no optimizer, DDP reducer, FSDP shard or ZeRO partition ever sees them, and they never train.
     """
 
     def __init__(self):
@@ -59,12 +71,13 @@ class FrozenDelta(nn.Module):
         self.scalings: list[float] = []
         self.register_buffer("bias", None, persistent=False)
         self.deferred = False  # the LoRA layer around the base layer rounds the sum (`round_lora_output`)
+        self.round_each = False  # each part's output is cast to the base output's dtype first (PEFT's bnb layers)
 
     def append(self, down: torch.Tensor, up: torch.Tensor, scaling: float) -> None:
-        """One more part (copied in float32)."""
+        """One more part (copied; floating dtypes are kept, anything else becomes float32)."""
         index = len(self.scalings)
-        self.register_buffer(f"down_{index}", down.float().contiguous(), persistent=False)
-        self.register_buffer(f"up_{index}", up.float().contiguous(), persistent=False)
+        self.register_buffer(f"down_{index}", _copy(down), persistent=False)
+        self.register_buffer(f"up_{index}", _copy(up), persistent=False)
         self.scalings.append(float(scaling))
 
     @property
@@ -77,18 +90,19 @@ class FrozenDelta(nn.Module):
         return sum(down.shape[0] for down, _, _ in self.parts)
 
     def add_to(self, output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """`output` plus every part's product, added in float32 one after the other as PEFT adds an adapter's
-        (`result + lora_B(lora_A(x)) * scaling` on the input cast to float32); autocast off, the point being the
-        precision. The result is float32."""
-        with torch.autocast(x.device.type, enabled=False):
-            x = x.to(torch.float32)
-            for down, up, scaling in self.parts:
-                output = output + nn.functional.linear(nn.functional.linear(x, down), up) * scaling
-            return output if self.bias is None else output + self.bias
+        """`output` plus every part's product, one after the other, each computed as PEFT computes an adapter's
+        output in this context (`lora_B(lora_A(x)) * scaling` on the input cast to the factors' dtype, under autocast
+        where autocast is on; cast to the output's dtype first for a bitsandbytes layer outside autocast) and added
+        as PEFT adds it (promoted: a bf16 output plus float32 parts is a float32 sum)."""
+        autocast = torch.is_autocast_enabled(x.device.type)
+        for down, up, scaling in self.parts:
+            part = nn.functional.linear(nn.functional.linear(x.to(down.dtype), down), up) * scaling
+            output = output + (part.to(output.dtype) if self.round_each and not autocast else part)
+        return output if self.bias is None else output + self.bias
 
     def weight_delta(self) -> torch.Tensor:
-        """The dense delta, the parts' `up @ down * scaling` summed (out_features, in_features), float32."""
-        return sum((up @ down) * scaling for down, up, scaling in self.parts)
+        """The dense delta, the parts' `up @ down * scaling` summed in float32 (out_features, in_features)."""
+        return sum((up.float() @ down.float()) * scaling for down, up, scaling in self.parts)
 
     def refactor(self) -> None:
         """Replace the parts by one of rank min(out, in) with the same product (float64 SVD, then float32)."""
@@ -98,20 +112,25 @@ class FrozenDelta(nn.Module):
             delattr(self, f"down_{index}")
             delattr(self, f"up_{index}")
         self.scalings = []
-        self.append(right, left * values, 1.0)
+        self.append(right.float(), (left * values).float(), 1.0)
 
     def _apply(self, fn, recurse=True):
-        """Move with the model (`.to(device)`, `.cuda()`) but stay float32: a model-wide cast (`.bfloat16()`, which
-        DeepSpeed's bf16 engine applies) would round the factors, which is what this module exists to avoid."""
+        """Move with the model (`.to(device)`, `.cuda()`) but keep each factor's dtype: a model-wide cast
+        (`.bfloat16()`, which DeepSpeed's bf16 engine applies) would round float32 factors, which is what this module
+        exists to avoid."""
         for name, tensor in list(self._buffers.items()):
             if tensor is not None:
                 self._buffers[name] = tensor.to(device=fn(tensor[:0]).device)
         return self
 
 
+def _copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to(tensor.dtype if tensor.is_floating_point() else torch.float32).clone().contiguous()
+
+
 def add_frozen_delta(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-    """Forward hook of a base layer: its output plus its frozen parts, in float32; left in float32 where the LoRA
-    layer around it rounds once after adding its adapter (`deferred`), else rounded to the output's dtype."""
+    """Forward hook of a base layer: its output plus its frozen parts; left in the sum's dtype where the LoRA layer
+    around it rounds once after adding its adapter (`deferred`), else cast to the output's dtype."""
     frozen = getattr(module, FROZEN_MODULE, None)
     if frozen is None:
         return output
@@ -171,9 +190,10 @@ def attach_frozen_delta(
     lora_layer: nn.Module | None = None,
 ) -> FrozenDelta:
     """Append a part (`down` r x in, `up` out x r, `scaling`; `bias`, unscaled, for a LoRA bias) to the base layer's
-    frozen delta, creating it (and its hook) on first use; copied in float32 onto the base layer's device.
-    `lora_layer`: the PEFT LoRA layer that wraps `base_layer`, whose output is then rounded once (where the base layer
-    is a plain `nn.Linear`). Parts reaching min(in, out) in total rank are refactored into one (`refactor`)."""
+    frozen delta, creating it (and its hook) on first use; copied in their dtype onto the base layer's device.
+    `lora_layer`: the PEFT LoRA layer that wraps `base_layer`: its output is then rounded once where the base layer is
+    a plain `nn.Linear`, and each part's output is cast first where it is a bitsandbytes layer (as PEFT computes
+    those). Parts beyond min(in, out) in total rank are refactored into one (`refactor`)."""
     device = _device_of(base_layer)
     frozen = frozen_delta_of(base_layer)
     if frozen is None:
@@ -192,6 +212,7 @@ def attach_frozen_delta(
         if round_lora_output not in lora_layer._forward_hooks.values():
             lora_layer.register_forward_hook(round_lora_output)
         frozen.deferred = True
+    frozen.round_each = lora_layer is not None and is_bnb_lora_layer(lora_layer)
     return frozen
 
 
