@@ -20,6 +20,12 @@ With `--compare-rollout-engine`, (a) and (b) run again with `rollout_engine` fro
 14: the same result within noise, faster): one table row per generation path and a line per run saying whether the
 engine's final pass@1 is within two standard errors of the first path's, with both wall times; the plots show the
 first path.
+With `--lora-rank R` the runs train a LoRA adapter (rank R on `--lora-targets`) on the bf16 warm start, as the recipes
+do, and `--arms` chooses them (default then `resets,merge,no_reset`): (a) hard resets keeping each phase's delta as
+frozen factors (`lora_reset_mode: frozen`, the default), (a') the same resets merging it into the bf16 weights
+(`merge`), (b) one phase. Each reset is bracketed by two validations with the same sampling seed, right before (the
+phase's last step) and right after it (before the next phase's first step): a reset that is a no-op on the policy
+gives the same pass@1 twice (issue 27's table: what a plain merge costs at a recipe-like learning rate).
 Targets: (a) >= 20 points above the warm start. Whether (a) beats (b) is reported as measured, not assumed: "yes"
 only when the gap exceeds two standard errors (each validation problem counted as one Bernoulli trial, conservative).
 Both runs share the seed, so their curves nearly coincide until (a)'s first reset.
@@ -53,6 +59,12 @@ from prorl_trl.plots import phase_boundaries, plot_training_curves, series  # no
 from prorl_trl.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 from prorl_trl.trainer import ProRLTrainer  # noqa: E402
 
+# arm -> (run folder, label, lora_reset_mode or None for one phase)
+ARMS = {
+    "resets": ("a_prorl_resets", "(a) {phases} phases + hard resets (frozen factors)", "frozen"),
+    "merge": ("a_merge_resets", "(a') {phases} phases + hard resets merging into the base", "merge"),
+    "no_reset": ("b_no_reset", "(b) one phase, no reset", None),
+}
 TASK = {"num_steps": 1, "max_value": 20, "max_factor": 3, "style": "expression", "instruction": ""}
 GPU_MODEL = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4}
 SMOKE_MODEL = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}
@@ -82,7 +94,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run (a) and (b) again with the rollout engine from the same warm start: one row each in the table",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lora-rank", type=int, default=0, help="train a LoRA adapter of this rank (0: all weights)")
+    parser.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj", help="LoRA target modules")
+    parser.add_argument(
+        "--arms", default=None,
+        help=f"comma separated, from {list(ARMS)} (default: resets,no_reset; with --lora-rank: resets,merge,no_reset)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    args.arms = [a for a in (args.arms or ("resets,merge,no_reset" if args.lora_rank else "resets,no_reset")).split(",") if a]
+    if set(args.arms) - set(ARMS) or ("merge" in args.arms and not args.lora_rank):
+        parser.error(f"--arms: choose from {list(ARMS)} ('merge' needs --lora-rank)")
     args.steps = args.steps or (3 if args.smoke else 240)
     args.eval_steps = args.eval_steps or (1 if args.smoke else 20)
     args.max_sft_steps = args.max_sft_steps or (4 if args.smoke else 1500)
@@ -152,9 +173,27 @@ def warm_start(args, tokenizer, device_kwargs, out: Path) -> tuple[Path, float, 
     return path, time.time() - started, parameters, stopper.accuracy
 
 
+class AroundResets(TrainerCallback):
+    """Validates right before each hard reset (when a phase's `train()` ends) and right after it (when the next one
+    begins, the reset done), with the same sampling seed: `pairs` holds (global step, pass@1 before, pass@1 after)."""
+
+    def __init__(self, validation: ValidationCallback):
+        self.validation, self.pairs, self._before = validation, [], None
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._before = self.validation.evaluate()["eval_pass@1"]
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        trainer = self.validation.trainer
+        if self._before is not None and trainer.prorl_resets > len(self.pairs):
+            after = self.validation.evaluate()["eval_pass@1"]
+            self.pairs.append((trainer.prorl_global_step, self._before, after))
+        self._before = None
+
+
 def rl_run(args, name: str, phases: list[PhaseConfig], warm: Path, tokenizer, device_kwargs, out: Path,
-           rollout_engine: bool):
-    """One ProRLTrainer run from the warm start; returns (log history, wall seconds)."""
+           rollout_engine: bool, lora_reset_mode: str = "frozen"):
+    """One ProRLTrainer run from the warm start; returns (log history, wall seconds, pass@1 around each reset)."""
     started = time.time()
     train = make_arithmetic_dataset(256 if args.smoke else 20000, seed=args.seed + 1, **TASK)
     validation = make_arithmetic_dataset(validation_problems(args), seed=args.seed + 2, **TASK)
@@ -177,6 +216,7 @@ def rl_run(args, name: str, phases: list[PhaseConfig], warm: Path, tokenizer, de
         save_merged_on_reset=False,
         compiled_generation=args.compiled_generation,
         rollout_engine=rollout_engine,
+        lora_reset_mode=lora_reset_mode,
         report_to=[],
         logging_steps=1,
         disable_tqdm=True,
@@ -195,16 +235,24 @@ def rl_run(args, name: str, phases: list[PhaseConfig], warm: Path, tokenizer, de
         at_start=True,
         seed=args.seed,
     )
+    around = AroundResets(callback)
+    peft_config = None
+    if args.lora_rank:
+        from peft import LoraConfig
+
+        targets = args.lora_targets.split(",")
+        peft_config = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules=targets)
     trainer = ProRLTrainer(
         model=str(warm),
         reward_funcs=[_boxed()],
         args=config,
         train_dataset=train,
         processing_class=tokenizer,
-        callbacks=[callback],
+        callbacks=[callback, around],
+        peft_config=peft_config,
     )
     trainer.train()
-    return trainer.prorl_log_history, time.time() - started
+    return trainer.prorl_log_history, time.time() - started, around.pairs
 
 
 def validation_problems(args) -> int:
@@ -235,6 +283,9 @@ def main(argv: list[str] | None = None) -> dict:
         PhaseConfig(name=f"phase-{i}", max_steps=base + (1 if i < extra else 0), hard_reset=i > 0)
         for i in range(args.phases)
     ]
+    if args.lora_rank or args.arms != ["resets", "no_reset"]:
+        return compare_resets(args, out, warm, tokenizer, device_kwargs, prorl_phases, device, parameters,
+                              sft_seconds, sft_accuracy)  # fmt: skip
     first_path = "rollout_engine" if args.rollout_engine else (
         "compiled_generation" if args.compiled_generation else "generate")  # fmt: skip
     paths = [first_path] + (["rollout_engine"] if args.compare_rollout_engine and not args.rollout_engine else [])
@@ -242,10 +293,10 @@ def main(argv: list[str] | None = None) -> dict:
     for path in paths:
         suffix = "" if path == first_path else f"_{path}"  # the first path keeps the folder names it always had
         engine = path == "rollout_engine"
-        history_a, seconds_a = rl_run(args, "a_prorl_resets" + suffix, prorl_phases, warm, tokenizer, device_kwargs,
-                                      out, engine)  # fmt: skip
-        history_b, seconds_b = rl_run(args, "b_no_reset" + suffix, [PhaseConfig(name="single", max_steps=args.steps)],
-                                      warm, tokenizer, device_kwargs, out, engine)  # fmt: skip
+        history_a, seconds_a, _ = rl_run(args, "a_prorl_resets" + suffix, prorl_phases, warm, tokenizer, device_kwargs,
+                                         out, engine)  # fmt: skip
+        history_b, seconds_b, _ = rl_run(args, "b_no_reset" + suffix, [PhaseConfig(name="single", max_steps=args.steps)],
+                                         warm, tokenizer, device_kwargs, out, engine)  # fmt: skip
         curve_a, curve_b = series(history_a, ("eval_pass@1",)), series(history_b, ("eval_pass@1",))
         runs.append({
             "generation": path, "warm_start_pass@1": curve_a[1][0],
@@ -287,6 +338,71 @@ def main(argv: list[str] | None = None) -> dict:
     (out / "learning.json").write_text(json.dumps(result, indent=1))
     print(table)
     return result
+
+
+def compare_resets(args, out: Path, warm: Path, tokenizer, device_kwargs, prorl_phases, device, parameters,
+                   sft_seconds, sft_accuracy) -> dict:
+    """`--arms` (with `--lora-rank`, issue 27): each arm from the same warm start; one table with the final and best
+    pass@1 of each and pass@1 right before and right after each of its resets."""
+    arms = {}
+    for arm in args.arms:
+        folder, label, mode = ARMS[arm]
+        phases = prorl_phases if mode else [PhaseConfig(name="single", max_steps=args.steps)]
+        history, seconds, pairs = rl_run(args, folder, phases, warm, tokenizer, device_kwargs, out,
+                                         args.rollout_engine, lora_reset_mode=mode or "frozen")  # fmt: skip
+        steps, values = series(history, ("eval_pass@1",))
+        arms[arm] = {"label": label.format(phases=args.phases), "curve": (steps, values), "seconds": round(seconds, 1),
+                     "final_pass@1": values[-1], "best_pass@1": max(values), "around_resets": pairs,
+                     "history": history}  # fmt: skip
+    first = next(iter(arms.values()))
+    plots = plot_training_curves(
+        [entry for entry in first["history"] if "reward" in entry], out,
+        validation={arm["label"]: arm["curve"] for arm in arms.values()},
+        boundaries=phase_boundaries(first["history"]), prefix="",
+    )  # fmt: skip
+    for arm in arms.values():
+        del arm["history"]
+    result = {
+        "device": device, "parameters": parameters, "steps": args.steps, "phases": args.phases,
+        "learning_rate": args.learning_rate, "beta": args.beta, "smoke": args.smoke,
+        "lora": {"r": args.lora_rank, "targets": args.lora_targets} if args.lora_rank else None,
+        "validation_problems": validation_problems(args), "warm_start_greedy_accuracy": sft_accuracy,
+        "warm_start_pass@1": first["curve"][1][0], "warm_start_seconds": round(sft_seconds, 1),
+        "arms": arms, "plots": [p.name for p in plots],
+    }  # fmt: skip
+    table = render_reset_table(result)
+    (out / "learning.md").write_text(table + "\n")
+    (out / "learning.json").write_text(json.dumps(result, indent=1))
+    print(table)
+    return result
+
+
+def render_reset_table(r: dict) -> str:
+    """One row per arm: final and best pass@1 (points over the warm start), pass@1 before -> after each reset, wall
+    time; then each arm against the first, with two standard errors."""
+    lora = f", LoRA r{r['lora']['r']} on {r['lora']['targets']}" if r["lora"] else ", all weights"
+    lines = [
+        f"| {r['device']}{' (smoke)' if r['smoke'] else ''}, {r['parameters'] / 1e6:.1f}M params (bf16 where on GPU)"
+        f"{lora}, lr {r['learning_rate']:g}, {r['steps']} RL steps | final pass@1 | best pass@1 | "
+        "pass@1 right before -> right after each reset | wall (s) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    start = r["warm_start_pass@1"]
+    for arm in r["arms"].values():
+        around = "; ".join(f"step {step}: {before:.1%} -> {after:.1%}" for step, before, after in arm["around_resets"])
+        lines.append(
+            f"| {arm['label']} | {arm['final_pass@1']:.1%} ({100 * (arm['final_pass@1'] - start):+.1f} pts) "
+            f"| {arm['best_pass@1']:.1%} | {around or '-'} | {arm['seconds']:.0f} |"
+        )
+    arms = list(r["arms"].values())
+    lines.append("")
+    lines.append(f"warm start pass@1 {start:.1%} ({r['warm_start_seconds']:.0f} s of SFT)")
+    for arm in arms[1:]:
+        a, b = arms[0]["final_pass@1"], arm["final_pass@1"]
+        two_se = two_standard_errors(a, b, r["validation_problems"])
+        verdict = "significant" if abs(a - b) > two_se else "within noise"
+        lines.append(f"{arms[0]['label']} vs {arm['label']}: {100 * (a - b):+.1f} pts (2 s.e. {100 * two_se:.1f}, {verdict})")
+    return "\n".join(lines)
 
 
 def two_standard_errors(a: float, b: float, problems: int) -> float:

@@ -40,3 +40,17 @@ def test_table_compares_generation_paths_within_noise():
     assert "hard resets, rollout_engine |" in lines[3]
     assert lines[-2] == "(a) rollout_engine vs generate: +2.0 pts (2 s.e. 9.8, within noise); wall 100 -> 60 s"
     assert lines[-1].startswith("(b) rollout_engine vs generate: -17.0 pts") and "NOT within noise" in lines[-1]
+
+
+def test_reset_comparison_smoke_brackets_every_reset(tmp_path):
+    """`--lora-rank` (issue 27): frozen resets, merging resets and one phase from one warm start, each reset bracketed by
+    two validations with one sampling seed; a frozen reset leaves pass@1 exactly as it was."""
+    benchmark = load_benchmark("learning")
+    result = benchmark.main(["--smoke", "--out", str(tmp_path), "--lora-rank", "4"])
+    arms = result["arms"]
+    assert list(arms) == ["resets", "merge", "no_reset"]
+    assert [step for step, _, _ in arms["resets"]["around_resets"]] == [1, 2] and not arms["no_reset"]["around_resets"]
+    assert all(before == after for _, before, after in arms["resets"]["around_resets"])
+    table = (tmp_path / "learning.md").read_text().splitlines()
+    assert "LoRA r4" in table[0] and table[2].startswith("| (a) 3 phases + hard resets (frozen factors)")
+    assert "step 1:" in table[2] and "step 1:" in table[3] and "| - |" in table[4]  # one phase: no reset
