@@ -16,6 +16,7 @@ from trl.generation.vllm_generation import VLLMGeneration
 from trl.trainer.grpo_trainer import GRPOTrainer
 
 from prorl_trl.reset import (
+    freeze_lora_delta,
     lora_layers,
     merge_lora_in_place,
     merged_state_dict,
@@ -27,6 +28,7 @@ from prorl_trl.rollout.vllm_sync import (
     apply_vllm_sampling,
     force_weight_sync,
     shadowed_by_generation_kwargs,
+    stream_policy_weights,
 )
 
 INPUT_IDS = torch.tensor([[5, 17, 42, 99, 130, 7, 250, 3]])
@@ -55,6 +57,10 @@ def test_weight_stream_skips_lora_and_strips_peft_names():
     assert "model.merge_adapter()" in source and "model.unmerge_adapter()" in source
     assert 'removeprefix("base_model.model.").replace(".base_layer", "")' in source
     assert "if model.prefix in name" in source
+    # ProRL replaces the stream on the instance (`stream_policy_weights`): TRL must still read it there, and name
+    # tensors with the fixer our stream calls
+    assert inspect.getsource(VLLMGeneration.sync_weights).count("self._iter_named_params()") >= 3
+    assert "extra_prefixes" in inspect.signature(VLLMGeneration._fix_param_name_to_vllm).parameters
 
 
 # ---------------------------------------------------------------------------------------- sampling settings
@@ -186,3 +192,39 @@ def test_trainer_refuses_generation_kwargs_that_shadow_phase_settings_on_either_
                 reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
                 train_dataset=Dataset.from_list([{"prompt": "1+1="}] * 8),
             )
+
+
+def test_the_stream_prorl_installs_sends_every_delta_and_never_writes_the_live_weights():
+    """`stream_policy_weights` (what ProRLTrainer installs for a PEFT model with vLLM): after a frozen reset and a newly
+    trained adapter, vLLM gets base + frozen parts + live adapter folded in float32 and cast once, under TRL's own
+    names and in the base dtype; the live model's weights are never written. TRL's own stream merges and unmerges the
+    bf16 base in place, which moves it (round(round(W + delta) - delta) != W): the reason it is replaced."""
+    model = trained_lora_model().to(torch.bfloat16)
+    freeze_lora_delta(model)
+    reinit_adapter(model, r=2, target_modules=["q_proj", "v_proj"], seed=0)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for _, layer in lora_layers(model):
+            weight = layer.lora_B["default"].weight
+            weight.copy_(torch.randn(weight.shape, generator=generator))
+    live = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+    trl_generation = colocated_generation(model)
+    trl_pushed = pushed(trl_generation)
+    moved = [name for name, tensor in model.state_dict().items() if not torch.equal(tensor, live[name])]
+    assert moved, "TRL's merge + unmerge left the bf16 base as it was: the replacement's reason is gone"
+    with torch.no_grad():  # put the weights back as they were before TRL's push
+        for name, tensor in model.state_dict().items():
+            tensor.copy_(live[name])
+
+    generation = colocated_generation(model)
+    stream_policy_weights(generation)
+    ours = pushed(generation)
+    expected = merged_state_dict(model)
+    assert ours.keys() == trl_pushed.keys()  # TRL's names: vLLM's metadata cache stays valid
+    assert all(ours[name].dtype == torch.bfloat16 for name in ours)
+    assert all(torch.equal(ours[name], expected[name]) for name in ours)
+    assert all(torch.equal(tensor, live[name]) for name, tensor in model.state_dict().items())  # nothing written
+    frozen_only = [n for n in ours if "k_proj.weight" in n]  # k: a frozen part, no live adapter since the reshape
+    base = {name.replace(".base_layer", "").removeprefix("base_model.model."): t for name, t in live.items()}
+    assert all(not torch.equal(ours[n], base[n]) for n in frozen_only)  # the frozen delta reached vLLM
