@@ -25,7 +25,7 @@ from transformers import TrainerCallback  # noqa: E402
 
 from prorl_trl.config import ProRLConfig  # noqa: E402
 from prorl_trl.recipe.run import leave_process_group  # noqa: E402
-from prorl_trl.reset import lora_parameters, merge_lora_in_place, reinit_adapter  # noqa: E402
+from prorl_trl.reset import frozen_state_dict, lora_parameters, merge_lora_in_place, reinit_adapter  # noqa: E402
 from prorl_trl.tiny import build_tiny  # noqa: E402
 from prorl_trl.trainer import ProRLTrainer  # noqa: E402
 from prorl_trl.trainer.callbacks import HardResetCallback  # noqa: E402
@@ -37,7 +37,9 @@ def token_hash_reward(completion_ids, **kwargs):
 
 
 def compare_ranks(model):
-    vector = torch.cat([p.detach().double().flatten() for _, p in sorted(model.named_parameters())])
+    """Every parameter and the frozen LoRA factors of earlier resets (the whole policy), rank 0 against the rest."""
+    tensors = [p for _, p in sorted(model.named_parameters())] + list(frozen_state_dict(model).values())
+    vector = torch.cat([t.detach().double().flatten().to(next(model.parameters()).device) for t in tensors])
     gathered = [torch.empty_like(vector) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, vector)
     return {"equal": all(torch.equal(gathered[0], g) for g in gathered), "max_diff": float((gathered[0] - gathered[1]).abs().max())}
@@ -101,7 +103,12 @@ def main(out_path, rollout_engine=False):
 
         trainer.rollout_engine = attach_rollout_engine(trainer, allow_cpu=True)
     trainer.train()
+    ddp = trainer.model_wrapped  # re-wrapped after the shape change: built after the first frozen parts existed
+    frozen = [buffer for name, buffer in trainer.model.named_buffers() if "prorl_frozen" in name]
     results = {
+        "frozen_buffers": len(frozen),
+        "ddp_broadcasts_no_frozen_buffer": not any(b is f for b in ddp.modules_buffers for f in frozen),
+        "ddp_knew_frozen_buffers": any("prorl_frozen" in name for name in ddp.parameters_to_ignore),
         "records": comparison.records,
         "resets": trainer.prorl_resets,
         "final_rank": trainer.model.peft_config["default"].r,

@@ -61,6 +61,14 @@ def test_replicas_identical_after_every_reset_and_phase(ddp_results):
         assert record["equal"] and record["max_diff"] == 0.0, record
 
 
+def test_frozen_factors_are_identical_on_every_rank_and_never_broadcast(ddp_results):
+    """The replica comparison above includes the frozen LoRA factors of every reset; a DDP wrapper built after a reset
+    (the rank change re-wraps) leaves them out of its per-forward buffer broadcast."""
+    assert ddp_results["frozen_buffers"] > 0
+    assert ddp_results["ddp_knew_frozen_buffers"] is True  # built after reset 1: its factors were there, and ignored
+    assert ddp_results["ddp_broadcasts_no_frozen_buffer"] is True
+
+
 def test_rank_change_trained_the_new_adapter(ddp_results):
     assert ddp_results["final_rank"] == 8
     assert ddp_results["lora_b_trained"] is True

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parent.parent
@@ -216,3 +217,32 @@ def test_full_disk_gives_one_message_and_the_run_resumes_once_space_is_back(
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_weights(out, reference)
     assert history(out) == history(reference)
+
+
+BF16_THREE_PHASES = [
+    "--rewards", "[token_hash]", "--model.dtype", "bfloat16", "--training.learning_rate", "3e-5",
+    "--training.save_strategy", "steps", "--training.save_steps", "1", "--validation.eval_steps", "100",
+    "--phases", "[{name: first, max_steps: 2}, {name: second, max_steps: 2, lora_r: 2, lora_alpha: 4}, "
+    "{name: third, max_steps: 2, temperature: 0.9}]",
+]  # fmt: skip
+
+
+def test_bf16_run_killed_after_two_resets_resumes_to_the_uninterrupted_weights(tiny_dir, shared_data, tmp_path):
+    """A bf16 base (as the recipes load), three phases, a SIGKILL after the second reset, `--resume`: the earlier
+    phases' deltas come back from their frozen factors (the base weights never moved) and `final/` is bit for bit the
+    uninterrupted run's."""
+    reference, out = tmp_path / "reference", tmp_path / "run"
+    result = cli(reference, tiny_dir, shared_data, *BF16_THREE_PHASES)
+    assert result.returncode == 0, result.stderr[-3000:]
+    killed = cli(out, tiny_dir, shared_data, *BF16_THREE_PHASES, env={"PRORL_TEST_KILL_AT": "on_step_begin:2:2"})
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert (out / "frozen" / "reset-2.safetensors").is_file() and not (out / "final").exists()
+    resumed = cli(out, tiny_dir, shared_data, *BF16_THREE_PHASES, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
+    assert_same_weights(out, reference)
+    state = json.loads((out / "phase-2" / "checkpoint-1" / "prorl_state.json").read_text())
+    assert state["resets"] == 2 and state["frozen_factors"] == "frozen/reset-2.safetensors"
+    start, final = load_file(tiny_dir / "model.safetensors"), final_weights(reference)
+    moved = [k for k in start if not torch.equal(start[k].to(torch.bfloat16).float(), final[k].float())]
+    assert any("q_proj" in k for k in moved)  # three phases' deltas are in final/: not a comparison of untrained runs

@@ -27,6 +27,7 @@ from .frozen import (
     frozen_layers,
     frozen_rank_total,
     frozen_state_dict,
+    keep_out_of_ddp_broadcasts,
     load_frozen_,
 )
 from .gathered import gathered_state_dict, iter_policy_weights, load_state_
@@ -80,6 +81,7 @@ __all__ = [
     "frozen_state_dict",
     "gathered_state_dict",
     "iter_policy_weights",
+    "keep_out_of_ddp_broadcasts",
     "load_frozen_",
     "load_state_",
     "lora_layers",

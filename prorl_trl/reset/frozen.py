@@ -52,6 +52,7 @@ from .support import (
     is_bnb_lora_layer,
     lora_layers,
     peft_model_of,
+    unwrap_model,
 )
 
 FROZEN_MODULE = "prorl_frozen"  # the child of a base layer that holds its frozen factors
@@ -282,6 +283,21 @@ def freeze_lora_delta(model: nn.Module, engine: str | None = None, active_layers
         report.rank_added += int(keep.sum())
         report.frozen_rank = max(report.frozen_rank, frozen.rank)
     return report
+
+
+def keep_out_of_ddp_broadcasts(model: nn.Module) -> list[str]:
+    """Keep the frozen factors out of DDP's buffer broadcast (`broadcast_buffers`: rank 0's buffers sent to every rank
+    before each forward): they are identical on every rank by construction, and grow with every reset. Names them in
+    `_ddp_params_and_buffers_to_ignore` of the module DDP wraps (what a wrapper built later reads) and, when `model`
+    is a live `DistributedDataParallel`, in its `parameters_to_ignore` (DDP re-reads the module's buffers before every
+    broadcast, so factors added after it was built would be sent too). Returns the names."""
+    unwrapped = unwrap_model(model)
+    names = [name for name, _ in unwrapped.named_buffers() if f".{FROZEN_MODULE}." in f".{name}"]
+    kept = [name for name in getattr(unwrapped, "_ddp_params_and_buffers_to_ignore", []) if FROZEN_MODULE not in name]
+    unwrapped._ddp_params_and_buffers_to_ignore = kept + names
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        model.parameters_to_ignore.update(names)
+    return names
 
 
 # ------------------------------------------------------------------------------------------- saving and loading

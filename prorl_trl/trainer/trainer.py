@@ -549,6 +549,7 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
                     "resume from the run folder the checkpoint was written in, with its frozen/ folder."
                 )
             reset_ops.load_frozen_(self.model, load_file(str(path)))
+            reset_ops.keep_out_of_ddp_broadcasts(self.model_wrapped)
             self.prorl_frozen_path = state["frozen_factors"]
         elif state.get("merged_base"):
             load_merged_base(self.model, state["merged_base"])
@@ -650,6 +651,7 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
             active = self._active_lora["target_names"] if engine.sharded and self._active_lora else None
             if self.args.lora_reset_mode == "frozen":
                 kept = reset_ops.freeze_lora_delta(model, engine.kind, active)
+                reset_ops.keep_out_of_ddp_broadcasts(self.model_wrapped)
             elif engine.sharded:
                 rounding = reset_ops.merge_lora_sharded(model, engine.kind, active)
             else:
