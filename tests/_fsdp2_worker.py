@@ -5,9 +5,15 @@ the model is sharded here the way accelerate's `fsdp2_prepare_model` does it (`f
 then on the root; the reference root-only, as TRL's `prepare_fsdp`); every rank also keeps an unsharded copy that
 the same operations run on in one process. The tiny model's vocabulary (265 rows) is not divisible by 2, so one
 shard is a row shorter. Rank 0 writes what it measured; the test asserts on it.
+
+Both reset modes are covered: "merge" (`merge_lora_sharded`) and "frozen" (`freeze_lora_delta`, the default: the delta
+kept as float32 factors on each base layer), on a float32 model and on a bf16 base with float32 LoRA weights, sharded
+as plain `fully_shard` and as accelerate shards it under `mixed_precision: bf16` (`MixedPrecisionPolicy(param_dtype=
+bfloat16)`: the live adapter is then evaluated in bf16), and on a superset adapter whose active part is frozen.
 """
 
 import copy
+import hashlib
 import json
 import os
 import sys
@@ -19,13 +25,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer  # noqa: E402
 
 from prorl_trl.recipe.run import leave_process_group  # noqa: E402
 from prorl_trl.reset import (  # noqa: E402
     FSDP2,
+    freeze_lora_delta,
     fresh_adapter_sharded,
+    frozen_layers,
+    frozen_state_dict,
     gathered_state_dict,
     load_state_,
     lora_layers,
@@ -41,11 +50,12 @@ from prorl_trl.reset.engine import full_value, is_dtensor, reshard, write_full_ 
 from prorl_trl.tiny import build_tiny  # noqa: E402
 
 
-def shard_like_accelerate(model):
+def shard_like_accelerate(model, mp_policy=None):
+    kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
     for module in model.modules():
         if isinstance(module, Qwen2DecoderLayer):
-            fully_shard(module)
-    fully_shard(model)
+            fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
     return model
 
 
@@ -54,17 +64,66 @@ def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-def lora_model(seed_b: int, **config):
+def lora_model(seed_b: int, dtype=torch.float32, b_scale: float = 0.1, **config):
+    """The tiny model in `dtype` with a LoRA adapter (PEFT keeps it in float32 on a bf16 base) whose B is random."""
     model, tokenizer = build_tiny(seed=0)
+    model = model.to(dtype)
     with torch.random.fork_rng(devices=[]):  # the same replica on every rank before sharding (as after a broadcast)
         torch.manual_seed(0)
         peft = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **config))
-    generator = torch.Generator().manual_seed(seed_b)
-    with torch.no_grad():  # a trained-looking adapter: B != 0
-        for _, layer in lora_layers(peft):
-            weight = layer.lora_B["default"].weight
-            weight.copy_(torch.randn(weight.shape, generator=generator) * 0.1)
+    set_lora_b_(peft, seed_b, b_scale)  # a trained-looking adapter: B != 0
     return peft, tokenizer
+
+
+@torch.no_grad()
+def set_lora_b_(model, seed: int, scale: float) -> None:
+    """B := scale * randn (one seeded generator, layer by layer): the same values in a sharded model and its replica."""
+    reshard(model)
+    generator = torch.Generator().manual_seed(seed)
+    for _, layer in lora_layers(model):
+        weight = layer.lora_B["default"].weight
+        write_full_(weight, torch.randn(tuple(weight.shape), generator=generator) * scale)
+
+
+@torch.no_grad()
+def logits_of(model, ids) -> torch.Tensor:
+    return model(input_ids=ids).logits.float()
+
+
+@torch.no_grad()
+def base_weights(model) -> dict:
+    """Every non-LoRA parameter, whole (gathered from the shards)."""
+    reshard(model)
+    return {n: full_value(p).detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+
+
+def state_digest(state: dict) -> str:
+    digest = hashlib.sha256()
+    for key in sorted(state):
+        digest.update(key.encode())
+        digest.update(state[key].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+@torch.no_grad()
+def folded_by_hand(replica) -> dict:
+    """The replica's adapted weights with every frozen part and the live delta added in float32, written out here
+    (independently of `iter_policy_weights`) and cast to the weight's dtype: {from_pretrained name: weight}."""
+    base = replica.get_base_model()
+    frozen = frozen_state_dict(replica)
+    out = {}
+    for name, layer in lora_layers(base):
+        weight = layer.get_base_layer().weight
+        total = weight.float()
+        index = 0
+        while f"{name}.prorl_frozen.{index}.down" in frozen:
+            part = f"{name}.prorl_frozen.{index}."
+            total = total + (frozen[part + "up"] @ frozen[part + "down"]) * float(frozen[part + "scaling"])
+            index += 1
+        live = layer.lora_B["default"].weight.float() @ layer.lora_A["default"].weight.float()
+        total = total + live * layer.scaling["default"]
+        out[f"{name}.weight"] = total.to(weight.dtype)
+    return out
 
 
 def main(out_path: str) -> None:
@@ -108,6 +167,9 @@ def main(out_path: str) -> None:
     scaled = {k: v * 0.5 for k, v in base_after.items()}
     load_state_(sharded, scaled)
     results["load_state_roundtrip"] = max_diff(gathered_state_dict(sharded, to_all_ranks=True), scaled)
+
+    frozen_float32(results, probe)
+    frozen_bf16(results, probe)
 
     # --- superset adapter: a rank-4 adapter on q,v as the active part of r=8 on all linear layers --------------------
     superset, _ = lora_model(seed_b=7, r=8, lora_alpha=16, target_modules="all-linear")
@@ -172,6 +234,24 @@ def main(out_path: str) -> None:
     state_before = len(superset._test_optimizer.state)
     reset_optimizer_state(superset._test_optimizer)
     results["optimizer_state_entries_before_after_reset"] = [state_before, len(superset._test_optimizer.state)]
+    # a frozen reset of the superset adapter with a shape change (the trainer's phase boundary): only the active part
+    # is frozen (the idle layers' adapters and the zero columns of B beyond rank 4 are left out), the same factors as
+    # the plain rank-4 adapter's, and the next phase's adapter (rank 8 on all linear layers) starts at B = 0
+    before = logits_of(superset, probe)
+    report = freeze_lora_delta(superset, FSDP2, active_layers=targets)
+    fresh_adapter_sharded(superset, FSDP2, seed=6, rank=8, lora_alpha=16)
+    after = logits_of(superset, probe)
+    plain_report = freeze_lora_delta(plain)
+    layers = frozen_layers(superset)
+    results["superset_frozen_layers_are_targets"] = sorted(name for name, _, _ in layers) == sorted(targets)
+    results["superset_frozen_ranks"] = sorted({frozen.rank for _, _, frozen in layers})
+    results["superset_frozen_reports"] = [[r.layers, r.rank_added, r.frozen_rank] for r in (report, plain_report)]
+    results["superset_frozen_vs_plain"] = max_diff(frozen_state_dict(superset), frozen_state_dict(plain))
+    results["superset_frozen_reset_logits_max_abs_diff"] = float((after - before).abs().max())
+    results["superset_frozen_hash_per_rank"] = all_ranks(state_digest(frozen_state_dict(superset)))
+    results["superset_all_linear_b_zero"] = all(
+        float(full_value(layer.lora_B["default"].weight).abs().max()) == 0 for _, layer in lora_layers(superset)
+    )
 
     # --- full fine-tuning: reference := policy, the reference sharded root-only as TRL's prepare_fsdp ---------------
     policy, _ = build_tiny(seed=0)
@@ -204,6 +284,96 @@ def main(out_path: str) -> None:
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results, indent=1))
     leave_process_group()  # exiting with the group alive aborted rank 1 in ~1 run of 6 (gloo)
+
+
+def frozen_float32(results: dict, probe: torch.Tensor) -> None:
+    """Two frozen resets (`freeze_lora_delta` + `fresh_adapter_sharded`) on the sharded float32 model, each followed
+    by a "trained" adapter (B != 0 again), against the same steps on the replica in one process."""
+    sharded, _ = lora_model(seed_b=7, r=8, lora_alpha=16, target_modules="all-linear")
+    single = copy.deepcopy(sharded)
+    shard_like_accelerate(sharded)
+    base_before = base_weights(sharded)
+    record = {key: [] for key in ("reset_logits_max_abs_diff", "logits_vs_single", "factors_vs_single", "factor_hashes",
+                                  "reports", "gathered_vs_single_merged", "gathered_vs_by_hand", "gathered_fp32_vs_single",
+                                  "parts_per_layer")}  # fmt: skip
+    for reset, seed in ((1, 99), (2, 100)):
+        before = logits_of(sharded, probe)
+        report = freeze_lora_delta(sharded, FSDP2)
+        fresh_adapter_sharded(sharded, FSDP2, seed=seed)
+        after = logits_of(sharded, probe)
+        single_report = freeze_lora_delta(single)
+        reinit_adapter(single, seed=seed)
+        record["reset_logits_max_abs_diff"].append(float((after - before).abs().max()))
+        record["logits_vs_single"].append(float((after - logits_of(single, probe)).abs().max()))
+        factors = frozen_state_dict(sharded)
+        record["factors_vs_single"].append(max_diff(factors, frozen_state_dict(single)))
+        record["factor_hashes"].append(all_ranks(state_digest(factors)))
+        record["reports"].append([[r.layers, r.rank_added, r.frozen_rank] for r in (report, single_report)])
+        record["parts_per_layer"].append(sorted({len(f.scalings) for _, _, f in frozen_layers(sharded)}))
+        # the next phase "trains": B != 0 again (the same in both), so the frozen and the live deltas are both folded
+        set_lora_b_(sharded, seed=20 + reset, scale=0.1)
+        set_lora_b_(single, seed=20 + reset, scale=0.1)
+        gathered = gathered_state_dict(sharded, to_all_ranks=True)
+        record["gathered_vs_single_merged"].append(max_diff(gathered, merged_state_dict(single)))
+        by_hand = folded_by_hand(single)
+        record["gathered_vs_by_hand"].append(max_diff({k: gathered[k] for k in by_hand}, by_hand))
+        record["gathered_fp32_vs_single"].append(max_diff(
+            gathered_state_dict(sharded, to_all_ranks=True, folded_dtype=torch.float32),
+            merged_state_dict(single, folded_dtype=torch.float32),
+        ))  # fmt: skip
+    record["base_unchanged"] = max_diff(base_before, base_weights(sharded)) == 0.0
+    results["frozen"] = record
+
+
+def frozen_bf16(results: dict, probe: torch.Tensor) -> None:
+    """A frozen reset on a bf16 base with float32 LoRA weights (PEFT's default) and a small delta, most of it under
+    half a bf16 step of its weight (what a merge into bf16 rounds away; B = 1e-4 * randn): sharded with plain
+    `fully_shard` (the live adapter computed in float32, as in one process) and as accelerate shards it under
+    `mixed_precision: bf16` (`MixedPrecisionPolicy(param_dtype=bfloat16)`: the live adapter computed in bf16, the
+    frozen factors in float32). The same run reset by a merge (`merge_lora_sharded`) for comparison."""
+    out = {}
+    accelerate_bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for label, policy in (("plain", None), ("mixed_precision", accelerate_bf16)):
+        sharded, _ = lora_model(
+            seed_b=7, dtype=torch.bfloat16, b_scale=1e-4, r=8, lora_alpha=16, target_modules="all-linear"
+        )
+        merged, single = copy.deepcopy(sharded), copy.deepcopy(sharded)
+        exact = copy.deepcopy(sharded).float()  # the same policy evaluated in float32
+        shard_like_accelerate(sharded, policy)
+        shard_like_accelerate(merged, policy)
+        before = logits_of(sharded, probe)
+        with sharded.disable_adapter():
+            adapter_off = logits_of(sharded, probe)
+        single_before = logits_of(single, probe)
+        freeze_lora_delta(sharded, FSDP2)
+        fresh_adapter_sharded(sharded, FSDP2, seed=99)
+        after = logits_of(sharded, probe)
+        freeze_lora_delta(single)
+        reinit_adapter(single, seed=99)
+        single_after = logits_of(single, probe)
+        merge_before = logits_of(merged, probe)
+        rounding = merge_lora_sharded(merged, FSDP2)
+        fresh_adapter_sharded(merged, FSDP2, seed=99)
+        merge_after = logits_of(merged, probe)
+
+        def diff(a, b):
+            return float((a - b).abs().max())
+
+        out[label] = {
+            "base_dtype": str(dict(sharded.named_parameters())["base_model.model.lm_head.weight"].dtype),
+            "lora_dtype": str({p.dtype for n, p in sharded.named_parameters() if "lora_" in n}),
+            "reset_change": diff(after, before),
+            "one_process_reset_change": diff(single_after, single_before),
+            "engine_vs_one_process_before": diff(before, single_before),
+            "engine_vs_one_process_after": diff(after, single_after),
+            "bf16_vs_float32": diff(before, logits_of(exact, probe)),
+            "adapter_effect": diff(before, adapter_off),
+            "factors_vs_one_process": max_diff(frozen_state_dict(sharded), frozen_state_dict(single)),
+            "merge_reset_change": diff(merge_after, merge_before),
+            "merge_lost_fraction": rounding.lost_fraction,
+            "logits_max_abs": float(before.abs().max()),
+        }
+    results["bf16"] = out
 
 
 def all_ranks(value):

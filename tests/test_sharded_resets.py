@@ -4,8 +4,9 @@
   against the same operations in one process (accelerate runs FSDP only on accelerators; the trainer-level FSDP2
   runs are GPU runs: benchmarks/scale_out.py, tests/test_scale_out_gpu.py).
 * ZeRO-2/3: whole ProRLTrainer runs under `accelerate launch --config_file recipes/accelerate/zero{2,3}.yaml`
-  (benchmarks/scale_out.py --smoke: full fine-tuning and LoRA with a shape change at each phase boundary, an in-loop
-  reset, a kill after reset 1 and a resume from disk). About 20 s (FSDP2) + 100 s (ZeRO) on 2 idle cores.
+  (benchmarks/scale_out.py --smoke: full fine-tuning, and LoRA with a shape change at each phase boundary reset both
+  ways (frozen factors, the default, and a merge), an in-loop reset, a kill after reset 1 and a resume from disk).
+  About 20 s (FSDP2) + 150 s (ZeRO) on 2 idle cores.
 """
 
 import json
@@ -54,6 +55,53 @@ def test_fsdp2_merge_and_fresh_adapter_match_one_process(fsdp2):
     assert fsdp2["rounding_lost_fraction_sharded_single"] == [0.0, 0.0]  # fp32: PEFT's merge and ours keep it all
 
 
+def test_fsdp2_frozen_resets_match_one_process_and_change_nothing(fsdp2):
+    """lora_reset_mode "frozen" (the default) on the sharded float32 model, two resets: the factors read from the
+    shards are the replica's, bitwise and on every rank; no logit moves; the base shards are never written; the
+    gathered policy (frozen parts + live delta folded) equals the replica's merged_state_dict and a fold by hand."""
+    frozen = fsdp2["frozen"]
+    assert frozen["reset_logits_max_abs_diff"] == [0.0, 0.0]
+    assert frozen["logits_vs_single"] == [0.0, 0.0]
+    assert frozen["factors_vs_single"] == [0.0, 0.0]
+    assert all(len(set(hashes)) == 1 for hashes in frozen["factor_hashes"])
+    assert frozen["reports"] == [[[14, 112, 8]] * 2, [[14, 112, 16]] * 2]  # 14 layers, rank 8 per reset
+    assert frozen["parts_per_layer"] == [[1], [2]]
+    assert frozen["base_unchanged"]
+    assert frozen["gathered_vs_single_merged"] == [0.0, 0.0]
+    assert frozen["gathered_fp32_vs_single"] == [0.0, 0.0]
+    assert max(frozen["gathered_vs_by_hand"]) <= 1e-6  # float32 summation order only
+
+
+def test_fsdp2_frozen_reset_on_a_bf16_base(fsdp2):
+    """bf16 base, float32 LoRA weights, a small delta (a merge into bf16 rounds most of it away). The reset changes no
+    logit bit, plain `fully_shard` or with accelerate's bf16 mixed precision, which hands the forward bf16 copies of
+    the adapter: the frozen parts are computed in the dtype the live adapter computes in. Mixed precision's policy
+    differs from one process's (float32 adapter products) by the same evaluation difference before and after the
+    reset, within bf16 evaluation noise; plain, the two are bitwise equal."""
+    plain, mixed = fsdp2["bf16"]["plain"], fsdp2["bf16"]["mixed_precision"]
+    for case in (plain, mixed):
+        assert (case["base_dtype"], case["lora_dtype"]) == ("torch.bfloat16", "{torch.float32}")
+        assert case["factors_vs_one_process"] == 0.0
+        assert case["one_process_reset_change"] == 0.0
+        assert case["reset_change"] == 0.0
+        assert case["merge_lost_fraction"] > 0.5  # the old merge: most of the delta rounded away ...
+        assert case["merge_reset_change"] > 0.5 * case["adapter_effect"] > 0  # ... and most of its effect
+        assert case["engine_vs_one_process_after"] == case["engine_vs_one_process_before"] <= case["bf16_vs_float32"]
+    assert plain["engine_vs_one_process_before"] == 0.0
+
+
+def test_fsdp2_frozen_reset_of_a_superset_adapter_keeps_only_the_active_part(fsdp2):
+    """A shape change at a frozen reset: only the active layers (q, v) are frozen, at the active rank (4 of the 8
+    allocated: B's zero columns are dropped), with the plain rank-4 adapter's factors; nothing moves."""
+    assert fsdp2["superset_frozen_layers_are_targets"]
+    assert fsdp2["superset_frozen_ranks"] == [4]
+    assert fsdp2["superset_frozen_reports"] == [[4, 16, 4], [4, 16, 4]]  # 2 layers x (q, v), rank 4
+    assert fsdp2["superset_frozen_vs_plain"] == 0.0
+    assert fsdp2["superset_frozen_reset_logits_max_abs_diff"] <= 1e-6
+    assert len(set(fsdp2["superset_frozen_hash_per_rank"])) == 1
+    assert fsdp2["superset_all_linear_b_zero"]
+
+
 def test_fsdp2_superset_adapter_is_the_smaller_adapter(fsdp2):
     # active rows == a plain rank-4 q,v adapter drawn with the same seed; everything else zero, and after an AdamW
     # step with weight decay the active part equals the plain adapter's and the rest is still exactly zero
@@ -84,8 +132,9 @@ def zero_runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("engine", ["zero3", "zero2"])
-@pytest.mark.parametrize("mode", ["full", "lora"])
+@pytest.mark.parametrize("mode", ["full", "lora", "lora_merge"])
 def test_deepspeed_resets_keep_ranks_equal_outputs_and_resume(zero_runs, engine, mode):
+    """`lora` runs the default frozen resets, `lora_merge` the merge into the base (lora_reset_mode "merge")."""
     code, results, scale_out = zero_runs
     (result,) = [r for r in results if r["engine"] == engine and r["mode"] == mode]
     assert "error" not in result, result.get("error")
@@ -93,15 +142,31 @@ def test_deepspeed_resets_keep_ranks_equal_outputs_and_resume(zero_runs, engine,
     assert [c["reset"] for c in resets] == [1, 2, 3] and [c["phase"] for c in resets] == [1, 2, 2]
     for check in resets:
         assert len(set(check["rank_hashes"])) == 1, check  # (a) every rank gathers the same weights
+        assert len(set(check["frozen_hashes"])) == 1, check  # ... and holds the same frozen factors
         assert check["vs_merged_checkpoint"] == 0.0, check  # (a) == merged/reset-<k> read back from disk
+        assert check["merged_save_dtypes"] == ["float32"], check
         assert check["masters_max_abs_diff"] == 0.0, check  # ZeRO's fp32 masters hold the edited weights
         assert check["logits_max_abs_diff"] <= 1e-5, check  # (b) fp32
+        assert check["bf16_noise"] is not None and check["bf16_noise"] <= 1e-5, check  # float32 vs float32 here
         assert check["optimizer_state_entries"] == 0, check  # fresh Adam state
         if mode == "full":
             assert check["reference_vs_policy"] == 0.0, check  # reference := policy
+            assert check["reset_mode"] is None and check["frozen_rank_total"] == 0, check
             assert check["merge_delta_lost"] is None, check  # nothing merged
-        else:  # fp32 masters in ZeRO's merge: the delta is kept to float32 rounding
+            assert not check["base_moved"], check  # a full fine-tuning reset edits only the reference
+        elif mode == "lora":  # the delta kept as frozen factors, the base weights never written
+            assert check["reset_mode"] == "frozen" and check["merge_delta_lost"] is None, check
+            assert not check["base_moved"], check
+            assert check["frozen_rank_total"] > (64 if check["reset"] > 1 else 0), check
+        else:  # fp32 masters in ZeRO's merge: the delta is kept to float32 rounding, in the base
+            assert check["reset_mode"] == "merge" and check["frozen_rank_total"] == 0, check
             assert 0.0 <= check["merge_delta_lost"] <= 1e-6, check
+            assert check["base_moved"], check
+        if mode != "full":  # the trainer's own probe: the share of the adapter's effect on the log-probs lost
+            assert check["reset_effect_lost"] is not None and check["reset_effect_lost"] <= 1e-3, check
+    assert result.get("lora_reset_mode") == {"full": None, "lora": "frozen", "lora_merge": "merge"}[mode]
+    if mode == "lora":  # reset 1 froze only the superset adapter's active part: r16 (of 32) on the 2 x (q, v) layers
+        assert resets[0]["frozen_rank_total"] == 2 * 2 * 16
     resume = result["resume"]
     assert result["killed_in_phase"] == 1 and result["killed_after_resets"] == 1
     assert (resume["phase"], resume["resets"], resume["phase_step"]) == (1, 1, 1)  # (c) the right phase and step
@@ -113,7 +178,7 @@ def test_deepspeed_resets_keep_ranks_equal_outputs_and_resume(zero_runs, engine,
 
 def test_deepspeed_smoke_run_passes_as_a_whole(zero_runs):
     code, results, _ = zero_runs
-    assert code == 0 and len(results) == 4
+    assert code == 0 and len(results) == 6
 
 
 # ---------------------------------------------------------------------------------------------- launch refusals
@@ -341,3 +406,26 @@ def test_float32_lora_cases_launch_without_mixed_precision_and_take_the_float32_
              "masters_max_abs_diff": 0.0, "vs_merged_checkpoint": 0.0, "merge_delta_lost": 0.0}
     for mode, passes in (("lora", True), ("lora32", False)):  # 5e-5: within bf16's 1e-2, over float32's 1e-5
         assert scale_out.verdicts({"mode": mode, "resets": [check]}, smoke=False)["b"] is passes
+
+
+def test_bf16_reset_verdicts_take_the_noise_and_keep_the_merge_as_a_comparison():
+    """(b) on a bf16 base passes at 1e-2 or when every reset moved the logits no more than the bf16 evaluation noise
+    (engine logits vs the same policy in float32); a frozen reset must leave the base and every rank's factors equal;
+    `lora_merge` is reported next to it without being required to pass (b). (Rendering checks, not measurements.)"""
+    scale_out = load_benchmark("scale_out")
+    check = {"reset": 1, "phase": 1, "rank_hashes": ["x", "x"], "frozen_hashes": ["f", "f"], "masters_max_abs_diff": 0.0,
+             "vs_merged_checkpoint": 0.0, "merged_save_dtypes": ["float32"], "merge_delta_lost": None,
+             "base_moved": False, "logits_max_abs_diff": 2e-2, "bf16_noise": 5e-2}  # fmt: skip
+    frozen = {"engine": "zero3", "processes": 2, "mode": "lora", "lora_reset_mode": "frozen", "resets": [check]}
+    verdict = scale_out.verdicts(frozen, smoke=False)
+    assert verdict["a"] and verdict["b"] and verdict["within_noise"] and verdict["base_kept"]
+    assert not scale_out.verdicts({**frozen, "resets": [{**check, "bf16_noise": 1e-2}]}, smoke=False)["b"]
+    assert not scale_out.verdicts({**frozen, "resets": [{**check, "base_moved": True}]}, smoke=False)["a"]
+    assert not scale_out.verdicts({**frozen, "resets": [{**check, "frozen_hashes": ["f", "g"]}]}, smoke=False)["a"]
+    merge = {"engine": "zero3", "processes": 2, "mode": "lora_merge", "lora_reset_mode": "merge",
+             "resets": [{**check, "base_moved": True, "logits_max_abs_diff": 0.15, "merge_delta_lost": 0.79}]}  # fmt: skip
+    verdict = scale_out.verdicts(merge, smoke=False)
+    assert verdict["a"] and not verdict["b"] and verdict["required"] == ("a", "c")
+    text = scale_out.table([frozen, merge], [], smoke=False, started=0.0)
+    assert "2.0e-02 ok (frozen; noise 5.0e-02, within)" in text and "base untouched" in text
+    assert "1.5e-01 no (comparison) (merge; noise 5.0e-02; merge lost 79 % of the delta)" in text

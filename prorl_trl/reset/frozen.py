@@ -38,6 +38,7 @@ FSDP2 and ZeRO-2/3 (collective there); the buffers are replicated on every rank.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +74,7 @@ class FrozenDelta(nn.Module):
         self.register_buffer("bias", None, persistent=False)
         self.deferred = False  # the LoRA layer around the base layer rounds the sum (`round_lora_output`)
         self.round_each = False  # each part's output is cast to the base output's dtype first (PEFT's bnb layers)
+        self._lora_layer = None  # weakref to the PEFT LoRA layer around the base layer (`compute_dtype`)
 
     def append(self, down: torch.Tensor, up: torch.Tensor, scaling: float) -> None:
         """One more part (copied; floating dtypes are kept, anything else becomes float32)."""
@@ -90,14 +92,22 @@ class FrozenDelta(nn.Module):
     def rank(self) -> int:
         return sum(down.shape[0] for down, _, _ in self.parts)
 
+    def compute_dtype(self, down: torch.Tensor) -> torch.dtype:
+        """The dtype the live adapter computes in right now (its A weight's, as the forward sees it: FSDP2's mixed
+        precision hands the forward bf16 copies of float32 weights), else the part's own."""
+        lora_layer = self._lora_layer() if self._lora_layer is not None else None
+        lora_a = getattr(lora_layer, "lora_A", {})
+        return lora_a["default"].weight.dtype if "default" in lora_a else down.dtype
+
     def add_to(self, output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """`output` plus every part's product, one after the other, each computed as PEFT computes an adapter's
-        output in this context (`lora_B(lora_A(x)) * scaling` on the input cast to the factors' dtype, under autocast
+        """`output` plus every part's product, one after the other, each computed as PEFT computes the live adapter's
+        output in this context (`lora_B(lora_A(x)) * scaling` on the input cast to the adapter's dtype, under autocast
         where autocast is on; cast to the output's dtype first for a bitsandbytes layer outside autocast) and added
         as PEFT adds it (promoted: a bf16 output plus float32 parts is a float32 sum)."""
         autocast = torch.is_autocast_enabled(x.device.type)
         for down, up, scaling in self.parts:
-            part = nn.functional.linear(nn.functional.linear(x.to(down.dtype), down), up) * scaling
+            dtype = self.compute_dtype(down)
+            part = nn.functional.linear(nn.functional.linear(x.to(dtype), down.to(dtype)), up.to(dtype)) * scaling
             output = output + (part.to(output.dtype) if self.round_each and not autocast else part)
         return output if self.bias is None else output + self.bias
 
@@ -214,6 +224,7 @@ def attach_frozen_delta(
             lora_layer.register_forward_hook(round_lora_output)
         frozen.deferred = True
     frozen.round_each = lora_layer is not None and is_bnb_lora_layer(lora_layer)
+    frozen._lora_layer = None if lora_layer is None else weakref.ref(lora_layer)
     return frozen
 
 
