@@ -30,5 +30,7 @@ def dense_weight(layer: nn.Module) -> torch.Tensor:
         import bitsandbytes as bnb
 
         codes = weight.CB if getattr(weight, "CB", None) is not None else weight.data
-        return bnb.functional.int8_vectorwise_dequant(codes, weight.SCB)
+        # the per-row scales: on the weight until the layer's first forward on a GPU moves them to its state
+        scales = weight.SCB if getattr(weight, "SCB", None) is not None else layer.state.SCB
+        return bnb.functional.int8_vectorwise_dequant(codes, scales)
     return weight

@@ -105,9 +105,11 @@ class FrozenDelta(nn.Module):
         where autocast is on; cast to the output's dtype first for a bitsandbytes layer outside autocast) and added
         as PEFT adds it (promoted: a bf16 output plus float32 parts is a float32 sum)."""
         autocast = torch.is_autocast_enabled(x.device.type)
+        inputs: dict[torch.dtype, torch.Tensor] = {}  # the input cast once per dtype, not once per part
         for down, up, scaling in self.parts:
             dtype = self.compute_dtype(down)
-            part = nn.functional.linear(nn.functional.linear(x.to(dtype), down.to(dtype)), up.to(dtype)) * scaling
+            cast = inputs.setdefault(dtype, x.to(dtype))
+            part = nn.functional.linear(nn.functional.linear(cast, down.to(dtype)), up.to(dtype)) * scaling
             output = output + (part.to(output.dtype) if self.round_each and not autocast else part)
         return output if self.bias is None else output + self.bias
 

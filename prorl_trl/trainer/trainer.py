@@ -25,6 +25,8 @@ tests/test_trainer_internals.py):
   in TRL).
 * `_compute_loss` / `_get_per_token_logps_and_entropies`: minibatch early stop (`MinibatchEarlyStopMixin`) needs the
   policy log-probs TRL computes inside the loss and does not return.
+* `_load_from_checkpoint` (HF): keeps the trainable parameters' dtype across a resume (PEFT's `load_adapter` casts a
+  QLoRA adapter, which TRL keeps in bf16, back to float32).
 * `_generate_single_turn`: with `rollout_engine`, TRL's transformers branch (left-pad, `generate`, cut after the first
   EOS) runs `prorl_trl.rollout`'s CUDA-graph decode loop instead of `generate` (`generate_completions`, same return
   value); vLLM, multimodal inputs and settings the engine does not implement go to TRL's code.
@@ -456,6 +458,17 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         self._trackers.resumed_at = self._global_step_offset + self._resumed_phase_step
         self._announce_phase(phase)
         return checkpoint
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """HF's, keeping each trainable parameter's dtype. GRPOTrainer casts a QLoRA adapter to bf16 at init; PEFT's
+        `load_adapter`, which HF's resume calls, casts it back to float32 (`_cast_adapter_dtype`), so without this a
+        resumed QLoRA run would train in another precision than the run it resumes, and end elsewhere."""
+        target = model if model is not None else self.model
+        dtypes = {name: p.dtype for name, p in target.named_parameters() if p.requires_grad}
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        for name, param in target.named_parameters():
+            if name in dtypes and param.dtype != dtypes[name]:
+                param.data = param.data.to(dtypes[name])
 
     def _restore_finished_phase(self, checkpoint: Path) -> None:
         """Resume from the checkpoint of a phase's last step: load what HF's resume would (weights, optimizer state,
