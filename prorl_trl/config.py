@@ -55,7 +55,7 @@ class PhaseConfig:
             plateau). Unset in a single-phase run: `ProRLConfig.max_steps`, or, when that is unset too, the length
             HF derives from `num_train_epochs` (exactly `GRPOTrainer`'s steps). A multi-phase run needs it on every
             phase.
-        hard_reset (`bool`, *optional*): Whether to hard-reset when entering this phase (merge LoRA, fresh adapter,
+        hard_reset (`bool`, *optional*): Whether to hard-reset when entering this phase (keep the LoRA delta, fresh adapter,
             optimizer, reference). Defaults to `ProRLConfig.hard_reset_between_phases`; ignored for the first phase.
 
         > Sampling (reaches both generation and the loss's log-prob temperature)
@@ -98,7 +98,7 @@ class PhaseConfig:
     hard_reset: bool | None = field(
         default=None,
         metadata={
-            "help": "Hard-reset when entering this phase (merge LoRA, fresh adapter/optimizer, reference reset). "
+            "help": "Hard-reset when entering this phase (keep the LoRA delta, fresh adapter/optimizer, reference reset). "
             "None: `ProRLConfig.hard_reset_between_phases`. Ignored for the first phase."
         },
     )
@@ -272,7 +272,7 @@ class ProRLConfig(GRPOConfig):
         default=True, metadata={"help": "Shift the data seed per phase so phases do not replay the same prompts."}
     )
     hard_reset_between_phases: bool = field(
-        default=True, metadata={"help": "Hard-reset (merge LoRA, fresh adapter/optimizer/reference) between phases."}
+        default=True, metadata={"help": "Hard-reset (keep the LoRA delta, fresh adapter/optimizer/reference) between phases."}
     )
     reset_optimizer: bool = field(
         default=True, metadata={"help": "A hard reset clears the optimizer state and restarts the LR schedule."}

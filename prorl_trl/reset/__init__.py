@@ -6,7 +6,7 @@ beside the base weights, `frozen`) or `merge_lora_in_place` (into the base weigh
 `reset_optimizer_state` (fresh Adam moments), `sync_reference` (full fine-tuning) / `reset_reference_adapter` (TRL's
 "ref" adapter) for the KL anchor, and a merged save (`save_merged`, `save_merged_model`; both atomic through
 `write_dir_atomically`). `check_reset_support` refuses, before training, what a reset cannot do correctly.
-`checkpoint` holds what a ProRL checkpoint adds to TRL's (phase, reset count, merged base) and how a resume reads it.
+`checkpoint` holds what a ProRL checkpoint adds to TRL's (phase, reset count, the earlier phases' deltas) and how a resume reads it.
 
 Under FSDP2 and DeepSpeed ZeRO-2/3 the same reset goes through `engine` (where each engine keeps weights, fp32
 masters and optimizer state; `engine_of` tells the launch's engine) and `sharded` (`merge_lora_sharded`,

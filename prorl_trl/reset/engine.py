@@ -1,6 +1,6 @@
 """Where the parameters live under each training engine, and how a reset reads and writes them there.
 
-A hard reset edits weights in place (merge LoRA, fresh adapter, reference := policy). Each engine keeps the weights
+A hard reset reads and edits weights in place (freeze or merge LoRA, fresh adapter, reference := policy). Each engine keeps the weights
 somewhere else (../shared/notes/sharded-resets.md §a), so every edit goes through the few primitives here:
 
 * `REPLICATED` (one process, DDP): every rank holds whole tensors; an edit is a plain in-place op.

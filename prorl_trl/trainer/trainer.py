@@ -6,9 +6,10 @@ How it fits TRL 1.16 (see ../shared/notes/trl-internals.md):
 * Sampling settings are pushed into the objects TRL baked them into at init (`generation_config`,
   `generation_kwargs`, `vllm_generation`, and the fused LM head's temperature) by `apply_sampling`, which phases and
   `SamplingScheduleCallback` share.
-* A hard reset (`hard_reset`) merges the LoRA delta into the base in place, re-initialises the adapter, clears the
-  optimizer state and moves the KL reference, without ever replacing the PeftModel. This class decides *when* and
-  which switches apply; the mechanics are plain functions in `prorl_trl.reset`.
+* A hard reset (`hard_reset`) keeps the LoRA delta as frozen factors (or merges it into the base in place,
+  `lora_reset_mode`), re-initialises the adapter, clears the optimizer state and moves the KL reference, without
+  ever replacing the PeftModel. This class decides *when* and which switches apply; the mechanics are plain
+  functions in `prorl_trl.reset`.
 * Under FSDP2 and DeepSpeed ZeRO-2/3 (`reset.engine_of`) the same reset edits the engine's storage
   (`reset.sharded`), a LoRA shape change is the active part of a superset adapter allocated before TRL wraps the
   model (`_plan_sharded_adapter`), merged saves gather to rank 0, and under DeepSpeed each phase's `train()` gets a
@@ -413,7 +414,7 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
     # ------------------------------------------------------------------------------------------- resume and saves
 
     def _prepare_resume(self, resume_from_checkpoint: str | bool | None) -> Path | None:
-        """Restore the ProRL side of a checkpoint (phase, merged base, adapter shape, counters) before TRL's part.
+        """Restore the ProRL side of a checkpoint (phase, earlier deltas, adapter shape, counters) before TRL's part.
 
         `True` means the latest complete checkpoint of `output_dir`. Resuming from an older one un-commits the later
         checkpoints (`supersede_after`), so a later "resume from the latest" cannot jump back onto the abandoned path.
@@ -640,10 +641,13 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         self._pending_reset = reason
 
     def hard_reset(self, reason: str = "manual", lora_phase: ResolvedPhase | None = None) -> None:
-        """Merge the LoRA delta into the base, start a fresh adapter, reset optimizer and reference (per switches).
+        """Keep the LoRA delta (frozen factors, or merged: `lora_reset_mode`), start a fresh adapter, reset optimizer and
+        reference (per switches).
 
-        The model's outputs are unchanged (fresh B = 0). `lora_phase` gives the fresh adapter's shape (default: the
-        current phase). Saves the merged model under `<output_dir>/merged/reset-<k>/` when `save_merged_on_reset`.
+        With frozen factors the outputs are bitwise unchanged (`prorl_trl.reset.frozen`; saved to
+        `<output_dir>/frozen/reset-<k>.safetensors` for a resume); a merge is exact only into a float32 base.
+        `lora_phase` gives the fresh adapter's shape (default: the current phase). Saves the merged model under
+        `<output_dir>/merged/reset-<k>/` when `save_merged_on_reset`.
         """
         if self._user_scheduler and self.args.reset_optimizer:
             raise ValueError(
@@ -670,7 +674,7 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
             else:
                 rounding = reset_ops.merge_lora_in_place(model)
             new_params = self._fresh_adapter(target)
-            if self.args.reset_reference:  # a TRL "ref" adapter (PeftModel given with beta > 0) -> the merged base
+            if self.args.reset_reference:  # a TRL "ref" adapter (PeftModel given with beta > 0) -> the policy
                 reset_ops.reset_reference_adapter(model)
         elif self.args.reset_reference and self.ref_model is not None:
             if engine.sharded:
@@ -862,7 +866,7 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         self._keep_last_log_entry()
 
     def log_phase_start(self) -> None:
-        """One log entry where a phase starts: `prorl/phase_start` (its index) and, after a reset, the merged base's
+        """One log entry where a phase starts: `prorl/phase_start` (its index) and, after a reset, the merged save's
         folder (`merged_checkpoint`: text, so it stays out of the numeric `prorl/*` keys), so trackers and `prorl_log_history.json` show the boundaries.
 
         Goes through HF's `Trainer.log`, not TRL's, which would flush TRL's metric buffers and completions table.
