@@ -101,7 +101,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"comma separated, from {list(ARMS)} (default: resets,no_reset; with --lora-rank: resets,merge,no_reset)",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    args.arms = [a for a in (args.arms or ("resets,merge,no_reset" if args.lora_rank else "resets,no_reset")).split(",") if a]
+    default_arms = "resets,merge,no_reset" if args.lora_rank else "resets,no_reset"
+    args.arms = [arm for arm in (args.arms or default_arms).split(",") if arm]
     if set(args.arms) - set(ARMS) or ("merge" in args.arms and not args.lora_rank):
         parser.error(f"--arms: choose from {list(ARMS)} ('merge' needs --lora-rank)")
     args.steps = args.steps or (3 if args.smoke else 240)
@@ -295,8 +296,9 @@ def main(argv: list[str] | None = None) -> dict:
         engine = path == "rollout_engine"
         history_a, seconds_a, _ = rl_run(args, "a_prorl_resets" + suffix, prorl_phases, warm, tokenizer, device_kwargs,
                                          out, engine)  # fmt: skip
-        history_b, seconds_b, _ = rl_run(args, "b_no_reset" + suffix, [PhaseConfig(name="single", max_steps=args.steps)],
-                                         warm, tokenizer, device_kwargs, out, engine)  # fmt: skip
+        single = [PhaseConfig(name="single", max_steps=args.steps)]
+        history_b, seconds_b, _ = rl_run(args, "b_no_reset" + suffix, single, warm, tokenizer, device_kwargs, out,
+                                         engine)  # fmt: skip
         curve_a, curve_b = series(history_a, ("eval_pass@1",)), series(history_b, ("eval_pass@1",))
         runs.append({
             "generation": path, "warm_start_pass@1": curve_a[1][0],
@@ -401,7 +403,9 @@ def render_reset_table(r: dict) -> str:
         a, b = arms[0]["final_pass@1"], arm["final_pass@1"]
         two_se = two_standard_errors(a, b, r["validation_problems"])
         verdict = "significant" if abs(a - b) > two_se else "within noise"
-        lines.append(f"{arms[0]['label']} vs {arm['label']}: {100 * (a - b):+.1f} pts (2 s.e. {100 * two_se:.1f}, {verdict})")
+        lines.append(
+            f"{arms[0]['label']} vs {arm['label']}: {100 * (a - b):+.1f} pts (2 s.e. {100 * two_se:.1f}, {verdict})"
+        )
     return "\n".join(lines)
 
 

@@ -10,8 +10,8 @@ Designs (issue 27), each run through the same three phases on the same bf16 mode
   frozen factors            the adapter kept beside W (`lora_reset_mode: frozen`, prorl_trl.reset.frozen)
 A phase gives every LoRA layer (r4 on q,k,v,o) the steepest rank-r step on a probe's loss, scaled so that 99 % of its
 elements are under half a bf16 step of their weight: what a phase at the recipes' learning rates leaves (most of its
-delta under half a step, ../shared/notes/low-precision-resets.md). The model is the tiny Qwen2 at width 128 (at 64 such a
-delta moves the log-probs less than bf16 evaluation itself does). Per design: the share of each phase's effect on the
+delta under half a step, ../shared/notes/low-precision-resets.md). The model is the tiny Qwen2 at width 128 (at 64
+such a delta moves the log-probs less than bf16 evaluation itself does). Per design: the share of each phase's effect on the
 probe's log-probs that its reset kept (1 - |after - before| / |before - adapter off|), and after three resets the
 distance from a float32 model with the same base weights and the sum of the same deltas, in units of bf16 evaluation
 noise (how far the unchanged bf16 model is from itself evaluated in float32), with the share of the learned change
@@ -30,7 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
-from prorl_trl.reset import freeze_lora_delta, lora_layers, merge_lora_in_place, merged_state_dict, reinit_adapter  # noqa: E402
+from prorl_trl.reset import (  # noqa: E402
+    freeze_lora_delta,
+    lora_layers,
+    merge_lora_in_place,
+    merged_state_dict,
+    reinit_adapter,
+)
 from prorl_trl.tiny import build_tiny  # noqa: E402
 
 DESIGNS = ("merge (round to nearest)", "stochastic rounding", "float32 master", "frozen factors")
@@ -130,7 +136,8 @@ def run(design: str, width: int, phases: int, probe: torch.Tensor) -> dict:
 
 def render(rows: list[dict], meta: dict) -> str:
     lines = [
-        f"CPU ({meta['threads']} threads), {meta['date']}, torch {meta['torch']}: tiny Qwen2 width {meta['width']}, bf16, "
+        f"CPU ({meta['threads']} threads), {meta['date']}, torch {meta['torch']}: tiny Qwen2 width {meta['width']}, "
+        "bf16, "
         f"LoRA r4 on q,k,v,o, {meta['phases']} phases, each delta 99 % under half a bf16 step; the learned change is "
         f"{rows[0]['effect_in_noise']:.1f}x bf16 evaluation noise",
         "",
@@ -140,7 +147,8 @@ def render(rows: list[dict], meta: dict) -> str:
     ]
     for row in rows:
         kept = ", ".join(f"{100 * k:.0f} %" for k in row["kept"])
-        lines.append(f"| {row['design']} | {kept} | {row['distance_in_noise']:.2f} | {100 * row['learned_change_off']:.0f} % |")
+        off = 100 * row["learned_change_off"]
+        lines.append(f"| {row['design']} | {kept} | {row['distance_in_noise']:.2f} | {off:.0f} % |")
     return "\n".join(lines)
 
 

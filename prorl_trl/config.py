@@ -55,8 +55,8 @@ class PhaseConfig:
             plateau). Unset in a single-phase run: `ProRLConfig.max_steps`, or, when that is unset too, the length
             HF derives from `num_train_epochs` (exactly `GRPOTrainer`'s steps). A multi-phase run needs it on every
             phase.
-        hard_reset (`bool`, *optional*): Whether to hard-reset when entering this phase (keep the LoRA delta, fresh adapter,
-            optimizer, reference). Defaults to `ProRLConfig.hard_reset_between_phases`; ignored for the first phase.
+        hard_reset (`bool`, *optional*): Whether to hard-reset when entering this phase (keep the LoRA delta, fresh
+            adapter, optimizer, reference). Defaults to `ProRLConfig.hard_reset_between_phases`; ignored for the first phase.
 
         > Sampling (reaches both generation and the loss's log-prob temperature)
 
@@ -98,8 +98,8 @@ class PhaseConfig:
     hard_reset: bool | None = field(
         default=None,
         metadata={
-            "help": "Hard-reset when entering this phase (keep the LoRA delta, fresh adapter/optimizer, reference reset). "
-            "None: `ProRLConfig.hard_reset_between_phases`. Ignored for the first phase."
+            "help": "Hard-reset when entering this phase (keep the LoRA delta, fresh adapter/optimizer, reference "
+            "reset). None: `ProRLConfig.hard_reset_between_phases`. Ignored for the first phase."
         },
     )
     temperature: float | None = field(default=None, metadata={"help": "Sampling and log-prob temperature."})
@@ -272,7 +272,8 @@ class ProRLConfig(GRPOConfig):
         default=True, metadata={"help": "Shift the data seed per phase so phases do not replay the same prompts."}
     )
     hard_reset_between_phases: bool = field(
-        default=True, metadata={"help": "Hard-reset (keep the LoRA delta, fresh adapter/optimizer/reference) between phases."}
+        default=True,
+        metadata={"help": "Hard-reset (keep the LoRA delta, fresh adapter/optimizer/reference) between phases."},
     )
     reset_optimizer: bool = field(
         default=True, metadata={"help": "A hard reset clears the optimizer state and restarts the LR schedule."}
@@ -286,8 +287,8 @@ class ProRLConfig(GRPOConfig):
     merged_save_dtype: str = field(
         default="auto",
         metadata={
-            "help": "dtype of merged saves (merged/reset-<k>/, final/), folded in float32 first: 'auto' writes the base "
-            "dtype when that keeps the LoRA deltas (<= 1 % of their norm rounded away), else float32.",
+            "help": "dtype of merged saves (merged/reset-<k>/, final/), folded in float32 first: 'auto' writes the "
+            "base dtype when that keeps the LoRA deltas (<= 1 % of their norm rounded away), else float32.",
             "choices": list(MERGED_SAVE_DTYPES),
         },
     )
@@ -371,8 +372,8 @@ class ProRLConfig(GRPOConfig):
                 raise ValueError("`phases` is empty: give at least one phase, or leave it unset for a single phase.")
         if self.lora_reset_mode not in LORA_RESET_MODES:
             raise ValueError(
-                f"lora_reset_mode must be one of {list(LORA_RESET_MODES)}, got {self.lora_reset_mode!r}: 'frozen' keeps "
-                "each phase's LoRA delta exactly as frozen factors, 'merge' adds it into the base weights."
+                f"lora_reset_mode must be one of {list(LORA_RESET_MODES)}, got {self.lora_reset_mode!r}: 'frozen' "
+                "keeps each phase's LoRA delta exactly as frozen factors, 'merge' adds it into the base weights."
             )
         if self.merged_save_dtype not in MERGED_SAVE_DTYPES:
             raise ValueError(

@@ -2,11 +2,12 @@
 
 A hard reset (ProRL) is: `freeze_lora_delta` (the default: the adapter's delta kept exactly as frozen low-rank factors
 beside the base weights, `frozen`) or `merge_lora_in_place` (into the base weights), then `reinit_adapter` (LoRA;
-`adapter_needs_rebuild` says beforehand whether the fresh adapter needs new Parameters), `broadcast_adapter` (DDP replicas stay identical),
-`reset_optimizer_state` (fresh Adam moments), `sync_reference` (full fine-tuning) / `reset_reference_adapter` (TRL's
-"ref" adapter) for the KL anchor, and a merged save (`save_merged`, `save_merged_model`; both atomic through
+`adapter_needs_rebuild` says beforehand whether the fresh adapter needs new Parameters), `broadcast_adapter` (DDP
+replicas stay identical), `reset_optimizer_state` (fresh Adam moments), `sync_reference` (full fine-tuning) /
+`reset_reference_adapter` (TRL's "ref" adapter) for the KL anchor, and a merged save (`save_merged`, `save_merged_model`; both atomic through
 `write_dir_atomically`). `check_reset_support` refuses, before training, what a reset cannot do correctly.
-`checkpoint` holds what a ProRL checkpoint adds to TRL's (phase, reset count, the earlier phases' deltas) and how a resume reads it.
+`checkpoint` holds what a ProRL checkpoint adds to TRL's (phase, reset count, the earlier phases' deltas) and how a
+resume reads it.
 
 Under FSDP2 and DeepSpeed ZeRO-2/3 the same reset goes through `engine` (where each engine keeps weights, fp32
 masters and optimizer state; `engine_of` tells the launch's engine) and `sharded` (`merge_lora_sharded`,
@@ -14,8 +15,8 @@ masters and optimizer state; `engine_of` tells the launch's engine) and `sharded
 `gathered` brings whole weights out of (merged saves) and into (resume) a sharded model.
 
 Modules: `support` (what is supported; shared lookups), `engine`, `frozen`, `lora`, `sharded`, `rounding` (how much
-of a delta a merge rounds away), `dense` (dequantised weights), `distributed`, `optimizer`, `reference`, `gathered`, `save`, `checkpoint`. Nothing here imports
-the trainer.
+of a delta a merge rounds away), `dense` (dequantised weights), `distributed`, `optimizer`, `reference`, `gathered`,
+`save`, `checkpoint`. Nothing here imports the trainer.
 """
 
 from .distributed import broadcast_adapter

@@ -1,7 +1,7 @@
 """Where the parameters live under each training engine, and how a reset reads and writes them there.
 
-A hard reset reads and edits weights in place (freeze or merge LoRA, fresh adapter, reference := policy). Each engine keeps the weights
-somewhere else (../shared/notes/sharded-resets.md §a), so every edit goes through the few primitives here:
+A hard reset reads and edits weights in place (freeze or merge LoRA, fresh adapter, reference := policy). Each engine
+keeps the weights somewhere else (../shared/notes/sharded-resets.md §a), so every edit goes through the few primitives here:
 
 * `REPLICATED` (one process, DDP): every rank holds whole tensors; an edit is a plain in-place op.
 * `FSDP2` (accelerate's `fsdp_version: 2`, `fully_shard`): each parameter is a `DTensor` sharded on dim 0. A rank

@@ -263,7 +263,9 @@ def _live_factors(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 
 @torch.no_grad()
-def freeze_lora_delta(model: nn.Module, engine: str | None = None, active_layers: frozenset[str] | None = None) -> FreezeReport:
+def freeze_lora_delta(
+    model: nn.Module, engine: str | None = None, active_layers: frozenset[str] | None = None
+) -> FreezeReport:
     """Move the "default" adapter's delta into each layer's frozen factors; the base weights are not written.
 
     The function is unchanged only once B is zeroed (`lora.reinit_adapter` / `sharded.fresh_adapter_sharded`): call

@@ -3,8 +3,8 @@
 `iter_policy_weights` streams the policy one module at a time (GPU memory grows by one layer at most), folding every
 LoRA delta (the live adapter's and the frozen ones of earlier resets) into its base weight on the way and dequantising
 a quantised base, with the names `from_pretrained` expects (no `base_model.model.`, no `.base_layer`, no LoRA tensors):
-merged saves (`gathered_state_dict`, `save.merged_state_dict`) and the vLLM weight push read it. `load_state_` writes such a dict back into the engine's
-storage (local shards, ZeRO-3 partitions through a `modifier_rank=0` gather, or plain tensors).
+merged saves (`gathered_state_dict`, `save.merged_state_dict`) and the vLLM weight push read it. `load_state_` writes
+such a dict back into the engine's storage (local shards, ZeRO-3 partitions through a `modifier_rank=0` gather, or plain tensors).
 
 Both are collective under FSDP2/ZeRO-3 (every rank calls them, with the same model) and plain loops otherwise.
 """
@@ -51,7 +51,10 @@ def _float_dtype(base: nn.Module) -> torch.dtype:
 
 @torch.no_grad()
 def iter_policy_weights(
-    model: nn.Module, buffers: bool = True, folded_dtype: torch.dtype | None = None, rounding: MergeRounding | None = None
+    model: nn.Module,
+    buffers: bool = True,
+    folded_dtype: torch.dtype | None = None,
+    rounding: MergeRounding | None = None,
 ) -> Iterator[tuple[str, torch.Tensor, bool]]:
     """`(name, whole tensor, is_new)` for every base parameter (and persistent buffer, with `buffers`), named as
     `from_pretrained` names them: the policy as a plain model, one module at a time.
@@ -129,7 +132,9 @@ def _has_live_delta(layer: nn.Module) -> bool:
     return any(bool(full_value(t).count_nonzero()) for t in (lora_b.weight, lora_b.bias) if t is not None)
 
 
-def _with_deltas(module: nn.Module, layer: nn.Module | None, frozen: Any, kind: str, value: torch.Tensor) -> torch.Tensor:
+def _with_deltas(
+    module: nn.Module, layer: nn.Module | None, frozen: Any, kind: str, value: torch.Tensor
+) -> torch.Tensor:
     """`value` (the whole base weight or bias) plus the frozen deltas and the live LoRA delta, summed in float32."""
     total = value.float()
     transpose = bool(getattr(layer, "fan_in_fan_out", False)) or type(module).__name__ == "Conv1D"

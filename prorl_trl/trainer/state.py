@@ -46,7 +46,8 @@ def resume_state(checkpoint: Path, first_phase: Any) -> dict[str, Any]:
     phase 1 from weights that already trained past phase 0's plan.
     """
     checkpoint = Path(checkpoint)
-    if in_phase_dir(checkpoint) or (checkpoint / PRORL_STATE_NAME).is_file() or not (checkpoint / TRAINER_STATE_NAME).is_file():
+    written_by_prorl = in_phase_dir(checkpoint) or (checkpoint / PRORL_STATE_NAME).is_file()
+    if written_by_prorl or not (checkpoint / TRAINER_STATE_NAME).is_file():
         return read_prorl_state(checkpoint)  # a ProRL checkpoint without it was interrupted mid-save: refused there
     trainer_state = json.loads((checkpoint / TRAINER_STATE_NAME).read_text())
     step = int(trainer_state["global_step"])

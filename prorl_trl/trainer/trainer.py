@@ -605,7 +605,8 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         module at a time (collective)."""
         model = reset_ops.unwrap_model(self.model)
         if hasattr(model, "peft_config"):
-            weights, dtype, rounding = reset_ops.merged_weights(model, self.args.merged_save_dtype, self._engine.sharded)
+            save_dtype, sharded = self.args.merged_save_dtype, self._engine.sharded
+            weights, dtype, rounding = reset_ops.merged_weights(model, save_dtype, sharded)
             if dtype != rounding.dtype and rounding.delta_sq > 0:
                 self.announce(
                     f"Merged save {path.name} written in {str(dtype).removeprefix('torch.')}: in the "
@@ -641,8 +642,8 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         self._pending_reset = reason
 
     def hard_reset(self, reason: str = "manual", lora_phase: ResolvedPhase | None = None) -> None:
-        """Keep the LoRA delta (frozen factors, or merged: `lora_reset_mode`), start a fresh adapter, reset optimizer and
-        reference (per switches).
+        """Keep the LoRA delta (frozen factors, or merged: `lora_reset_mode`), start a fresh adapter, reset optimizer
+        and reference (per switches).
 
         With frozen factors the outputs are bitwise unchanged (`prorl_trl.reset.frozen`; saved to
         `<output_dir>/frozen/reset-<k>.safetensors` for a resume); a merge is exact only into a float32 base.
