@@ -257,11 +257,12 @@ class ProRLConfig(GRPOConfig):
 
         > Resume
 
-        resume_from_checkpoint (`str` or `bool`, *optional*): A checkpoint folder, or `True` for the latest complete
-            checkpoint of `output_dir`; used by `ProRLTrainer.train()` when it is called without one.
+        resume_from_checkpoint (`str` or `bool`, *optional*): A checkpoint folder, or `True` (`"true"`, `"latest"`)
+            for the latest complete checkpoint of `output_dir`; used by `ProRLTrainer.train()` when it is called without
+            one.
     """
 
-    phases: list[Any] | None = field(
+    phases: list[dict] | None = field(
         default=None,
         metadata={
             "help": "The phases, in order (PhaseConfig or dicts). None: one phase of `max_steps` (else "
@@ -355,16 +356,25 @@ class ProRLConfig(GRPOConfig):
         default=0, metadata={"help": "Evaluations without improvement that end a phase (0: never)."}
     )
     plateau_min_delta: float = field(default=0.0, metadata={"help": "Smallest improvement of the plateau metric."})
-    resume_from_checkpoint: str | bool | None = field(
+    resume_from_checkpoint: str | None = field(
         default=None,
         metadata={
-            "help": "Continue a run: a checkpoint folder, or true for the latest complete checkpoint in output_dir. "
-            "Unlike TrainingArguments (where it is informational), ProRLTrainer.train() uses it when called without "
-            "`resume_from_checkpoint`, and `prorl-trl train` reads it like `--resume`."
+            "help": "Continue a run: a checkpoint folder, or `true` (also `latest`, or True from Python) for the latest "
+            "complete checkpoint in output_dir. Unlike TrainingArguments (where it is informational), "
+            "ProRLTrainer.train() uses it when called without `resume_from_checkpoint`, and `prorl-trl train` reads it "
+            "like `--resume`. Typed `str` so that HfArgumentParser/TrlParser can read it."
         },
     )
 
     def __post_init__(self):
+        if isinstance(self.resume_from_checkpoint, str):  # what a command line or config file gives as text
+            word = self.resume_from_checkpoint.strip().lower()
+            if word in ("true", "latest"):
+                self.resume_from_checkpoint = True
+            elif word in ("", "false", "none"):
+                self.resume_from_checkpoint = None
+        elif self.resume_from_checkpoint is False:
+            self.resume_from_checkpoint = None
         super().__post_init__()
         if self.phases is not None:
             self.phases = [p if isinstance(p, PhaseConfig) else PhaseConfig(**p) for p in self.phases]

@@ -104,3 +104,35 @@ def test_every_field_has_help():
     for cls in (ProRLConfig, PhaseConfig):
         own = [f for f in dataclasses.fields(cls) if f.name in cls.__annotations__]
         assert own and all(f.metadata.get("help") for f in own), cls
+
+
+def test_trls_own_parsers_read_prorl_config_with_phases_from_a_config_file(tmp_path):
+    """Scripts built on TRL's `TrlParser` (and HF's `HfArgumentParser`) take ProRLConfig as they take GRPOConfig:
+    every field from the command line, `phases` from the YAML config file, `resume_from_checkpoint` as text."""
+    from transformers import HfArgumentParser
+    from trl import ModelConfig, TrlParser
+
+    from prorl_trl.config import PhaseConfig, ProRLConfig, resolve_phases
+
+    (args,) = HfArgumentParser(ProRLConfig).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false", "--resume_from_checkpoint", "latest",
+         "--lora_reset_mode", "merge"]  # fmt: skip
+    )
+    assert args.resume_from_checkpoint is True and args.lora_reset_mode == "merge"
+    config = tmp_path / "grpo.yaml"
+    config.write_text(
+        f"output_dir: {tmp_path}\nuse_cpu: true\nbf16: false\nmax_steps: 2\nphases:\n"
+        "  - {name: first, max_steps: 2}\n  - {name: second, max_steps: 3, temperature: 1.2, num_generations: 4}\n"
+    )
+    args, _ = TrlParser((ProRLConfig, ModelConfig)).parse_args_and_config(
+        ["--config", str(config), "--learning_rate", "3e-5", "--resume_from_checkpoint", "runs/x/phase-0/checkpoint-2"]
+    )
+    assert all(isinstance(phase, PhaseConfig) for phase in args.phases) and args.learning_rate == 3e-5
+    assert [(p.name, p.max_steps, p.temperature, p.num_generations) for p in resolve_phases(args)] == [
+        ("first", 2, 1.0, 8), ("second", 3, 1.2, 4)
+    ]
+    assert args.resume_from_checkpoint == "runs/x/phase-0/checkpoint-2"
+    with pytest.raises(SystemExit):  # the field's `choices` reach argparse
+        HfArgumentParser(ProRLConfig).parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--lora_reset_mode", "x"])
+    with pytest.raises(ValueError, match="lora_reset_mode must be one of"):
+        ProRLConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, lora_reset_mode="x")

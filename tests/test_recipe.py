@@ -388,3 +388,11 @@ def test_model_section_reaches_the_loader_settings(tmp_path):
     assert load_recipe(write(tmp_path, BASE)).quantization_config() is None
     lora = recipe.peft_config()
     assert (lora.r, lora.lora_alpha, sorted(lora.target_modules), lora.task_type) == (8, 16, ["q_proj", "v_proj"], "CAUSAL_LM")
+
+
+@pytest.mark.parametrize("value, expected", [(True, True), (False, None), ("latest", True), ("ckpt/dir", "ckpt/dir")])
+def test_resume_from_checkpoint_in_a_recipe_keeps_meaning_latest(tmp_path, value, expected):
+    """`training.resume_from_checkpoint: true` (a YAML boolean) still means the latest checkpoint now that the field is
+    typed `str` (as HfArgumentParser needs it); text reads the same way, a path stays a path."""
+    recipe = load_recipe(write(tmp_path, changed("training.resume_from_checkpoint", value)))
+    assert recipe.training_args(dry=True).resume_from_checkpoint == expected

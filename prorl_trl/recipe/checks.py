@@ -239,6 +239,9 @@ def check_training(raw: Any, logging_section: Any, raw_logging: Any, problems: l
     if raw is None:
         raw = {}
     hints = {k: v for k, v in typing.get_type_hints(ProRLConfig).items() if k in _init_fields(ProRLConfig)}
+    if isinstance(raw, dict) and isinstance(raw.get("resume_from_checkpoint"), bool):
+        # typed `str` for HfArgumentParser; a YAML true/false means "the latest checkpoint" / "none" (ProRLConfig)
+        raw = {**raw, "resume_from_checkpoint": "true" if raw["resume_from_checkpoint"] else None}
     before = len(problems)
     training = check_mapping(raw, "training", hints, problems, metadata=TRAINING_RANGES, reserved=TRAINING_RESERVED)
     if isinstance(raw, dict) and "output_dir" in raw and (not isinstance(raw["output_dir"], str) or not raw["output_dir"].strip()):
