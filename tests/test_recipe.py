@@ -396,3 +396,20 @@ def test_resume_from_checkpoint_in_a_recipe_keeps_meaning_latest(tmp_path, value
     typed `str` (as HfArgumentParser needs it); text reads the same way, a path stays a path."""
     recipe = load_recipe(write(tmp_path, changed("training.resume_from_checkpoint", value)))
     assert recipe.training_args(dry=True).resume_from_checkpoint == expected
+
+
+def test_a_tilde_in_output_dir_is_the_folder_training_writes_to(tmp_path, monkeypatch):
+    """`~/run` is expanded as TrainingArguments expands it, so the guards that protect a used folder (and `--resume`,
+    `--overwrite`) look at `$HOME/run`, where training writes, not at a literal `./~/run`."""
+    from prorl_trl.recipe.output_folder import OutputFolderError, plan_start
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    path = write(tmp_path, BASE)
+    path.write_text(path.read_text().replace(str(tmp_path / "out"), "~/run"))
+    recipe = load_recipe(path)
+    assert recipe.output_dir == str(tmp_path / "home" / "run") == recipe.training_args(dry=True).output_dir
+    finished = tmp_path / "home" / "run" / "final"
+    finished.mkdir(parents=True)
+    (finished / "prorl_state.json").write_text('{"finished": true, "global_step": 1, "resets": 0}')
+    with pytest.raises(OutputFolderError, match="home/run/ holds a finished run"):  # refused, as any used folder
+        plan_start(recipe.output_dir)

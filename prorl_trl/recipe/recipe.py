@@ -42,7 +42,10 @@ class Recipe:
 
     @property
     def output_dir(self) -> str:
-        return str(self.training.get("output_dir") or Path("runs") / Path(self.file).stem)
+        """The run folder, with `~` expanded exactly as `TrainingArguments` expands it (`os.path.expanduser`; HF leaves
+        environment variables as they are), so the used-folder guard, `--resume` and `--overwrite` look at the folder
+        training writes to."""
+        return os.path.expanduser(str(self.training.get("output_dir") or Path("runs") / Path(self.file).stem))
 
     def config_kwargs(self, dry: bool = False) -> dict[str, Any]:
         kwargs = dict(self.training)
