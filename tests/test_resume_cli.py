@@ -246,3 +246,23 @@ def test_bf16_run_killed_after_two_resets_resumes_to_the_uninterrupted_weights(t
     start, final = load_file(tiny_dir / "model.safetensors"), final_weights(reference)
     moved = [k for k in start if not torch.equal(start[k].to(torch.bfloat16).float(), final[k].float())]
     assert any("q_proj" in k for k in moved)  # three phases' deltas are in final/: not a comparison of untrained runs
+
+
+def test_resume_completes_a_run_stopped_right_after_final_was_written(reference, tiny_dir, shared_data, tmp_path):
+    """A stop between `final/`'s rename and the files written after it leaves a finished run without
+    `run_summary.json` and `final/README.md`: `--resume` writes them (from the saved log history, no model loaded)
+    and changes nothing else."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    (out / "run_summary.json").unlink()
+    (out / "final" / "README.md").unlink()
+    before = snapshot(out)
+    result = cli(out, tiny_dir, shared_data, "--resume")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "wrote its missing run_summary.json and final/README.md" in result.stdout
+    assert history(out) == history(reference)
+    assert (out / "final" / "README.md").read_text() == (reference / "final" / "README.md").read_text()
+    after = snapshot(out)
+    assert {k: v for k, v in after.items() if k in before} == before  # nothing else touched

@@ -171,7 +171,11 @@ def run_train(
     plan = plan_start(recipe.output_dir, resume=resume, overwrite=overwrite)  # every process, before any writes
     if plan.finished:
         if main:
-            print(f"{plan.state.describe()}: nothing to do; nothing was changed.")
+            completed = _complete_finished_run(recipe, recipe_path, overrides, base_model, Path(recipe.output_dir))
+            if completed:  # stopped between final/'s rename and the files written after it
+                print(f"{plan.state.describe()}: wrote its missing {' and '.join(completed)}; nothing else changed.")
+            else:
+                print(f"{plan.state.describe()}: nothing to do; nothing was changed.")
         leave_process_group()  # every process read the same finished folder
         return 0
     if main:
@@ -260,22 +264,50 @@ def leave_process_group() -> None:
         dist.destroy_process_group()
 
 
-def _report(
-    trainer: Any, recipe: Recipe, recipe_path: str, overrides: list[str], base_model: str, output_dir: Path,
-    started: float,
-) -> None:  # fmt: skip
-    """Main process: write `run_summary.json` and the final model's card, print where the outputs are."""
+def _write_run_files(
+    log_history: list[dict[str, Any]], recipe: Recipe, recipe_path: str, overrides: list[str], base_model: str,
+    output_dir: Path, seconds: float | None,
+) -> dict[str, Any]:  # fmt: skip
+    """`run_summary.json` (the summary and the whole log) and `final/README.md` (the final model's card, when
+    `final/` holds a model); returns the summary."""
     from ..reset.checkpoint import write_text_atomically
 
-    log_history = trainer.prorl_log_history  # the whole run, also across a resume
     summary = summarize_log(log_history)
-    summary.update(recipe=str(recipe_path), overrides=list(overrides), seconds=round(time.time() - started, 1))
+    summary.update(recipe=str(recipe_path), overrides=list(overrides), seconds=seconds)
     write_text_atomically(
         output_dir / "run_summary.json", json.dumps({**summary, "log_history": log_history}, indent=1, default=str)
     )
     final = output_dir / "final"
     if (final / "config.json").is_file():
         write_final_card(final, recipe, base_model, summary)
+    return summary
+
+
+def _complete_finished_run(
+    recipe: Recipe, recipe_path: str, overrides: list[str], base_model: str, output_dir: Path
+) -> list[str]:
+    """A finished run stopped after `final/` was renamed into place but before the files written after it: write
+    them from the run's saved log history (`prorl_log_history.json`, complete at that point). Returns what was
+    written (nothing when the run is whole)."""
+    from ..reset.checkpoint import LOG_HISTORY_NAME
+
+    missing = [name for name in ("run_summary.json", "final/README.md") if not (output_dir / name).is_file()]
+    history = output_dir / LOG_HISTORY_NAME
+    if not missing or not history.is_file():
+        return []
+    _write_run_files(json.loads(history.read_text()), recipe, recipe_path, overrides, base_model, output_dir, None)
+    return missing
+
+
+def _report(
+    trainer: Any, recipe: Recipe, recipe_path: str, overrides: list[str], base_model: str, output_dir: Path,
+    started: float,
+) -> None:  # fmt: skip
+    """Main process: write `run_summary.json` and the final model's card, print where the outputs are."""
+    log_history = trainer.prorl_log_history  # the whole run, also across a resume
+    seconds = round(time.time() - started, 1)
+    summary = _write_run_files(log_history, recipe, recipe_path, overrides, base_model, output_dir, seconds)
+    final = output_dir / "final"
     print(f"\ndone in {summary['seconds']:.0f}s, {summary['steps']} steps.", file=sys.stdout)
     for key, value in sorted(summary["final_eval"].items()):
         print(f"  {key}: {value:.4g}")
