@@ -41,7 +41,7 @@ def _lora_owner(base: nn.Module) -> dict[str, nn.Module]:
     return owners
 
 
-def _float_dtype(base: nn.Module) -> torch.dtype:
+def float_dtype(base: nn.Module) -> torch.dtype:
     """The dtype a dequantised weight is saved in: the model's first floating-point, unquantised parameter's."""
     for param in base.parameters():
         if param.dtype.is_floating_point and not is_quantized_weight(param):
@@ -70,7 +70,7 @@ def iter_policy_weights(
     base = base_model_of(model)
     reshard(base)
     owners = _lora_owner(base)
-    float_dtype = _float_dtype(base)
+    dequantised_dtype = float_dtype(base)
     for module_name, module in base.named_modules():
         parts = module_name.split(".")
         if "lora_" in module_name or FROZEN_MODULE in parts:
@@ -88,7 +88,7 @@ def iter_policy_weights(
                 layer = None  # B = 0 (a fresh adapter): nothing to add, and nothing copied
             for name, param in params.items():
                 if name == "weight" and is_quantized_weight(param):
-                    value, dtype = dense_weight(module), float_dtype
+                    value, dtype = dense_weight(module), dequantised_dtype
                 else:
                     value, dtype = full_value(param), param.dtype
                 if name in ("weight", "bias") and (layer is not None or frozen is not None):

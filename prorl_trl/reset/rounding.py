@@ -43,18 +43,6 @@ class MergeRounding:
         torch.distributed.all_reduce(sums)
         self.delta_sq, self.lost_sq = (float(value) for value in sums)
 
-    def broadcast_from(self, src: int, device: torch.device) -> None:
-        """Give every rank rank `src`'s sums and dtype (a merged save measures on the rank that gathers); collective,
-        a no-op without a process group."""
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return
-        sums = torch.tensor([self.delta_sq, self.lost_sq], dtype=torch.float64, device=device)
-        torch.distributed.broadcast(sums, src=src)
-        self.delta_sq, self.lost_sq = (float(value) for value in sums)
-        holder = [self.dtype]
-        torch.distributed.broadcast_object_list(holder, src=src)
-        self.dtype = holder[0]
-
     @property
     def lost_fraction(self) -> float:
         """|what was rounded away| / |delta| (0 for an all-zero delta, e.g. a fresh adapter; can exceed 1 slightly)."""

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from .checkpoint import PRORL_STATE_NAME
-from .gathered import gathered_state_dict, iter_policy_weights
+from .gathered import float_dtype, gathered_state_dict, iter_policy_weights
 from .rounding import MergeRounding
-from .support import check_lora_supported, peft_model_of, quantization_method
+from .support import base_model_of, check_lora_supported, peft_model_of, quantization_method
 
 # "auto" writes a merged save in the base dtype when rounding into it loses at most this share of the deltas' norm.
 AUTO_KEPT_LOSS = 0.01
@@ -63,14 +63,12 @@ def merged_weights(
     silently drop most of what it learned (the reason hard resets keep frozen factors). A named dtype is written as
     asked.
     """
-    rounding = MergeRounding()
+    rounding = MergeRounding()  # every rank measures the same whole weights: the same on all of them
     if sharded:
         state = gathered_state_dict(model, folded_dtype=torch.float32, rounding=rounding)
     else:
         state = merged_state_dict(model, folded_dtype=torch.float32, rounding=rounding)
-    if sharded:
-        rounding.broadcast_from(0, _device_of(model))
-    base_dtype = rounding.dtype or _float_dtype_of(model)
+    base_dtype = rounding.dtype or float_dtype(base_model_of(model))
     if save_dtype == "auto":
         dtype = base_dtype if rounding.lost_fraction <= AUTO_KEPT_LOSS else torch.float32
     else:
@@ -78,14 +76,6 @@ def merged_weights(
     if state is not None:
         state = {k: v.to("cpu", dtype) if v.is_floating_point() else v.to("cpu") for k, v in state.items()}
     return state, dtype, rounding
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
-def _float_dtype_of(model: nn.Module) -> torch.dtype:
-    return next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
 
 
 def save_merged_model(
