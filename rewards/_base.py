@@ -71,6 +71,10 @@ class Reward:
         """The error this reward would raise at its first call on data with these `columns`, or None if they suffice."""
         return None
 
+    def gold_columns(self) -> tuple[str, ...]:
+        """The dataset columns this reward reads its gold from, so a data builder keeps them (none by default)."""
+        return ()
+
     def _score(self, text: str, ids: Sequence[int] | None) -> float | None:
         raise NotImplementedError
 
@@ -126,6 +130,9 @@ class CorrectnessReward(Reward):
             return None
         hint = f" or pass answer_key=<your column> (get_reward('{self.registry_name}', answer_key=...))"
         return missing_column_error(self.__name__, self.answer_key, columns, hint)
+
+    def gold_columns(self) -> tuple[str, ...]:
+        return (self.answer_key,)
 
     def _golds(self, kwargs: dict[str, Any]) -> list:
         """The gold of each completion, from the dataset columns; one clear error when a column is missing."""

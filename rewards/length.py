@@ -58,6 +58,10 @@ class _CheckedLengthReward(Reward):
         error = self._checker.missing_columns(columns) if hasattr(self._checker, "missing_columns") else None
         return None if error is None else self._with_checker(error)
 
+    def gold_columns(self) -> tuple[str, ...]:
+        read = getattr(self._checker, "gold_columns", None)
+        return tuple(read()) if callable(read) else (self.answer_key,)
+
     def _with_checker(self, error: MissingColumnError) -> MissingColumnError:
         return MissingColumnError(f"reward '{self.__name__}' judges correctness with {error}")
 

@@ -110,6 +110,9 @@ class KKLogic(CorrectnessReward):
         column = f"{self.names_key}' + '{self.solution_key}' (or '{self.solution_text_key}"
         return missing_column_error(self.__name__, column, columns)
 
+    def gold_columns(self) -> tuple[str, ...]:
+        return (self.names_key, self.solution_key, self.solution_text_key)
+
     def _golds(self, kwargs: dict[str, Any]) -> list:
         if self.names_key in kwargs and self.solution_key in kwargs:
             return list(zip(kwargs[self.names_key], kwargs[self.solution_key], strict=True))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -191,8 +191,17 @@ def load_areal(source: str, config: str | None, split: str, columns: dict[str, s
     return data.map(convert, remove_columns=data.column_names)
 
 
-def load_table(source: str, config: str | None, split: str, columns: dict[str, str], data_files=None) -> Dataset:
-    """Any table; `columns` maps our names (`prompt`, `answer`, ...) to source column names."""
+def load_table(
+    source: str,
+    config: str | None,
+    split: str,
+    columns: dict[str, str],
+    data_files=None,
+    keep: Iterable[str] = ("answer",),
+) -> Dataset:
+    """Any table; `columns` maps our names (`prompt`, `answer`, ...) to source column names. The `keep` columns (the
+    golds the rewards read) stay as they are when the table has them and `columns` does not name them, so a file
+    with `prompt` and `answer` needs no mapping."""
     data = load_source(source, config, split, data_files=data_files)
     mapping = dict(columns)
     prompt_column = mapping.pop("prompt", "prompt")
@@ -200,7 +209,52 @@ def load_table(source: str, config: str | None, split: str, columns: dict[str, s
     missing = [c for c in wanted if c not in data.column_names]
     if missing:
         raise ValueError(f"{source} has no column(s) {missing}; it has {data.column_names} (fix data.columns)")
+    for column in keep:
+        if column in data.column_names and column not in wanted and column not in wanted.values():
+            wanted[column] = column
     return data.select_columns(list(wanted)).rename_columns({k: v for k, v in wanted.items() if k != v})
+
+
+def reward_gold_columns(reward_funcs: Iterable[Any] | None) -> list[str]:
+    """The columns the rewards read their golds from (`gold_columns()`, else an `answer_key` attribute or bound
+    parameter), always with `answer`, the registry's default."""
+    columns = ["answer"]
+    for reward in reward_funcs or ():
+        read = getattr(reward, "gold_columns", None)
+        key = getattr(reward, "answer_key", None) or (getattr(reward, "params", None) or {}).get("answer_key")
+        found = list(read()) if callable(read) else [key] if isinstance(key, str) else []
+        columns += [column for column in found if column not in columns]
+    return columns
+
+
+def unread_gold_problems(
+    columns: list[str], reward_funcs: Iterable[Any], where: str, table: bool, source_columns: Callable[[], list[str]]
+) -> list[DataProblem]:
+    """One problem per reward that would lack a gold column on a split with `columns` (its `missing_columns`), saying
+    how to name the column: a `data.columns` entry for a table (`jsonl`/`parquet`), the reward's key otherwise."""
+    problems = []
+    for reward in reward_funcs:
+        check = getattr(reward, "missing_columns", None)
+        error = check(columns) if callable(check) else None
+        if error is None:
+            continue
+        name = getattr(reward, "__name__", type(reward).__name__)
+        read = getattr(reward, "gold_columns", None)
+        absent = [c for c in (read() if callable(read) else ()) if c not in columns]
+        if not absent:  # a reward that does not say which columns it reads: its own message
+            problems.append(DataProblem(where, f"reward `{name}`: {error}"))
+            continue
+        present, first = ", ".join(source_columns()) or "none", absent[0]
+        own_key = " (or name it in the reward: `params: {answer_key: <your column>}`)"
+        own_key = own_key if first == getattr(reward, "answer_key", None) else ""
+        if table:
+            fix = (f"name your column in the recipe: `data: {{columns: {{{first}: <your column>}}}}`{own_key}; "
+                   f"for `prorl-trl eval`: `--columns {first}=<your column>`")  # fmt: skip
+        else:
+            fix = "point the reward at one of them with its `*_key` parameters (`params: {answer_key: <column>}`)"
+        message = f"reward `{name}` reads the gold from column {' / '.join(map(repr, absent))}, which the data does"
+        problems.append(DataProblem(where, f"{message} not have (its columns: {present}); {fix}"))
+    return problems
 
 
 def _synthetic(make: str, split: str, options: dict[str, Any], keep: list[str]) -> Dataset:
@@ -280,13 +334,17 @@ def quiet_datasets(quiet: bool = True) -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
-def build_dataset(data: DataSection, which: str = "train", tokenizer: Any = None) -> Dataset | None:
+def build_dataset(
+    data: DataSection, which: str = "train", tokenizer: Any = None, reward_funcs: Iterable[Any] | None = None
+) -> Dataset | None:
     """The training (`which="train"`) or validation split of a recipe's data, with `prompt` + gold columns.
 
     Returns None for validation when the recipe names no validation split. Raises `DataError` (file, line or row,
     column) for data a run cannot train on, before anything is tokenised: a local file is scanned row by row first
     (`checks.scan_local_file`), and every built split is checked again (`checks.check_built_rows`). The
     prompt-length filter (`data.max_prompt_tokens`, default 2048) needs `tokenizer`; rows it drops are counted.
+    A table (`jsonl`/`parquet`) keeps the gold columns `reward_funcs` read (`answer` without them) besides those
+    `data.columns` maps; a reward that would still lack its column is refused here, before any sampling.
     """
     spec = BUILDERS[data.builder]
     source, split, limit = split_source(data, which)
@@ -299,6 +357,8 @@ def build_dataset(data: DataSection, which: str = "train", tokenizer: Any = None
     where = str(local) if local is not None else f"{source or data.builder} [{split}]"
     options = {name: default for name, (_, default) in spec.options.items()} | dict(data.options)
     config = data.config if data.config is not None else spec.default_config
+    if spec.needs_columns:
+        options["keep"] = reward_gold_columns(reward_funcs)
     try:
         with quiet_datasets(quiet=local is not None or source is None):  # hub downloads keep their progress bars
             rows = spec.load_function()(source, config, split, dict(data.columns), data.data_files, **options)
@@ -306,6 +366,17 @@ def build_dataset(data: DataSection, which: str = "train", tokenizer: Any = None
         raise
     except Exception as error:  # a hub error, an unreadable file, a generator refusing its options: one message
         raise DataError([DataProblem(where, f"cannot be loaded: {type(error).__name__}: {error}")]) from error
+    if reward_funcs:
+
+        def source_columns() -> list[str]:  # only for the message: the table's own columns, before the mapping
+            if not spec.needs_columns:
+                return [c for c in rows.column_names if c != "question"]
+            with quiet_datasets():
+                return load_source(source, config, split, data_files=data.data_files).column_names
+
+        problems = unread_gold_problems(rows.column_names, reward_funcs, where, spec.needs_columns, source_columns)
+        if problems:
+            raise DataError(problems)
     with quiet_datasets():
         return _shape(rows, data, which, where, limit, tokenizer)
 
@@ -315,7 +386,7 @@ def _shape(rows: Dataset, data: DataSection, which: str, where: str, limit: int 
     spec = BUILDERS[data.builder]
     if limit is not None:
         rows = rows.select(range(min(limit, len(rows))))
-    gold = [c for c in data.columns if c != "prompt"] if spec.needs_columns else list(spec.gold_columns)
+    gold = [c for c in rows.column_names if c != "question"] if spec.needs_columns else list(spec.gold_columns)
     problems = check_built_rows(rows, where, gold)
     if problems:
         raise DataError(problems)

@@ -14,8 +14,10 @@ of None for every completion (loss 0, grad 0, a "finished" run that learned noth
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,12 +102,38 @@ def has_non_finite(value: Any) -> bool:
     return False
 
 
+# C0/C1 control characters and DEL: never part of a problem text (tab, newline and carriage return are).
+CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+CONTROL_NAMES = {"\x00": "NUL", "\x08": "backspace", "\x0b": "vertical tab", "\x0c": "form feed", "\x1b": "escape",
+                 "\x7f": "DEL"}  # fmt: skip
+
+
+def control_character_problem(text: str) -> str | None:
+    r"""Why a text with control characters is refused, or None. Refused, not cleaned: they mean a damaged or
+    mis-encoded file (UTF-16 read as UTF-8 is NULs throughout) or a LaTeX command whose backslash JSON ate
+    (`"\\frac"` written `"\frac"` is a form feed + "rac"); dropping them silently would train on the damage."""
+    first = CONTROL_CHARACTER.search(text)
+    if first is None:
+        return None
+    char, others = first.group(), len(CONTROL_CHARACTER.findall(text)) - 1
+    more = f" (and {others} more)" if others else ""
+    hint = ""
+    if char in "\x08\x0c":
+        hint = r'; a LaTeX \frac or \boxed written in JSON with one backslash ("\frac") becomes one: write "\\frac"'
+    return (
+        f"control character U+{ord(char):04X} ({CONTROL_NAMES.get(char, 'a control character')}) at character "
+        f"{first.start() + 1}{more}: it means a damaged or mis-encoded file{hint}; remove it or fix the file"
+    )
+
+
 def prompt_problem(value: Any) -> str | None:
     """What is wrong with one problem text (a string, or a chat message list), or None."""
     if value is None:
         return "null problem text (it would reach the model as the text 'None'); fill it or remove the row"
     if isinstance(value, str):
-        return None if value.strip() else "empty problem text (the model would get nothing to solve); fill it or remove the row"
+        if not value.strip():
+            return "empty problem text (the model would get nothing to solve); fill it or remove the row"
+        return control_character_problem(value)
     if isinstance(value, list):
         if not value:
             return "empty message list; give at least one {role, content} message"
@@ -115,7 +143,7 @@ def prompt_problem(value: Any) -> str | None:
                 return "a message list must hold {role: text, content: text} mappings"
         if not any(message["content"].strip() for message in value):
             return "every message of the conversation is empty; fill it or remove the row"
-        return None
+        return next(filter(None, (control_character_problem(message["content"]) for message in value)), None)
     return f"the problem text is {json_kind(value)}, not text or a chat message list"
 
 
@@ -179,8 +207,10 @@ class RowChecker:
 def _json_rows(path: Path, checker: RowChecker) -> None:
     """Stream a JSON-lines file (or one JSON array) into the checker, reporting bytes and syntax by line."""
     with open(path, "rb") as handle:
+        bom = handle.read(len(codecs.BOM_UTF8)) == codecs.BOM_UTF8  # a UTF-8 BOM (Windows editors) is read, as `datasets` does
+        handle.seek(len(codecs.BOM_UTF8) if bom else 0)
         head = handle.read(4096).lstrip()
-        handle.seek(0)
+        handle.seek(len(codecs.BOM_UTF8) if bom else 0)
         if head.startswith(b"["):
             _json_array(path, handle.read(), checker)
             return

@@ -43,7 +43,10 @@ class DataSection:
     system_prompt: str | None = field(default=None, metadata={"help": "Replaces the template's system prompt."})
     columns: dict[str, str] = field(
         default_factory=dict,
-        metadata={"help": "Column mapping `{prompt: <col>, answer: <col>, ...}` (jsonl/parquet)."},
+        metadata={
+            "help": "Column mapping `{prompt: <col>, answer: <col>, ...}` (jsonl/parquet); the gold columns the "
+            "rewards read (`answer`, a reward's `answer_key`) are kept without one."
+        },
     )
     options: dict[str, Any] = field(
         default_factory=dict, metadata={"help": "Builder-specific options (e.g. kk `num_people`)."}

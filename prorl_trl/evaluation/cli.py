@@ -151,7 +151,8 @@ def run_eval(args: argparse.Namespace) -> int:
     try:
         opts = _parse(args)
         columns, options = opts.pop("columns"), opts.pop("options")
-        rows = load_rows(args.dataset, args.data_files, args.split, columns, options, args.template, args.prompt_format)
+        source = (args.dataset, args.data_files, args.split, columns, options, args.template, args.prompt_format)
+        rows = load_rows(*source, reward_funcs=[opts["reward"]])  # its gold columns are checked before any sampling
         rows = select(with_problem_ids(rows), "non-integer" if args.subset == "non-integer" else None, args.limit)
         if not rows:
             raise ValueError(f"No problems left in {args.dataset} after --subset/--limit; nothing to evaluate.")

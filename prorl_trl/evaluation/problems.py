@@ -21,10 +21,12 @@ def load_rows(
     options: dict[str, Any] | None = None,
     template: str | None = None,
     prompt_format: str = "chat",
+    reward_funcs: list[Any] | None = None,
 ) -> list[dict[str, Any]]:
     """All rows of `split` from the dataset builder `name`, as dicts with a `prompt` column and gold columns.
 
-    `source` is a hub id or a local file/folder (`--data-files`); None: the builder's hub id.
+    `source` is a hub id or a local file/folder (`--data-files`); None: the builder's hub id. With `reward_funcs`, a
+    table keeps the gold columns they read, and a reward that would lack one is refused now, before any sampling.
     """
     from prorl_trl.data import BUILDERS, build_dataset
     from prorl_trl.data.spec import DataSection
@@ -39,7 +41,7 @@ def load_rows(
         builder=name, source=source, split=split, columns=dict(columns or {}), options=dict(options or {}),
         template=template, prompt_format=prompt_format,
     )
-    return [dict(row) for row in build_dataset(section, which="train")]
+    return [dict(row) for row in build_dataset(section, which="train", reward_funcs=reward_funcs)]
 
 
 def with_problem_ids(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -4,23 +4,26 @@
 precision switches against this machine). The preflight adds the world outside the file, so `prorl-trl validate`
 says ok only when `train` would start:
 
-* local paths: model and tokenizer folders (a file is not a model), data files, the distillation teacher;
-  hub ids are allowed and reported as not checked (nothing here uses the network);
+* local paths: model and tokenizer folders (a file is not a model), data files, the distillation teacher, and an
+  `output_dir` that can be created (not a file, not under one, writable); hub ids are allowed and reported as not
+  checked (nothing here uses the network);
 * extras the recipe or launch needs (vLLM, bitsandbytes, DeepSpeed, Liger, flash-attn), with the install command;
 * the launch: engines a hard reset cannot run under (FSDP1, offload, ...), compiled generation under ZeRO-3/FSDP2,
   and the trainer's own pre-init checks
   (`prorl_trl.trainer.checks.check_before_init`) for the number of processes;
 * data (`validate` only; `train` runs the same checks while it builds its datasets): local files row by row, the
-  built splits, and whether the rewards can read the golds (`prorl_trl.data.checks`).
+  built splits (with the run's tokenizer, so a file whose prompts are all over `data.max_prompt_tokens` is refused
+  as `train` refuses it), and whether the rewards can read the golds (`prorl_trl.data.checks`).
 
 `train` runs it first (`preflight(recipe, data=False)` in `run.py`); `validate` runs all of it. The trackers'
-installation is checked by `trackers.check_recipe_trackers` (see `SEAM` below); the output folder's state by `train`
-itself (`output_folder`), and `validate` notes it.
+installation and W&B's credentials are checked by `trackers.check_recipe_trackers` (see `SEAM` below); the output
+folder's state by `train` itself (`output_folder`), and `validate` notes it.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,6 +144,7 @@ def path_problems(recipe: Recipe) -> list[RecipeProblem]:
             problems.append(RecipeProblem(f"data.{key}", "local file or folder not found", value))
         elif value and not is_local(value):
             recipe.warnings.append(f"data.{key} = {value!r} is a hub dataset id: not checked here (no network use)")
+    problems += output_dir_problems(recipe)
     if recipe.distill is not None and isinstance(recipe.distill.get("teacher"), str):
         from ..distill.run import check_teacher
 
@@ -149,6 +153,23 @@ def path_problems(recipe: Recipe) -> list[RecipeProblem]:
         except FileNotFoundError as error:
             problems.append(RecipeProblem("distill.teacher", str(error), recipe.distill["teacher"]))
     return problems
+
+
+def output_dir_problems(recipe: Recipe) -> list[RecipeProblem]:
+    """The run folder can be created and written: `train` makes it only after the model loaded, where a file in the
+    way (or a read-only parent) would fail with a traceback."""
+    path = Path(recipe.output_dir)
+    key, value = "training.output_dir", str(recipe.training.get("output_dir") or path)
+    if path.exists() and not path.is_dir():
+        return [RecipeProblem(key, "is a file; output_dir is the folder the run writes (checkpoints, final model): "
+                                   "give a folder path, or move the file", value)]  # fmt: skip
+    absolute = path.absolute()
+    existing = next(folder for folder in (absolute, *absolute.parents) if folder.exists())
+    if not existing.is_dir():
+        return [RecipeProblem(key, f"{existing} is a file, so the run folder cannot be created under it", value)]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [RecipeProblem(key, f"{existing} is not writable by this user: pick a folder you can write", value)]
+    return []
 
 
 def _model_folder(key: str, value: str, recipe: Recipe, files: tuple[str, ...], what: str) -> list[RecipeProblem]:
@@ -240,11 +261,14 @@ def launch_problems(recipe: Recipe, world_size: int, launch: Launch | None) -> l
 
 
 def data_problems(recipe: Recipe) -> list[RecipeProblem]:
-    """Local data, row by row, then built and probed with the recipe's rewards (hub and generated data are checked
-    by `train` while it builds them, before the model loads)."""
+    """Local data, row by row, then built as `train` builds it (the run's tokenizer filters prompts by length, so a
+    file that leaves no rows is refused here too) and probed with the recipe's rewards (hub and generated data are
+    checked by `train` while it builds them, before the model loads)."""
     from ..data.builders import local_split_file, scan_split_file, split_source
 
-    problems = []
+    problems: list[RecipeProblem] = []
+    tokenizer: Any = None
+    needs_tokenizer = recipe.data.max_prompt_tokens is not None
     for which, key in (("train", "data.source"), ("validation", "data.validation_source")):
         if split_source(recipe.data, which)[1] is None:
             continue
@@ -254,9 +278,28 @@ def data_problems(recipe: Recipe) -> list[RecipeProblem]:
         except FileNotFoundError:
             local = None
         if not found and local is not None:
-            found = built_data_problems(recipe, which)
+            if needs_tokenizer:
+                needs_tokenizer, tokenizer = False, _length_tokenizer(recipe, problems)
+            found = built_data_problems(recipe, which, tokenizer)
         problems += _as_recipe_problems(key, found)
     return problems
+
+
+def _length_tokenizer(recipe: Recipe, problems: list[RecipeProblem]) -> Any:
+    """The tokenizer `train` filters prompts with, or None (then lengths are not checked, with a note). A local one
+    that fails to load is a problem, as it is for `train`; a hub one is read from the cache only (no network here)."""
+    key = "model.tokenizer_name_or_path" if recipe.model.tokenizer_name_or_path else "model.name_or_path"
+    name = recipe.model.tokenizer_name_or_path or recipe.model.name_or_path
+    try:
+        return recipe.load_tokenizer(local_files_only=True)
+    except Exception as error:  # noqa: BLE001 - any loading failure becomes a message, never a traceback
+        if is_local(name):
+            message = f"the tokenizer cannot be loaded: {type(error).__name__}: {error}"
+            problems.append(RecipeProblem(key, message, name))
+        else:
+            recipe.warnings.append(f"prompt lengths (data.max_prompt_tokens) not checked: the tokenizer {name!r} "
+                                   f"is not in this machine's hub cache ({type(error).__name__})")  # fmt: skip
+        return None
 
 
 def built_data_problems(recipe: Recipe, which: str, tokenizer: Any = None) -> list[Any]:
@@ -265,7 +308,7 @@ def built_data_problems(recipe: Recipe, which: str, tokenizer: Any = None) -> li
     from ..data.checks import DataError, check_golds_readable
 
     try:
-        rows = build_dataset(recipe.data, which, tokenizer)
+        rows = build_dataset(recipe.data, which, tokenizer, reward_functions_for(recipe, which))
     except DataError as error:
         return error.problems
     if rows is None:

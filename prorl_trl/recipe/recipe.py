@@ -96,6 +96,21 @@ class Recipe:
             bnb_4bit_compute_dtype=dtype,
         )
 
+    def load_tokenizer(self, local_files_only: bool = False) -> Any:
+        """The run's tokenizer, left-padded as GRPO generation needs (`train`, and `validate`'s prompt-length check,
+        which reads only local folders and the hub cache: `local_files_only`)."""
+        from transformers import AutoTokenizer
+
+        model = self.model
+        return AutoTokenizer.from_pretrained(
+            model.tokenizer_name_or_path or model.name_or_path,
+            revision=model.revision,
+            trust_remote_code=model.trust_remote_code,
+            padding_side="left",
+            truncation_side="left",
+            local_files_only=local_files_only,
+        )
+
     def reward_functions(self) -> list[Any]:
         import rewards
 
