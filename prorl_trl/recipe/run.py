@@ -13,11 +13,14 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..trainer.manifest import CLI_FILES, record_outputs, trainer_outputs
+from .changes import RESUME_HISTORY_NAME, resume_changes, write_run_recipe
 from .load import load_recipe
 from .output_folder import (
     delete_run_outputs,
@@ -27,9 +30,13 @@ from .output_folder import (
     is_disk_full,
     plan_start,
     resume_command,
+    run_writes,
 )
-from .preflight import require_preflight, require_readable_golds
+from .preflight import require_preflight, require_readable_golds, reward_functions_for
 from .recipe import Recipe
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..trainer.interrupt import SignalStop
 
 
 def _is_main_process() -> bool:
@@ -62,19 +69,6 @@ def describe_recipe(recipe: Recipe, world_size: int = 1) -> str:
             f"{'yes' if phase.hard_reset else '-':>6}"
         )
     return "\n".join(lines)
-
-
-def _load_tokenizer(recipe: Recipe):
-    from transformers import AutoTokenizer
-
-    model = recipe.model
-    return AutoTokenizer.from_pretrained(
-        model.tokenizer_name_or_path or model.name_or_path,
-        revision=model.revision,
-        trust_remote_code=model.trust_remote_code,
-        padding_side="left",
-        truncation_side="left",
-    )
 
 
 def _validation_callback(recipe: Recipe, eval_dataset: Any, args: Any) -> Any:
@@ -150,15 +144,65 @@ def write_final_card(final: Path, recipe: Recipe, base_model: str, summary: dict
 
 
 def run_train(
-    recipe_path: str, overrides: list[str], resume: str | bool | None = None, overwrite: bool = False
+    recipe_path: str,
+    overrides: list[str],
+    resume: str | bool | None = None,
+    overwrite: bool = False,
+    allow_changes: bool = False,
+    allow_other_files: bool = False,
 ) -> int:
     """Validate, check the output folder, load, train all phases, write the summary. Returns the exit status.
 
     `resume` (`--resume`; `training.resume_from_checkpoint` in the recipe means the same): True for the latest
     complete checkpoint, or a checkpoint path; `overwrite` (`--overwrite`) deletes the folder's run outputs first.
-    A folder that holds a run needs one of the two (exit 2 before anything is loaded). SIGINT/SIGTERM finish the
+    A folder that holds a run needs one of the two (exit 2 before anything is loaded). A resume whose recipe changes
+    training against the run's recorded one is refused the same way unless `allow_changes` (`--allow-changes`;
+    `recipe.changes`). SIGINT/SIGTERM finish the
     step, write a checkpoint and print the command that resumes (exit 130/143); a full disk ends with one message.
+    The signal handlers are in place from the start: a signal during start-up (loading, ~20 s) stops before the
+    first step, with nothing trained, and says how to start again (exit 130/143).
     """
+    from ..trainer.interrupt import StartupInterrupted, stop_on_signals
+
+    with stop_on_signals() as signals:
+        try:
+            return _train(recipe_path, overrides, resume, overwrite, signals, allow_changes, allow_other_files)
+        except StartupInterrupted as stop:
+            if _is_main_process():
+                flags = {"allow_changes": allow_changes, "allow_other_files": allow_other_files}
+                print(_startup_stop_message(stop.reason, resume, overwrite, **flags), flush=True)
+            return 130 if stop.reason == "SIGINT" else 143
+
+
+def _startup_stop_message(
+    reason: str, resume: str | bool | None, overwrite: bool, allow_changes: bool = False,
+    allow_other_files: bool = False,
+) -> str:  # fmt: skip
+    """What a signal during start-up did (nothing trained) and the command that starts the run again as asked."""
+    from ..trainer.interrupt import parent_command_line
+
+    command = shlex.split(resume_command(parent_command_line()))[:-1]  # as launched, without the added --resume
+    if overwrite:
+        command.append("--overwrite")
+    elif resume is True:
+        command.append("--resume")
+    elif resume:
+        command += ["--resume", str(resume)]
+    if allow_changes:  # nothing was recorded yet: the changes still need confirming
+        command.append("--allow-changes")
+    if allow_other_files:
+        command.append("--allow-other-files")
+    return (
+        f"\nstopped by {reason} during start-up, before the first training step: nothing was trained and no "
+        f"checkpoint was written.\nstart it again with:\n  {shlex.join(command)}"
+    )
+
+
+def _train(
+    recipe_path: str, overrides: list[str], resume: str | bool | None, overwrite: bool, signals: SignalStop,
+    allow_changes: bool = False, allow_other_files: bool = False,
+) -> int:  # fmt: skip
+    """`run_train`'s work, with `signals` stopping the start-up until the trainer is built and attached to them."""
     started = time.time()
     recipe = load_recipe(recipe_path, overrides, dry=False)
     require_preflight(recipe, world_size=int(os.environ.get("WORLD_SIZE", "1")))
@@ -168,7 +212,9 @@ def run_train(
         resume = recipe.training.get("resume_from_checkpoint")
     if isinstance(resume, str) and resume.lower() in ("true", "latest"):  # an override read as text
         resume = True
-    plan = plan_start(recipe.output_dir, resume=resume, overwrite=overwrite)  # every process, before any writes
+    plan = plan_start(  # every process, before any writes
+        recipe.output_dir, resume, overwrite, allow_other_files=allow_other_files, writes=run_writes(recipe)
+    )
     if plan.finished:
         if main:
             completed = _complete_finished_run(recipe, recipe_path, overrides, base_model, Path(recipe.output_dir))
@@ -178,6 +224,10 @@ def run_train(
                 print(f"{plan.state.describe()}: nothing to do; nothing was changed.")
         leave_process_group()  # every process read the same finished folder
         return 0
+    changes = resume_changes(plan.resume, recipe.output_dir, recipe.raw, allow_changes)  # exit 2, nothing loaded
+    if main and changes:
+        print(f"note: resuming with changes to the recorded recipe (kept in {RESUME_HISTORY_NAME}):", flush=True)
+        print("\n".join(f"  {change.describe()}" for change in changes), flush=True)
     if main:
         print(describe_recipe(recipe, world_size=int(os.environ.get("WORLD_SIZE", "1"))), flush=True)
     args = recipe.training_args()
@@ -186,8 +236,25 @@ def run_train(
 
     PartialState().wait_for_everyone()  # every process has read the folder's state before the first write
     output_dir = Path(args.output_dir)
+    # The data is built and checked before anything in the folder is deleted or written: a refused data file leaves
+    # an earlier run (and an empty folder) as they were.
+    tokenizer = recipe.load_tokenizer()
+    from ..data import build_dataset
+
+    with PartialState().main_process_first():  # rank 0 fills the datasets cache, the others read it
+        train_dataset = build_dataset(recipe.data, "train", tokenizer, reward_functions_for(recipe, "train"))
+        eval_dataset = build_dataset(recipe.data, "validation", tokenizer, reward_functions_for(recipe, "validation"))
+    require_readable_golds(recipe, train_dataset, eval_dataset)
     if main and plan.overwrite:
-        print(f"--overwrite: deleted {', '.join(delete_run_outputs(plan.state))} in {output_dir}/", flush=True)
+        with signals.deferred():  # a signal stops after the deletion, never halfway through it
+            deleted, kept = delete_run_outputs(plan.state)
+            print(f"--overwrite: deleted {', '.join(deleted) or 'nothing'} in {output_dir}/", flush=True)
+            if kept:
+                print(f"--overwrite: kept {', '.join(kept)} (reached through a symlink out of the run folder)")
+    if main:  # record what this run will create, before creating it (`--overwrite` deletes exactly these)
+        phases = len(recipe.resolved_phases or args.phases or [None])
+        extra = ["distill/"] if recipe.distill is not None else []
+        record_outputs(output_dir, [*CLI_FILES, *extra, *trainer_outputs(args, phases)])
     if main and plan.note:
         print(f"note: {plan.note}", flush=True)
     peft_config = recipe.peft_config()
@@ -198,18 +265,12 @@ def run_train(
             recipe.distill, recipe.model.name_or_path, Path(args.output_dir) / "distill", recipe.data
         )
         recipe.model = dataclasses.replace(recipe.model, name_or_path=str(student), tokenizer_name_or_path=None)
-    tokenizer = _load_tokenizer(recipe)
-    from ..data import build_dataset
-
-    with PartialState().main_process_first():  # rank 0 fills the datasets cache, the others read it
-        train_dataset = build_dataset(recipe.data, "train", tokenizer)
-        eval_dataset = build_dataset(recipe.data, "validation", tokenizer)
-    require_readable_golds(recipe, train_dataset, eval_dataset)
+    if recipe.distill is not None:  # the student's own tokenizer (the same files, saved with it)
+        tokenizer = recipe.load_tokenizer()
     reward_funcs = recipe.reward_functions()
     callback = _validation_callback(recipe, eval_dataset, args)
-    from ..reset.checkpoint import write_text_atomically
     from ..trainer import ProRLTrainer
-    from ..trainer.interrupt import RunInterrupted, parent_command_line, stop_on_signals
+    from ..trainer.interrupt import RunInterrupted, parent_command_line
 
     extra = {"quantization_config": recipe.quantization_config()} if recipe.model.quantization else {}
     trainer = ProRLTrainer(
@@ -222,13 +283,13 @@ def run_train(
         callbacks=[callback] if callback is not None else [],
         **extra,
     )
+    signals.attach(trainer)  # a signal that came during start-up stops here; from now on, after the current step
     command = resume_command(parent_command_line())
     try:
         if main:
             output_dir.mkdir(parents=True, exist_ok=True)
-            write_text_atomically(output_dir / "recipe.yaml", recipe.to_yaml())
-        with stop_on_signals(trainer):
-            trainer.train(resume_from_checkpoint=plan.resume)
+            write_run_recipe(output_dir, recipe.to_yaml(), plan.resume, changes)  # a resume keeps the original
+        trainer.train(resume_from_checkpoint=plan.resume)
     except RunInterrupted as stop:
         if main:
             print(

@@ -21,6 +21,7 @@ from ..reset.checkpoint import (
     read_prorl_state,
     write_json,
 )
+from ..reset.provenance import run_relative
 from .callbacks import HardResetCallback, PlateauTracker
 
 
@@ -133,12 +134,15 @@ class ProRLStateCallback(TrainerCallback):
                 "global_step_offset": trainer._global_step_offset,
                 "global_step": trainer.prorl_global_step,
                 "resets": trainer.prorl_resets,
-                "merged_base": trainer.prorl_merged_path,
-                # relative to the run folder, so a moved run still finds it
+                # paths relative to the run folder, so a moved or copied run finds its own files (`reset.provenance`)
+                "merged_base": trainer.prorl_merged_path and run_relative(trainer.prorl_merged_path, args.output_dir),
                 "frozen_factors": trainer.prorl_frozen_path,
+                "reset_files_sha256": trainer.prorl_reset_hashes,  # what a resume loads after the last reset
+                "base_model": trainer.prorl_base_model,  # the base the deltas sit on: a resume refuses another
                 "lora_reset_mode": args.lora_reset_mode,
                 "pending_reset": trainer._pending_reset,
                 "scheduler_horizon": trainer._scheduler_horizon,
+                "phase_loss_sum": trainer._phase_loss_sum(),  # a resumed phase's `train_loss` covers the whole phase
                 "sampling": trainer.sampling,
                 "callbacks": self.state_dict(),
             },

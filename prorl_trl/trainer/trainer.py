@@ -18,7 +18,9 @@ How it fits TRL 1.16 (see ../shared/notes/trl-internals.md):
 TRL methods overridden, and why (each relies on the private attribute named; guard tests in
 tests/test_trainer_internals.py):
 * `train`: runs the phases; the HF loop itself is untouched.
-* `log`: adds `prorl/*` keys and keeps `prorl_log_history` across phases (HF recreates `state.log_history` per call).
+* `log`: adds `prorl/*` keys and keeps `prorl_log_history` across phases (HF recreates `state.log_history` per call);
+  HF's end-of-call summary is dropped when a stop request ends the call mid-phase, and its `train_loss` after a
+  mid-phase resume covers the whole phase (HF privates `_total_loss_scalar`, `_tr_loss`; see `_phase_loss_sum`).
 * `_get_output_dir`: checkpoints go to `<output_dir>/phase-<i>/` because HF names them by the per-call step.
 * `_save_checkpoint`: un-commits a checkpoint folder before HF rewrites it in place (see `reset.checkpoint`).
 * `create_scheduler`: keeps the LR-schedule horizon of an in-loop reset across a resume.
@@ -65,6 +67,15 @@ from ..reset.checkpoint import (
     uncommit,
     write_json,
 )
+from ..reset.provenance import (
+    RunFilesError,
+    base_model_difference,
+    base_model_identity,
+    file_hashes,
+    resolve_in_run,
+    verify_files,
+)
+from ..reset.support import base_model_of
 from ..rollout.compiled import configure_trainer_generation
 from ..rollout.trl_generation import attach_rollout_engine, generate_completions
 from ..rollout.vllm_sync import (
@@ -77,6 +88,7 @@ from .checks import check_before_init, check_launch, check_optimizer_hook, check
 from .dynamic_sampling import DynamicSamplingMixin
 from .early_stop import MinibatchEarlyStopMixin
 from .interrupt import RunInterrupted
+from .manifest import record_outputs, trainer_outputs
 from .overlong import OverlongPenalty
 from .placement import fsdp2_model_init_kwargs, move_stray_tensors_
 from .progress import use_run_progress
@@ -167,6 +179,8 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         self.prorl_merged_path: str | None = None
         self.prorl_merge_delta_lost: float | None = None  # the last reset's `MergeRounding.lost_fraction` (LoRA)
         self.prorl_frozen_path: str | None = None  # the last reset's frozen factors, relative to output_dir
+        # sha256 of what a resume loads after the last reset (frozen factors, or the merged base), relative paths
+        self.prorl_reset_hashes: dict[str, str] = {}
         self.prorl_reset_change: dict[str, float] = {}  # the last reset's `ResetProbe.measure` (LoRA, in a run)
         self._global_step_offset = 0
         self._in_training_loop = False
@@ -180,6 +194,7 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         self._resumed_phase_step = 0
         self._resumed_phase_complete = False
         self._resumed_inner_call = False
+        self._resumed_loss_sum: float | None = None  # the resumed phase's loss sum up to its checkpoint
         self._active_lora: dict[str, Any] | None = None  # the live part of a superset adapter (sharded engines)
         self._zero_carry: dict[str, Any] | None = None  # DeepSpeed optimizer carried into the next phase's engine
 
@@ -200,6 +215,11 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
             environment_factory=environment_factory,
         )
         use_run_progress(self)  # one bar (or line per log) over all phases with rate and ETA, not a dict per log
+        config = base_model_of(self.model).config  # a resume refuses another base (the deltas sit on this one)
+        self.prorl_base_model = base_model_identity(
+            getattr(config, "_name_or_path", "") or "", (args.model_init_kwargs or {}).get("revision"),
+            getattr(config, "_commit_hash", None), Path(args.output_dir),
+        )  # fmt: skip
 
         self._check_after_init()
         if self._engine.kind == reset_ops.FSDP2 and self.ref_model is not None:
@@ -421,6 +441,7 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         """
         self._resumed_phase_step = 0
         self._resumed_phase_complete = False
+        self._resumed_loss_sum = None
         if not resume_from_checkpoint:
             return None
         if resume_from_checkpoint is True:
@@ -432,9 +453,17 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
             supersede_after(self.args.output_dir, checkpoint)
         self.accelerator.wait_for_everyone()
         phase = self.phases[state["phase_index"]]
+        difference = base_model_difference(state.get("base_model"), self.prorl_base_model)
+        if difference:
+            raise RunFilesError(
+                f"{checkpoint} was made on another base model: {difference}. Its LoRA deltas (and frozen factors) "
+                "only reproduce the run's policy on the base they were trained on; nothing was loaded. Resume with the "
+                "run's base model (`model.name_or_path`, `model.revision`), or start a new run."
+            )
+        self.prorl_merged_path = self._recorded_merged_path(state.get("merged_base"), checkpoint)
         self._restore_reset_deltas(state, checkpoint)
         self.prorl_resets = state["resets"]
-        self.prorl_merged_path = state.get("merged_base")
+        self.prorl_reset_hashes = dict(state.get("reset_files_sha256") or {})
         self._global_step_offset = state["global_step_offset"]
         self._resumed_phase_step = state["phase_global_step"]
         # A checkpoint written by the phase's last step (or a plateau stop): the phase is over, nothing to train.
@@ -445,6 +474,7 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
             self._reinit_adapter(phase)
         self._apply_phase(phase)
         self._scheduler_horizon = state.get("scheduler_horizon")
+        self._resumed_loss_sum = state.get("phase_loss_sum")  # none in older checkpoints and plain TRL ones
         self._state_callback.load_state_dict(state.get("callbacks", {}))
         history = Path(self.args.output_dir) / LOG_HISTORY_NAME
         if "log_history" in state:
@@ -459,6 +489,24 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         self._trackers.resumed_at = self._global_step_offset + self._resumed_phase_step
         self._announce_phase(phase)
         return checkpoint
+
+    def _run_dir_of(self, checkpoint: Path) -> Path:
+        """The run folder `checkpoint` is in now (`output_dir`, spelled as given, when it is that folder)."""
+        output_dir = Path(self.args.output_dir)
+        if not in_phase_dir(checkpoint) or checkpoint.resolve().parent.parent == output_dir.resolve():
+            return output_dir
+        return checkpoint.resolve().parent.parent
+
+    def _recorded_merged_path(self, recorded: str | None, checkpoint: Path) -> str | None:
+        """The last merged save of a resumed run, for its log entries (loaded, when it is, by `_restore_reset_deltas`):
+        relative paths belong to the checkpoint's run folder; an old absolute one is kept only inside it."""
+        if not recorded:
+            return None
+        run_dir = self._run_dir_of(checkpoint)
+        path = Path(recorded)
+        if not path.is_absolute():
+            return str(run_dir / path)
+        return recorded if path.resolve().is_relative_to(run_dir.resolve()) else None
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """HF's, keeping each trainable parameter's dtype. GRPOTrainer casts a QLoRA adapter to bf16 at init; PEFT's
@@ -537,13 +585,17 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         if self.accelerator.is_main_process and self.args.should_save:
             factors = reset_ops.frozen_state_dict(self.model)
             save_tensors_atomically(Path(self.args.output_dir) / relative, factors)
+            self.prorl_reset_hashes = file_hashes(Path(self.args.output_dir) / relative, self.args.output_dir)
         self.prorl_frozen_path = relative
         self.accelerator.wait_for_everyone()
 
     def _restore_reset_deltas(self, state: dict[str, Any], checkpoint: Path) -> None:
-        """Put the earlier phases' LoRA deltas of a checkpoint back: its frozen factors (read from the run folder the
-        checkpoint is in) or its merged base. Refuses a checkpoint whose deltas cannot be restored, and a resume in
-        the other `lora_reset_mode`, rather than train on a policy that lost them."""
+        """Put the earlier phases' LoRA deltas of a checkpoint back: its frozen factors or its merged base, both read
+        from the run folder the checkpoint is in now (a moved run finds its own) and checked against the sha256
+        recorded at the reset (`reset.provenance`). Refuses a checkpoint whose deltas cannot be restored, changed
+        files, and a resume in the other `lora_reset_mode`, rather than train on a policy that lost them."""
+        run_dir = self._run_dir_of(checkpoint)
+        hashes = state.get("reset_files_sha256") or {}  # none in checkpoints from before they were recorded
         is_lora = hasattr(reset_ops.unwrap_model(self.model), "peft_config")
         recorded = state.get("lora_reset_mode", "merge")  # checkpoints from before frozen factors merged
         if is_lora and state["resets"] > 0 and recorded != self.args.lora_reset_mode:
@@ -555,20 +607,23 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         if state.get("frozen_factors"):
             from safetensors.torch import load_file
 
-            run_dir = checkpoint.resolve().parent.parent if in_phase_dir(checkpoint) else Path(self.args.output_dir)
-            path = run_dir / state["frozen_factors"]
+            path = resolve_in_run(state["frozen_factors"], run_dir, checkpoint, "frozen_factors")
             if not path.is_file():
                 raise FileNotFoundError(
                     f"{checkpoint} needs the frozen LoRA factors of its earlier phases at {path}, which is missing; "
                     "resume from the run folder the checkpoint was written in, with its frozen/ folder."
                 )
+            verify_files(hashes, run_dir, checkpoint, "the frozen LoRA factors of its earlier phases")
             reset_ops.load_frozen_(self.model, load_file(str(path)))
             reset_ops.keep_out_of_ddp_broadcasts(self.model_wrapped)
             self.prorl_frozen_path = state["frozen_factors"]
         elif state.get("merged_base"):
-            load_merged_base(self.model, state["merged_base"])
+            path = resolve_in_run(state["merged_base"], run_dir, checkpoint, "merged_base")
+            verify_files(hashes, run_dir, checkpoint, "the merged base of its earlier phases")
+            load_merged_base(self.model, path)
             if self.ref_model is not None and self.args.reset_reference:
-                load_merged_base(self.ref_model, state["merged_base"])
+                load_merged_base(self.ref_model, path)
+            self.prorl_merged_path = str(path)
         elif is_lora and state["resets"] > 0:
             raise ValueError(
                 f"{checkpoint} comes after {state['resets']} hard reset(s) that merged the LoRA deltas into the base "
@@ -624,6 +679,8 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         if self._zero_carry is not None:
             reset_ops.restore_zero_optimizer(self.optimizer, self._zero_carry)
             self._zero_carry = None
+        if self._resumed_inner_call and self._resumed_loss_sum is not None:  # see `_phase_loss_sum`
+            self._total_loss_scalar = self._resumed_loss_sum
 
     # --------------------------------------------------------------------------------------------------- reset
     def create_scheduler(self, num_training_steps: int, optimizer=None):
@@ -694,6 +751,8 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
             path = Path(self.args.output_dir) / "merged" / f"reset-{self.prorl_resets}"
             self._save_merged(path)
             self.prorl_merged_path = str(path)
+            if kept is None and self.accelerator.is_main_process and self.args.should_save:
+                self.prorl_reset_hashes = file_hashes(path, self.args.output_dir)  # what a merge-mode resume loads
         if kept is not None and kept.layers:
             done = f"; {kept.describe()}"
         else:
@@ -769,6 +828,8 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
             resume_from_checkpoint = self.args.resume_from_checkpoint
         self._bind_callbacks()
         check_optimizer_hook(self.optimizer_cls_and_kwargs, self.phases)
+        if self.args.should_save:  # what this run creates in output_dir, recorded first (`--overwrite` deletes it)
+            record_outputs(self.args.output_dir, trainer_outputs(self.args, len(self.phases)))
         checkpoint = self._prepare_resume(resume_from_checkpoint)
         start = self.current_phase.index if checkpoint else 0
         losses, outputs = [], []
@@ -780,14 +841,19 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
                     phase_steps = self._resumed_phase_step
                 else:
                     output, phase_steps = self._train_phase(phase, checkpoint if resumed else None, trial, ignore_keys_for_eval, **kwargs)
-                    losses.append((output.training_loss, phase_steps - (self._resumed_phase_step if resumed else 0)))
+                    whole = not resumed or self._resumed_loss_sum is not None  # the loss covers the whole phase
+                    losses.append((output.training_loss, phase_steps - (0 if whole else self._resumed_phase_step)))
                     outputs.append(output)
                 self._global_step_offset += phase_steps
                 planned = phase.max_steps if phase.max_steps > 0 else self.state.max_steps  # epochs: HF's count
                 reason = "num_train_epochs" if phase.max_steps < 1 and self._phase_end_reason == "max_steps" else self._phase_end_reason
-                self.announce(f"ProRL phase '{phase.name}' ended after {phase_steps} steps ({reason}).")
-                self._save_log_history()
                 phase_done = phase_steps >= planned or self._phase_end_reason != "max_steps"
+                if self._stop_requested is not None and not phase_done:
+                    stopped = f"stopped by {self._stop_requested} after {phase_steps} of {planned} steps"
+                    self.announce(f"ProRL phase '{phase.name}' {stopped}.")
+                else:
+                    self.announce(f"ProRL phase '{phase.name}' ended after {phase_steps} steps ({reason}).")
+                self._save_log_history()
                 if self._stop_requested is not None and (not phase_done or phase.index < len(self.phases) - 1):
                     raise RunInterrupted(self._stop_requested, self._stop_checkpoint, self._global_step_offset)
             self._save_final()
@@ -820,6 +886,9 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
             )
         finally:
             self._in_training_loop = False
+        if self._resumed_inner_call and self._resumed_loss_sum is not None:  # the whole phase's loss, as `log` gave it
+            loss = output.metrics.get("train_loss", output.training_loss)
+            output = TrainOutput(output.global_step, loss, output.metrics)
         return output, self.state.global_step
 
     def request_stop(self, reason: str = "requested") -> None:
@@ -859,12 +928,31 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
     # ------------------------------------------------------------------------------------------------- logging
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """TRL's log plus the `prorl/*` keys; every entry is also kept in `prorl_log_history` (whole run)."""
+        if "train_runtime" in logs:  # HF's end-of-call summary (`_finalize_training`)
+            if self._stop_requested is not None and not self._phase_over():
+                return  # an interrupted call: the resumed call logs the phase's summary, as the uninterrupted run does
+            if self._resumed_inner_call and self._resumed_loss_sum is not None:  # HF: the steps since the resume only
+                logs["train_loss"] = self._total_loss_scalar / max(self.state.global_step, 0.001)
         self._add_prorl_keys(logs)
         if self.args.early_stop_importance_ratio is not None and self.model.training:
             logs["prorl/early_stopped_microbatches"] = self._early_stopped
             self._early_stopped = 0
         super().log(logs, start_time)
         self._keep_last_log_entry()
+
+    def _phase_over(self) -> bool:
+        """Whether this phase's inner call ends with its last step (or a plateau stop), not on a stop request."""
+        return self.state.global_step >= self.state.max_steps or self._phase_end_reason != "max_steps"
+
+    def _phase_loss_sum(self) -> float:
+        """The sum of this phase's step losses so far, saved in every checkpoint (`prorl_state.json`).
+
+        HF keeps it in `_total_loss_scalar` (logged steps) plus `_tr_loss` (steps since the last log), zeroes both at
+        every `train()` call and divides by that call's steps only, so after a mid-phase resume its `train_loss` would
+        average the steps since the resume; `_on_train_begin` puts this sum back instead.
+        """
+        pending = getattr(self, "_tr_loss", None)
+        return getattr(self, "_total_loss_scalar", 0.0) + (float(pending.item()) if pending is not None else 0.0)
 
     def log_phase_start(self) -> None:
         """One log entry where a phase starts: `prorl/phase_start` (its index) and, after a reset, the merged save's

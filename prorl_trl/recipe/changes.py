@@ -1,0 +1,241 @@
+"""Changed resumes: what `--resume` does when the recipe differs from the one the run was started with.
+
+A run's `recipe.yaml` is the effective recipe (after overrides) of its first start and is never rewritten by a
+resume. A resume compares its own effective recipe with that one plus the changes accepted by earlier resumes
+(`resume_history.yaml`). A change that alters training (the learning rate, a phase's length, the data, ...) is
+refused before anything is loaded, listing each key `old -> new`, unless `--allow-changes` confirms it: a run half
+trained one way and half another is not the experiment its recipe describes. Changes that only say where metrics go
+or how the run is named (`LOGGING_ONLY`) pass. Every change a resume went on with is appended to the history.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fnmatch
+import json
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .schema import RecipeError
+
+RECORDED_RECIPE_NAME = "recipe.yaml"
+RESUME_HISTORY_NAME = "resume_history.yaml"
+
+# Keys (flattened, `section.key`; patterns as `fnmatch`) whose change leaves the trained weights as they were: where
+# metrics go, how often they are written and how the run is named, how checkpoints are kept and where the run folder
+# is (a moved run is resumed with its new `output_dir`), data-loader workers (the sampler, not the workers, orders the
+# data). Everything else, validation included (its generations draw from the RNG the training run draws from), is
+# taken as altering training.
+LOGGING_ONLY = (
+    "description",
+    "logging.*",
+    "training.output_dir",
+    "training.overwrite_output_dir",
+    "training.resume_from_checkpoint",
+    "training.report_to",
+    "training.run_name",
+    "training.project",
+    "training.trackio_*",
+    "training.logging_*",
+    "training.log_level*",
+    "training.log_on_each_node",
+    "training.disable_tqdm",
+    "training.log_completions",
+    "training.num_completions_to_print",
+    "training.log_unique_prompts",
+    "training.save_steps",
+    "training.save_strategy",
+    "training.save_total_limit",
+    "training.push_to_hub",
+    "training.hub_*",
+    "training.dataloader_num_workers",
+    "training.dataloader_pin_memory",
+    "training.dataloader_persistent_workers",
+    "training.dataloader_prefetch_factor",
+)
+# When the plateau rule watches a training metric (not `eval_*`), how often it is logged decides when a phase ends.
+_LOGGING_FREQUENCY = ("training.logging_steps", "training.logging_strategy", "training.logging_first_step")
+_UNSET = object()
+
+
+@dataclass(frozen=True)
+class Change:
+    """One recipe key whose value differs from the run's recorded recipe (`_UNSET`: not in that recipe)."""
+
+    key: str
+    old: Any
+    new: Any
+    alters_training: bool
+
+    def describe(self) -> str:
+        return f"{self.key}: {_shown(self.old)} -> {_shown(self.new)}"
+
+    def to_record(self) -> dict[str, Any]:
+        record: dict[str, Any] = {"key": self.key}
+        if self.old is not _UNSET:
+            record["old"] = self.old
+        if self.new is not _UNSET:
+            record["new"] = self.new
+        record["alters_training"] = self.alters_training
+        return record
+
+
+def _shown(value: Any) -> str:
+    if value is _UNSET:
+        return "(not set)"
+    return json.dumps(value, default=str) if not isinstance(value, str) else value
+
+
+def flatten(raw: Any, prefix: str = "") -> dict[str, Any]:
+    """A recipe as `{dotted.key: value}`: mappings and lists of mappings (phases, rewards) are walked into
+    (`phases.1.max_steps`); other lists are values (`peft.target_modules`)."""
+    if isinstance(raw, dict):
+        items = raw.items()
+    elif isinstance(raw, list) and raw and all(isinstance(item, dict) for item in raw):
+        items = enumerate(raw)
+    else:
+        return {prefix: raw}
+    flat: dict[str, Any] = {}
+    for key, value in items:
+        flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def alters_training(key: str, recipe: dict[str, Any] | None = None) -> bool:
+    """Whether changing `key` (flattened) can change the trained weights (see `LOGGING_ONLY`)."""
+    plateau = str(((recipe or {}).get("training") or {}).get("plateau_metric") or "eval_")
+    if key in _LOGGING_FREQUENCY and not plateau.startswith("eval_"):
+        return True
+    return not any(fnmatch.fnmatchcase(key, pattern) for pattern in LOGGING_ONLY)
+
+
+def recipe_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[Change]:
+    """Every key whose value differs between the recorded recipe and the current one (both as `Recipe.raw`)."""
+    return _changes(flatten(recorded), current)
+
+
+def _changes(old: dict[str, Any], current: dict[str, Any]) -> list[Change]:
+    new = flatten(current)
+    return [
+        Change(key, old.get(key, _UNSET), new.get(key, _UNSET), alters_training(key, current))
+        for key in sorted(old.keys() | new.keys())
+        if old.get(key, _UNSET) != new.get(key, _UNSET)
+    ]
+
+
+def read_history(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / RESUME_HISTORY_NAME
+    return (yaml.safe_load(path.read_text()) or []) if path.is_file() else []
+
+
+def recorded_recipe(run_dir: Path) -> dict[str, Any] | None:
+    """The run's recipe as its resumes left it: `recipe.yaml` with every change recorded in the resume history
+    applied (flattened; None when the run recorded no recipe)."""
+    path = run_dir / RECORDED_RECIPE_NAME
+    if not path.is_file():
+        return None
+    flat = flatten(yaml.safe_load(path.read_text()) or {})
+    for entry in read_history(run_dir):
+        for change in entry.get("changes") or []:
+            if "new" in change:
+                flat[change["key"]] = change["new"]
+            else:
+                flat.pop(change["key"], None)
+    return flat
+
+
+def changes_since_recorded(run_dir: Path, current: dict[str, Any]) -> list[Change] | None:
+    """The changes of `current` (a `Recipe.raw`) against the run's recorded recipe; None when there is none."""
+    flat = recorded_recipe(run_dir)
+    return None if flat is None else _changes(flat, current)
+
+
+class ChangedRecipeError(RecipeError):
+    """`--resume` with a recipe that alters training, without `--allow-changes` (exit 2, nothing loaded)."""
+
+    def __init__(self, message: str):
+        self.message = message
+        super().__init__("command line", [])
+
+    def render(self) -> str:
+        return self.message
+
+
+def check_resume_changes(run_dir: Path, current: dict[str, Any], allow_changes: bool) -> list[Change]:
+    """The changes a resume into `run_dir` makes; raises `ChangedRecipeError` for training-altering ones unless
+    `allow_changes`. Returns every change (an empty list when the recipe is the recorded one)."""
+    changes = changes_since_recorded(run_dir, current) or []
+    altering = [change for change in changes if change.alters_training]
+    if altering and not allow_changes:
+        listed = "\n".join(f"  {change.describe()}" for change in altering)
+        raise ChangedRecipeError(
+            f"--resume: the recipe differs from the one {run_dir}/ was trained with ({RECORDED_RECIPE_NAME}"
+            f"{' and the changes in ' + RESUME_HISTORY_NAME if read_history(run_dir) else ''}) in settings that "
+            f"change training:\n{listed}\nNothing was loaded or changed. Resume with the run's settings (drop those "
+            "overrides, or pass the old values), or pass --allow-changes to continue with the new ones (they are "
+            f"recorded in {RESUME_HISTORY_NAME}; {RECORDED_RECIPE_NAME} keeps the original)."
+        )
+    return changes
+
+
+def record_resume(
+    run_dir: Path, changes: list[Change], checkpoint: str | None, global_step: int | None, argv: list[str] | None = None
+) -> None:
+    """Append one resume that went on with `changes` to `<run_dir>/resume_history.yaml` (atomically rewritten)."""
+    from ..reset.checkpoint import write_text_atomically
+
+    entry = {
+        "time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "checkpoint": checkpoint,
+        "global_step": global_step,
+        "command": shlex.join(sys.argv if argv is None else argv),
+        "changes": [change.to_record() for change in changes],
+    }
+    history = read_history(run_dir) + [entry]
+    write_text_atomically(run_dir / RESUME_HISTORY_NAME, yaml.safe_dump(history, sort_keys=False, allow_unicode=True))
+
+
+def _recorded_in(output_dir: Path, checkpoint: Path) -> Path:
+    """The folder whose recipe a resume is compared with: the output folder's, else the checkpoint's run folder's
+    (a checkpoint of another run continued into a new folder)."""
+    from ..reset.checkpoint import in_phase_dir
+
+    if (output_dir / RECORDED_RECIPE_NAME).is_file() or not in_phase_dir(checkpoint):
+        return output_dir
+    return checkpoint.resolve().parent.parent
+
+
+def resume_changes(
+    checkpoint: str | None, output_dir: str | Path, current: dict[str, Any], allow_changes: bool
+) -> list[Change]:
+    """`train`/`validate`: the changes a resume from `checkpoint` (None: a start, nothing to compare) makes to the
+    run's recorded recipe; raises `ChangedRecipeError` (exit 2) for training-altering ones without `allow_changes`."""
+    if checkpoint is None:
+        return []
+    return check_resume_changes(_recorded_in(Path(output_dir), Path(checkpoint)), current, allow_changes)
+
+
+def write_run_recipe(output_dir: Path, recipe_yaml: str, checkpoint: str | None, changes: list[Change]) -> None:
+    """Main process, before training: a start writes `recipe.yaml` (and drops the history of an earlier attempt that
+    left no checkpoint); a resume never rewrites it, and appends the changes it went on with to the history."""
+    from ..reset.checkpoint import (
+        PRORL_STATE_NAME,
+        read_prorl_state,
+        write_text_atomically,
+    )
+
+    recorded = output_dir / RECORDED_RECIPE_NAME
+    if checkpoint is None or not recorded.is_file():
+        write_text_atomically(recorded, recipe_yaml)
+        if checkpoint is None:
+            (output_dir / RESUME_HISTORY_NAME).unlink(missing_ok=True)
+        return
+    if changes:
+        committed = Path(checkpoint, PRORL_STATE_NAME).is_file()  # a plain TRL checkpoint has none
+        step = read_prorl_state(checkpoint).get("global_step") if committed else None
+        record_resume(output_dir, changes, checkpoint, step)

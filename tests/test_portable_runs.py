@@ -1,0 +1,218 @@
+"""Portable runs and changed resumes (issue 28), through `prorl-trl train` as users run it.
+
+* A run folder moved (`mv`) after its reset-1 checkpoint resumes from the new place to the uninterrupted run's
+  weights; in merge mode, another run's `merged/reset-1` at the old place is never loaded (an old absolute path is
+  refused), and a merged base changed since the reset is refused by its recorded sha256.
+* `--resume` with a recipe that changes training is refused before anything loads, listing `key: old -> new`;
+  `--allow-changes` goes on and records the change in `resume_history.yaml`; `recipe.yaml` keeps the original; a
+  logging-only change passes.
+The pure functions (`reset.provenance`, `recipe.changes`) are tested directly first. CLI runs reuse
+tests/test_resume_cli.py's launcher and tiny recipe (2 + 2 steps here, no validation: ~8 CLI processes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+from test_resume_cli import LAUNCHER, RECIPE, SHAPE, assert_same_weights, cli
+
+from prorl_trl.recipe.changes import (
+    RESUME_HISTORY_NAME,
+    ChangedRecipeError,
+    alters_training,
+    check_resume_changes,
+    flatten,
+    recipe_changes,
+    record_resume,
+)
+from prorl_trl.reset.provenance import (
+    RunFilesError,
+    base_model_difference,
+    base_model_identity,
+    file_hashes,
+    resolve_in_run,
+    verify_files,
+)
+
+SHORT = ["--phases.0.max_steps", "2", "--phases.1.max_steps", "2", "--validation.eval_steps", "100"]
+AFTER_RESET_1 = {"PRORL_TEST_KILL_AT": "on_step_begin:1:2"}  # phase-1/checkpoint-1 (after reset 1) is committed
+
+
+# ------------------------------------------------------------------------------------------------ pure functions
+def test_flatten_walks_mappings_and_lists_of_mappings():
+    raw = {"training": {"learning_rate": 1e-4}, "phases": [{"max_steps": 3}], "peft": {"target_modules": ["q", "v"]}}
+    assert flatten(raw) == {"training.learning_rate": 1e-4, "phases.0.max_steps": 3, "peft.target_modules": ["q", "v"]}
+
+
+def test_recipe_changes_lists_each_key_and_says_which_alter_training():
+    old = {"training": {"learning_rate": 1e-4, "logging_steps": 1}, "phases": [{"max_steps": 3}]}
+    new = {"training": {"learning_rate": 1e-3, "logging_steps": 5, "report_to": "tensorboard"},
+           "phases": [{"max_steps": 3}, {"max_steps": 2}]}  # fmt: skip
+    described = {change.key: (change.describe(), change.alters_training) for change in recipe_changes(old, new)}
+    assert described == {
+        "training.learning_rate": ("training.learning_rate: 0.0001 -> 0.001", True),
+        "training.logging_steps": ("training.logging_steps: 1 -> 5", False),
+        "training.report_to": ("training.report_to: (not set) -> tensorboard", False),
+        "phases.1.max_steps": ("phases.1.max_steps: (not set) -> 2", True),
+    }
+
+
+def test_pass_list():
+    for key in ("logging.report_to", "training.run_name", "training.output_dir", "training.save_steps", "description"):
+        assert not alters_training(key), key
+    for key in ("training.seed", "validation.eval_steps", "data.source", "model.name_or_path", "rewards.0.name"):
+        assert alters_training(key), key
+    # a plateau rule on a training metric makes the logging frequency decide where phases end
+    assert alters_training("training.logging_steps", {"training": {"plateau_metric": "reward"}})
+
+
+def test_accepted_changes_are_recorded_and_not_asked_again(tmp_path):
+    recorded = {"training": {"learning_rate": 1e-4, "seed": 0}}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recorded))
+    changed = {"training": {"learning_rate": 1e-3}}  # seed removed: also a change
+    with pytest.raises(ChangedRecipeError) as refused:
+        check_resume_changes(tmp_path, changed, allow_changes=False)
+    assert "training.learning_rate: 0.0001 -> 0.001" in refused.value.render()
+    assert "training.seed: 0 -> (not set)" in refused.value.render() and "--allow-changes" in refused.value.render()
+    changes = check_resume_changes(tmp_path, changed, allow_changes=True)
+    record_resume(tmp_path, changes, "run/phase-0/checkpoint-2", 2, argv=["prorl-trl", "train", "r.yaml"])
+    assert check_resume_changes(tmp_path, changed, allow_changes=False) == []  # the history is part of the record
+    entry = yaml.safe_load((tmp_path / RESUME_HISTORY_NAME).read_text())[0]
+    assert entry["global_step"] == 2 and entry["command"] == "prorl-trl train r.yaml"
+    assert entry["changes"][0] == {"key": "training.learning_rate", "old": 1e-4, "new": 1e-3, "alters_training": True}
+    assert yaml.safe_load((tmp_path / "recipe.yaml").read_text()) == recorded
+
+
+def test_paths_resolve_inside_the_run_folder_only(tmp_path):
+    run, other = tmp_path / "runB", tmp_path / "runA"
+    (run / "merged" / "reset-1").mkdir(parents=True)
+    checkpoint = run / "phase-1" / "checkpoint-1"
+    assert resolve_in_run("merged/reset-1", run, checkpoint, "merged_base") == run / "merged" / "reset-1"
+    inside = str((run / "merged" / "reset-1").resolve())
+    assert resolve_in_run(inside, run, checkpoint, "merged_base") == Path(inside)  # an old run that did not move
+    with pytest.raises(RunFilesError, match="outside the run folder") as refused:
+        resolve_in_run(str(other / "merged" / "reset-1"), run, checkpoint, "merged_base")
+    assert '"merged/reset-1"' in str(refused.value)  # says how to point it at the run's own copy
+
+
+def test_changed_file_is_refused_by_its_hash(tmp_path):
+    save_file({"w": torch.zeros(3)}, tmp_path / "f.safetensors")
+    hashes = file_hashes(tmp_path / "f.safetensors", tmp_path)
+    verify_files(hashes, tmp_path, tmp_path / "ckpt", "frozen factors")
+    save_file({"w": torch.ones(3)}, tmp_path / "f.safetensors")
+    with pytest.raises(RunFilesError, match=r"f\.safetensors is not the file"):
+        verify_files(hashes, tmp_path, tmp_path / "ckpt", "frozen factors")
+
+
+def test_base_model_identity_follows_the_weights_not_the_path(tiny_dir, tmp_path):
+    recorded = base_model_identity(str(tiny_dir), None, None, tmp_path / "run")
+    moved = tmp_path / "moved-model"
+    shutil.copytree(tiny_dir, moved)
+    assert base_model_difference(recorded, base_model_identity(str(moved), None, None, tmp_path / "run")) is None
+    weights = load_file(moved / "model.safetensors")
+    save_file({k: v + 1 for k, v in weights.items()}, moved / "model.safetensors", metadata={"format": "pt"})
+    other = base_model_identity(str(moved), None, None, tmp_path / "run")
+    assert "holds other weights" in base_model_difference(recorded, other)
+    hub = {"name_or_path": "org/model", "revision": None, "commit": "abc"}
+    assert base_model_difference(hub, {**hub, "commit": "def"}) is not None
+    assert base_model_difference(None, hub) is None  # a checkpoint from before base models were recorded
+
+
+# ---------------------------------------------------------------------------------------------------- CLI runs
+def test_moved_run_resumes_to_the_uninterrupted_weights(tiny_dir, shared_data, tmp_path):
+    reference = tmp_path / "reference"
+    done = cli(reference, tiny_dir, shared_data, *SHORT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    old, new = tmp_path / "runA", tmp_path / "runB"
+    killed = cli(old, tiny_dir, shared_data, *SHORT, env=AFTER_RESET_1)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    state = json.loads((old / "phase-1" / "checkpoint-1" / "prorl_state.json").read_text())
+    assert state["frozen_factors"] == "frozen/reset-1.safetensors" and state["merged_base"] == "merged/reset-1"
+    assert list(state["reset_files_sha256"]) == ["frozen/reset-1.safetensors"]
+    assert state["base_model"]["fingerprint"]
+    shutil.move(old, new)
+    resumed = cli(new, tiny_dir, shared_data, *SHORT, "--resume")  # a moved run: its output_dir changes, and passes
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout and not old.exists()
+    assert_same_weights(new, reference)
+
+
+def test_merge_mode_never_loads_another_runs_merged_base(tiny_dir, shared_data, tmp_path):
+    merge = [*SHORT, "--training.lora_reset_mode", "merge"]
+    old, new = tmp_path / "runA", tmp_path / "runB"
+    killed = cli(old, tiny_dir, shared_data, *merge, env=AFTER_RESET_1)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    shutil.move(old, new)
+    # Another run's merged base now sits where this run's used to be.
+    shutil.copytree(new / "merged" / "reset-1", old / "merged" / "reset-1")
+    decoy = old / "merged" / "reset-1" / "model.safetensors"
+    save_file({k: v + 1 for k, v in load_file(decoy).items()}, decoy, metadata={"format": "pt"})
+    state_file = new / "phase-1" / "checkpoint-1" / "prorl_state.json"
+    written = json.loads(state_file.read_text())
+    assert written["merged_base"] == "merged/reset-1"
+
+    # As an older version wrote it: the absolute path, no hashes. Refused, not loaded.
+    old_format = {**written, "merged_base": str(old / "merged" / "reset-1")}
+    del old_format["reset_files_sha256"]
+    state_file.write_text(json.dumps(old_format))
+    refused = cli(new, tiny_dir, shared_data, *merge, "--resume")
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "outside the run folder" in refused.stderr and "Traceback" not in refused.stderr
+    assert not (new / "final").exists()
+
+    # The run's own merged base changed since the reset: refused by its sha256, naming the file.
+    state_file.write_text(json.dumps(written))
+    own = new / "merged" / "reset-1" / "model.safetensors"
+    original = own.read_bytes()
+    shutil.copyfile(decoy, own)
+    refused = cli(new, tiny_dir, shared_data, *merge, "--resume")
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert f"{own} is not the file" in refused.stderr and not (new / "final").exists()
+
+    own.write_bytes(original)
+    resumed = cli(new, tiny_dir, shared_data, *merge, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (new / "final" / "model.safetensors").is_file()
+
+
+def test_changed_resume_is_refused_unless_allowed_and_recorded(tiny_dir, shared_data, tmp_path):
+    out = tmp_path / "run"
+    killed = cli(out, tiny_dir, shared_data, *SHORT, env={"PRORL_TEST_KILL_AT": "on_step_begin:0:2"})
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    recorded = (out / "recipe.yaml").read_bytes()
+
+    refused = cli(out, tiny_dir, shared_data, *SHORT, "--training.learning_rate", "1e-3", "--resume")
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "training.learning_rate: 0.0001 -> 0.001" in refused.stderr and "--allow-changes" in refused.stderr
+    assert "lora_r" not in refused.stdout  # refused before the recipe table, i.e. before anything was loaded
+    validate = LAUNCHER + ["validate", RECIPE, "--model.name_or_path", str(tiny_dir), "--training.output_dir",
+                           str(out), *SHAPE, *SHORT, "--training.learning_rate", "1e-3", "--resume"]  # fmt: skip
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "PRORL_SHARED_DATA": str(shared_data)}
+    checked = subprocess.run(validate, check=False, capture_output=True, text=True, env=environment, timeout=300)
+    assert checked.returncode == 2, checked.stderr[-3000:]  # `validate --resume` reports the same diff
+    assert "training.learning_rate: 0.0001 -> 0.001" in checked.stderr
+
+    # A logging-only change passes (the kill proves it trained on).
+    logging_only = cli(out, tiny_dir, shared_data, *SHORT, "--training.logging_steps", "2", "--resume",
+                       env={"PRORL_TEST_KILL_AT": "on_step_begin:0:2"})  # fmt: skip
+    assert logging_only.returncode == -9, logging_only.stderr[-3000:]
+    assert "training.logging_steps: 1 -> 2" in logging_only.stdout
+
+    allowed = cli(out, tiny_dir, shared_data, *SHORT, "--training.learning_rate", "1e-3", "--resume", "--allow-changes")
+    assert allowed.returncode == 0, allowed.stderr[-3000:]
+    assert (out / "recipe.yaml").read_bytes() == recorded
+    history = yaml.safe_load((out / RESUME_HISTORY_NAME).read_text())
+    assert [[change["key"] for change in entry["changes"]] for entry in history] == [
+        ["training.logging_steps"],
+        ["training.learning_rate", "training.logging_steps"],  # logging_steps back to the recipe's 1
+    ]
+    assert history[1]["checkpoint"].endswith("checkpoint-1") and history[1]["global_step"] == 1
+    assert "--allow-changes" in history[1]["command"]
