@@ -1,10 +1,16 @@
-"""The output folder's state and what `train` does with it (recipe/output_folder.py), without training: a used folder
-is refused, `--overwrite` deletes run outputs and nothing else, `--resume` picks the latest complete checkpoint,
-resuming from an older one un-commits the later ones; the command-line flags and the printed resume command."""
+"""The output folder's state and what `train` does with it (recipe/output_folder.py, trainer/manifest.py), mostly
+without training: a used folder is refused, `--overwrite` deletes exactly what the run recorded in its manifest (and,
+for a run from before manifests, its outputs by their exact names) and never deletes through a symlink out of the run
+folder, a folder holding other files needs `--allow-other-files`, the filesystem root and `$HOME` are never used,
+`--resume` picks the latest complete checkpoint, resuming from an older one un-commits the later ones; the
+command-line flags and the printed resume command. One slow test runs the audit's cases through `prorl-trl`."""
 
 import json
+import os
 import shlex
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +23,7 @@ from prorl_trl.recipe.output_folder import (
     split_run_flags,
 )
 from prorl_trl.reset.checkpoint import PRORL_STATE_NAME, latest_checkpoint, supersede_after
+from prorl_trl.trainer.manifest import MANIFEST_NAME, read_manifest, record_outputs
 
 
 def fake_run(folder, checkpoints=((0, 1), (0, 2), (1, 1)), finished=False):
@@ -30,6 +37,7 @@ def fake_run(folder, checkpoints=((0, 1), (0, 2), (1, 1)), finished=False):
     (folder / "recipe.yaml").write_text("x: 1\n")
     (folder / "runs" / "May01_host").mkdir(parents=True)
     (folder / "runs" / "May01_host" / "events.out.tfevents.1.host").write_bytes(b"")
+    (folder / "prorl_trackers.json").write_text(json.dumps({"tensorboard": str(folder / "runs" / "May01_host")}))
     (folder / "runs" / "other-run").mkdir()  # not TensorBoard events of this run
     (folder / "notes.txt").write_text("mine")
     if finished:
@@ -37,10 +45,35 @@ def fake_run(folder, checkpoints=((0, 1), (0, 2), (1, 1)), finished=False):
         (folder / "final" / PRORL_STATE_NAME).write_text(json.dumps({"finished": True, "global_step": 3, "resets": 1}))
 
 
-def test_empty_or_missing_folder_starts(tmp_path):
+def test_a_new_or_empty_folder_starts_and_one_with_other_files_needs_the_flag(tmp_path):
     assert plan_start(tmp_path / "new").resume is None
-    (tmp_path / "notes.txt").write_text("mine")  # a folder with only the user's files holds no run
-    assert not inspect_output_folder(tmp_path).used and plan_start(tmp_path).resume is None
+    assert plan_start(tmp_path).resume is None  # an existing empty folder
+    (tmp_path / "notes.txt").write_text("mine")  # a folder with only the user's files holds no run...
+    assert not inspect_output_folder(tmp_path).used
+    with pytest.raises(OutputFolderError, match=r"holds files this run did not write: notes.txt.*--allow-other-files"):
+        plan_start(tmp_path)  # ...and is not the run's to write into, unless the user says so
+    with pytest.raises(OutputFolderError, match="allow-other-files"):
+        plan_start(tmp_path, resume=True)  # nothing to resume: a fresh start, checked the same way
+    assert plan_start(tmp_path, allow_other_files=True).resume is None
+    (tmp_path / "README.md").write_text("# my notes")  # TRL writes its model card there: refused even then
+    with pytest.raises(OutputFolderError, match="README.md, named like outputs this run writes"):
+        plan_start(tmp_path, allow_other_files=True)
+    (tmp_path / "README.md").unlink()
+    (tmp_path / "completions").mkdir()  # written only with log_completions (`run_writes`)
+    assert plan_start(tmp_path, allow_other_files=True).resume is None
+    with pytest.raises(OutputFolderError, match="completions/, named like outputs"):
+        plan_start(tmp_path, allow_other_files=True, writes=["completions/"])
+
+
+@pytest.mark.parametrize("where", ["root", "home", "above home"])
+def test_the_filesystem_root_and_home_are_never_used(tmp_path, monkeypatch, where):
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    folder = {"root": Path("/"), "home": home, "above home": tmp_path}[where]
+    for flags in ({}, {"allow_other_files": True}, {"overwrite": True, "allow_other_files": True}, {"resume": True}):
+        with pytest.raises(OutputFolderError, match="not even with --allow-other-files"):
+            plan_start(folder, **flags)
 
 
 def test_used_folder_is_refused_and_resume_picks_the_latest_complete_checkpoint(tmp_path):
@@ -63,13 +96,72 @@ def test_finished_run_is_reported_finished(tmp_path):
         plan_start(tmp_path)
 
 
-def test_overwrite_deletes_the_run_outputs_and_nothing_else(tmp_path):
+def test_overwrite_of_a_run_from_before_manifests_deletes_its_exact_names(tmp_path):
+    """No manifest: the outputs are the exact names such a run wrote; user files named like them are kept."""
     fake_run(tmp_path, finished=True)
-    plan = plan_start(tmp_path, overwrite=True)
-    removed = delete_run_outputs(plan.state)
-    assert set(removed) == {"phase-0/", "phase-1/", "final/", "recipe.yaml", "runs/May01_host/"}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "runs"]
+    for name in ("phase-1-plan.md", "final-notes.txt", "README.md"):  # README.md: not TRL's model card
+        (tmp_path / name).write_text("mine")
+    for name in ("completions", "distill", "completions-old", "phase-2-drafts"):  # the recipe wrote neither
+        (tmp_path / name / "x").mkdir(parents=True)
+    (tmp_path / ".recipe.yaml.tmp").write_text("x")  # a write of the run's, killed
+    with pytest.raises(OutputFolderError, match="README.md, named like outputs"):
+        plan_start(tmp_path, overwrite=True, allow_other_files=True)
+    (tmp_path / "README.md").unlink()
+    before = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")}
+    with pytest.raises(OutputFolderError, match="did not write: completions/, completions-old/, distill/"):
+        plan_start(tmp_path, overwrite=True)
+    assert {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")} == before  # refused: nothing changed
+    plan = plan_start(tmp_path, overwrite=True, allow_other_files=True)
+    deleted, kept = delete_run_outputs(plan.state)
+    expected = {"phase-0/", "phase-1/", "final/", "recipe.yaml", "prorl_trackers.json", "runs/May01_host/"}
+    assert set(deleted) == expected | {".recipe.yaml.tmp"} and kept == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "completions", "completions-old", "distill", "final-notes.txt", "notes.txt", "phase-1-plan.md",
+        "phase-2-drafts", "runs",
+    ]  # fmt: skip
     assert [p.name for p in (tmp_path / "runs").iterdir()] == ["other-run"]
+
+
+def test_overwrite_deletes_the_manifest_paths_and_never_through_a_symlink(tmp_path):
+    """`runs/` linked into a shared TensorBoard folder: the run's own event folder there is kept, other people's
+    runs are untouched; user files named like outputs (never recorded: they existed first) survive."""
+    run, shared = tmp_path / "run", tmp_path / "shared-tb"
+    (shared / "other-experiment").mkdir(parents=True)
+    (shared / "other-experiment" / "events.out.tfevents.1.a").write_text("theirs")
+    run.mkdir()
+    (run / "runs").symlink_to(shared)
+    (run / "completions").mkdir()
+    (run / "phase-1-plan.md").write_text("mine")
+    record_outputs(run, ["recipe.yaml", "phase-0/", "final/", "completions/", "distill/"])  # before creating them
+    assert read_manifest(run) == ["distill/", "final/", "phase-0/", "recipe.yaml"]  # completions/ existed: not ours
+    for name in ("phase-0/checkpoint-1", "final", "distill"):
+        (run / name).mkdir(parents=True)
+    (run / "recipe.yaml").write_text("x: 1\n")
+    (run / "runs" / "May01_host").mkdir()  # TensorBoard's writer creates it (through the link), then it is recorded
+    record_outputs(run, ["runs/May01_host/", "../elsewhere/", str(tmp_path / "abs")], created=True)
+    assert "runs/May01_host/" in read_manifest(run) and len(read_manifest(run)) == 5  # nothing outside the folder
+
+    state = inspect_output_folder(run)
+    assert state.foreign == ["completions/", "phase-1-plan.md", "runs/"]  # the symlink is the user's
+    with pytest.raises(OutputFolderError, match="did not write: completions/, phase-1-plan.md, runs/"):
+        plan_start(run, overwrite=True)
+    deleted, kept = delete_run_outputs(plan_start(run, overwrite=True, allow_other_files=True).state)
+    assert set(deleted) == {"distill/", "final/", "phase-0/", "recipe.yaml"} and kept == ["runs/May01_host/"]
+    assert sorted(p.name for p in run.iterdir()) == ["completions", "phase-1-plan.md", "runs"]  # manifest gone too
+    assert sorted(p.name for p in shared.iterdir()) == ["May01_host", "other-experiment"]
+    assert (run / "runs").is_symlink() and (shared / "other-experiment" / "events.out.tfevents.1.a").exists()
+
+
+def test_a_manifest_never_names_anything_outside_the_run_folder(tmp_path):
+    outside = tmp_path / "precious.txt"
+    outside.write_text("keep")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / MANIFEST_NAME).write_text(json.dumps({"format": 1, "paths": ["../precious.txt", str(outside), "a.txt"]}))
+    (run / "a.txt").write_text("run's")
+    assert read_manifest(run) == ["a.txt"]
+    deleted, _ = delete_run_outputs(plan_start(run, overwrite=True).state)
+    assert deleted == ["a.txt"] and outside.read_text() == "keep" and list(run.iterdir()) == []
 
 
 def test_resuming_from_an_older_checkpoint_uncommits_the_later_ones(tmp_path):
@@ -86,6 +178,7 @@ def test_run_flags_after_the_recipe():
     assert split_run_flags(["--resume", "a/ckpt", "--x", "2"]) == ("a/ckpt", False, ["--x", "2"])
     assert split_run_flags(["--resume=a/ckpt", "--overwrite"]) == ("a/ckpt", True, [])
     assert split_run_flags(["--resume", "--x", "2"]) == (True, False, ["--x", "2"])
+    assert split_run_flags(["--overwrite", "--allow-other-files", "--x", "2"]) == (None, True, ["--x", "2"])
 
 
 def test_resume_command_repeats_the_launch_with_resume():
@@ -95,6 +188,8 @@ def test_resume_command_repeats_the_launch_with_resume():
     assert command == launcher[:-1] + ["--resume"]
     own = shlex.split(resume_command([], argv=["/usr/bin/prorl-trl", "train", "r y.yaml", "--resume", "p/c-1"]))
     assert own == ["prorl-trl", "train", "r y.yaml", "--resume"]
+    started = ["/usr/bin/prorl-trl", "train", "r.yaml", "--allow-other-files", "--overwrite"]  # a resume needs neither
+    assert shlex.split(resume_command([], argv=started)) == ["prorl-trl", "train", "r.yaml", "--resume"]
     module = shlex.split(resume_command(["/bin/bash"], argv=["/x/prorl_trl/__main__.py", "train", "r.yaml"]))
     assert module == [sys.executable, "-m", "prorl_trl", "train", "r.yaml", "--resume"]
     for torchrun in (["/venv/bin/torchrun"], [sys.executable, "-m", "torch.distributed.run"]):  # keep the processes
@@ -111,7 +206,8 @@ def test_train_takes_resume_and_overwrite_before_or_after_the_recipe():
 
     assert parsed("r.yaml", "--resume") == ("r.yaml", True, False, [])
     assert parsed("--resume", "r.yaml", "--x", "1") == ("r.yaml", True, False, ["--x", "1"])
-    assert parsed("r.yaml", "--resume", "p/checkpoint-2", "--x", "1") == ("r.yaml", "p/checkpoint-2", False, ["--x", "1"])
+    checkpoint = "p/checkpoint-2"
+    assert parsed("r.yaml", "--resume", checkpoint, "--x", "1") == ("r.yaml", checkpoint, False, ["--x", "1"])
     assert parsed("r.yaml", "--resume", "--x", "1") == ("r.yaml", True, False, ["--x", "1"])
     assert parsed("--overwrite", "r.yaml", "--lr", "2") == ("r.yaml", None, True, ["--lr", "2"])
 
@@ -129,8 +225,89 @@ def test_validate_tells_what_train_would_do_with_the_output_folder(tmp_path, cap
     base = ["validate", str(recipe), "--training.output_dir", str(tmp_path), "--no-machine-checks"]
     assert main(base) == 2
     assert "holds an unfinished run" in capsys.readouterr().err
-    assert main(base + ["--resume"]) == 0
+    assert main(base + ["--resume", "--allow-changes"]) == 0  # fake_run's recipe.yaml is not demo_tiny's
     assert "resuming from" in capsys.readouterr().err
-    assert main(base + ["--overwrite"]) == 0
+    assert main(base + ["--overwrite"]) == 2  # the user's notes.txt and runs/other-run/ are there too
+    assert "holds files this run did not write: notes.txt, runs/other-run/" in capsys.readouterr().err
+    assert main(base + ["--overwrite", "--allow-other-files"]) == 0
     assert "would delete the outputs" in capsys.readouterr().err
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # validate never changes the folder
+
+
+def test_validate_and_train_refuse_the_filesystem_root_and_home(tmp_path, monkeypatch, capsys, tiny_dir):
+    """`output_dir: /` and `$HOME` (also written `~`) exit 2 before anything is loaded, whatever the flags."""
+    from prorl_trl.cli import main
+
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "demo_tiny.yaml"
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    for folder in ("/", str(home), "~/"):  # (a bare `~` is YAML for null: refused as no folder)
+        for command in (["validate", "--no-machine-checks"], ["train", "--model.name_or_path", str(tiny_dir)]):
+            argv = [command[0], str(recipe), *command[1:], "--training.output_dir", folder, "--allow-other-files"]
+            assert main(argv) == 2
+            error = capsys.readouterr().err
+            assert "not even with --allow-other-files" in error and "Nothing was changed" in error, error
+    assert list(home.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_audit_cases_through_the_cli(tiny_dir, shared_data, tmp_path):
+    """As the audit ran them: `HOME=X prorl-trl train R --training.output_dir '~/run'` twice (the second exits 2 and
+    changes nothing); then, with `runs/` linked into a shared TensorBoard folder and user files named like outputs,
+    `--overwrite` exits 2 naming them, and `--overwrite --allow-other-files` deletes the run's own outputs only."""
+    repo = Path(__file__).resolve().parent.parent
+    program = Path(sys.executable).with_name("prorl-trl")
+    home = tmp_path / "home"
+    home.mkdir()
+    environment = {**os.environ, "HOME": str(home), "HF_HUB_OFFLINE": "1", "PRORL_SHARED_DATA": str(shared_data)}
+    command = [
+        str(program) if program.exists() else sys.executable, *([] if program.exists() else ["-m", "prorl_trl"]),
+        "train", str(repo / "tests" / "recipes" / "tiny_gsm8k.yaml"), "--model.name_or_path", str(tiny_dir),
+        "--training.output_dir", "~/run", "--training.report_to", "tensorboard", "--validation.enabled", "false",
+    ]  # fmt: skip
+
+    def train(*extra):
+        run = [*command, *extra]
+        return subprocess.run(run, check=False, capture_output=True, text=True, cwd=repo, env=environment, timeout=300)
+
+    def files(folder):
+        return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+    first = train()
+    assert first.returncode == 0, first.stderr[-3000:]
+    run = home / "run"
+    assert (run / "final" / "config.json").is_file() and not (repo / "~").exists()
+    (tensorboard,) = [p for p in read_manifest(run) if p.startswith("runs/")]
+    assert (run / tensorboard).is_dir()
+    before = files(run)
+    second = train()
+    assert second.returncode == 2 and "holds a finished run" in second.stderr, second.stderr[-2000:]
+    assert files(run) == before
+
+    shared = tmp_path / "shared-tb"  # the user moves TensorBoard's runs into a shared folder and links it
+    (run / "runs").rename(shared)
+    (run / "runs").symlink_to(shared)
+    (shared / "other-experiment").mkdir()
+    (shared / "other-experiment" / "events.out.tfevents.1.b").write_text("theirs")
+    for folder in ("completions", "distill"):
+        (run / folder).mkdir()
+        (run / folder / "mine.txt").write_text("mine")
+    (run / "phase-1-plan.md").write_text("mine")
+    (run / "final" / "sentinel").write_text("the old run's")
+    refused = train("--overwrite")
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "did not write: completions/, distill/, phase-1-plan.md, runs/" in refused.stderr
+    assert (run / "final" / "sentinel").exists()
+
+    overwritten = train("--overwrite", "--allow-other-files")
+    assert overwritten.returncode == 0, overwritten.stderr[-3000:]
+    deleted = overwritten.stdout.split("--overwrite: deleted ")[1].split(" in ")[0].split(", ")
+    assert {"final/", "recipe.yaml", "run_summary.json", "prorl_log_history.json"} <= set(deleted)
+    assert not {"completions/", "distill/", "phase-1-plan.md", "runs/"} & set(deleted)
+    assert f"--overwrite: kept {tensorboard}" in overwritten.stdout  # through the link: left where it is
+    assert not (run / "final" / "sentinel").exists() and (run / "final" / "config.json").is_file()
+    assert all((run / folder / "mine.txt").read_text() == "mine" for folder in ("completions", "distill"))
+    assert (run / "phase-1-plan.md").exists() and (run / "runs").is_symlink()
+    assert (shared / "other-experiment" / "events.out.tfevents.1.b").read_text() == "theirs"
+    assert (shared / Path(tensorboard).name).is_dir()

@@ -3,37 +3,39 @@
 A folder that already holds a run is never trained into silently: `train` refuses it (exit 2, before anything is
 loaded) unless `--resume` (continue from the latest complete checkpoint, or start if there is none yet) or
 `--overwrite` (delete that run's outputs, and only those, then start). `validate` shows the same state.
+
+What is "the run's" is what it recorded in its manifest (`prorl_trl.trainer.manifest`), never a name pattern:
+`--overwrite` deletes exactly those paths and never deletes through a symlink that leads out of the run folder. A
+run starts (fresh or over an old one) only in a folder holding nothing else, unless `--allow-other-files`; the
+filesystem root, `$HOME` and the folders above it are refused even then (a run writes and deletes at the top of its
+folder).
 """
 
 from __future__ import annotations
 
 import errno
+import json
+import os
 import shlex
 import shutil
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..trainer.manifest import (
+    MANIFEST_NAME,
+    PHASE_FOLDER,
+    RUN_FILES,
+    RUN_FOLDERS,
+    is_leftover_of,
+    owned_outputs,
+)
 from .schema import RecipeError
 
-# What a run writes into its output folder (names and glob patterns); `--overwrite` deletes these and nothing else.
-RUN_OUTPUTS = (
-    "phase-*",
-    "merged",
-    "final",
-    ".final.*",
-    "recipe.yaml",
-    "run_summary.json",
-    "prorl_log_history.json",
-    "prorl_trackers.json",
-    ".prorl_*.json.tmp",
-    ".recipe.yaml.tmp",
-    ".run_summary.json.tmp",
-    "runs/*/events.out.tfevents.*",  # TensorBoard (only its event folders: `runs/` often holds other runs)
-    "completions",
-    "distill",
-)
+# Flags of one start, not of a resume (`--allow-changes` confirms one resume's changes; they are recorded then).
+RUN_FLAGS = ("--overwrite", "--allow-other-files", "--allow_other_files", "--allow-changes", "--allow_changes")
 
 
 class OutputFolderError(RecipeError):
@@ -49,10 +51,14 @@ class OutputFolderError(RecipeError):
 
 @dataclass
 class FolderState:
-    """What `inspect_output_folder` found. `outputs`: the run outputs present (names relative to `path`)."""
+    """What `inspect_output_folder` found, as paths relative to `path` (folders end in `/`). `outputs`: the run's
+    outputs present (from its manifest, else by the exact names of a run from before manifests); `leftovers`:
+    temporary files of the run's interrupted writes; `foreign`: everything else (the run did not write it)."""
 
     path: Path
     outputs: list[str] = field(default_factory=list)
+    leftovers: list[str] = field(default_factory=list)
+    foreign: list[str] = field(default_factory=list)
     latest_checkpoint: Path | None = None
     checkpoint_state: dict[str, Any] | None = None
     finished: dict[str, Any] | None = None
@@ -72,8 +78,7 @@ class FolderState:
             )
         if self.latest_checkpoint is not None:
             return f"{self.path}/ holds an unfinished run; latest complete checkpoint: {describe_checkpoint(self)}"
-        shown = ", ".join(self.outputs[:6]) + (", ..." if len(self.outputs) > 6 else "")
-        return f"{self.path}/ holds outputs of a run that wrote no complete checkpoint ({shown})"
+        return f"{self.path}/ holds outputs of a run that wrote no complete checkpoint ({_shown(self.outputs)})"
 
 
 def describe_checkpoint(state: FolderState) -> str:
@@ -84,6 +89,10 @@ def describe_checkpoint(state: FolderState) -> str:
     )
 
 
+def _shown(names: list[str], limit: int = 6) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
 def inspect_output_folder(path: str | Path) -> FolderState:
     from ..reset.checkpoint import finished_state, latest_checkpoint, read_prorl_state
 
@@ -91,17 +100,84 @@ def inspect_output_folder(path: str | Path) -> FolderState:
     state = FolderState(path=path)
     if not path.is_dir():
         return state
-    found = set()
-    for pattern in RUN_OUTPUTS:
-        for match in path.glob(pattern):
-            match = match.parent if match.name.startswith("events.out.tfevents") else match
-            found.add(str(match.relative_to(path)) + ("/" if match.is_dir() else ""))
-    state.outputs = sorted(found)
+    owned, _ = owned_outputs(path)
+    state.outputs = sorted(name for name in owned if os.path.lexists(path / name.rstrip("/")))
+    _sort_out(path, "", {name.rstrip("/") for name in owned}, owned, state)
+    if not state.used:
+        return state
     state.finished = finished_state(path)
     state.latest_checkpoint = latest_checkpoint(path)
     if state.latest_checkpoint is not None:
         state.checkpoint_state = read_prorl_state(state.latest_checkpoint)
     return state
+
+
+def _sort_out(folder: Path, prefix: str, owned: set[str], recorded: list[str], state: FolderState) -> None:
+    """Sort the entries of `folder` that are not the run's outputs into leftovers and foreign ones; descend only
+    into real folders that hold a recorded path (`runs/` holding the run's own TensorBoard folder)."""
+    for child in sorted(folder.iterdir()):
+        name = prefix + child.name
+        if name in owned or name == MANIFEST_NAME:
+            continue
+        if is_leftover_of(name, recorded):
+            state.leftovers.append(name + ("/" if child.is_dir() and not child.is_symlink() else ""))
+        elif child.is_dir() and not child.is_symlink() and any(path.startswith(name + "/") for path in owned):
+            _sort_out(child, name + "/", owned, recorded, state)
+        else:
+            state.foreign.append(name + ("/" if child.is_dir() else ""))
+
+
+def refuse_shared_folder(output_dir: str | Path) -> None:
+    """Refuse the filesystem root, `$HOME` and any folder above it (symlinks resolved), whatever the flags: a run
+    writes, and `--overwrite` deletes, at the top of its folder."""
+    path = Path(output_dir).resolve()
+    home = Path(os.path.expanduser("~")).resolve()
+    if path.parent == path:
+        what = "the filesystem root"
+    elif path == home:
+        what = "your home folder ($HOME)"
+    elif home.is_relative_to(path):
+        what = f"a folder that holds your home folder ({home})"
+    else:
+        return
+    raise OutputFolderError(
+        f"training.output_dir {output_dir} is {what}. A run never writes there (not even with --allow-other-files): "
+        f"it writes and deletes files at the top of its folder. Nothing was changed. Choose a folder of its own, "
+        f"e.g. --training.output_dir {home / 'runs' / 'my-run'}."
+    )
+
+
+def run_writes(recipe: Any) -> list[str]:
+    """The outputs that only some runs write (`distill/` for a `distill:` section, TRL's `completions/` with
+    `log_completions`), for `plan_start`'s check of files named like them."""
+    training = getattr(recipe, "training", None) or {}
+    return (["distill/"] if getattr(recipe, "distill", None) else []) + (
+        ["completions/"] if training.get("log_completions") else []
+    )
+
+
+def _check_other_files(state: FolderState, allow_other_files: bool, writes: Iterable[str]) -> None:
+    """A run starts only in a folder holding nothing but its own outputs, unless `allow_other_files`; a file named
+    like one the run writes (its `phase-0/`, `README.md`, ...) is refused even then: training would write over it."""
+    if not state.foreign:
+        return
+    written = {name.rstrip("/") for name in (*RUN_FILES, *RUN_FOLDERS, *writes)}
+    clashes = [
+        name for name in state.foreign
+        if "/" not in name.rstrip("/") and (name.rstrip("/") in written or PHASE_FOLDER.fullmatch(name.rstrip("/")))
+    ]  # fmt: skip
+    if clashes:
+        raise OutputFolderError(
+            f"{state.path}/ holds {_shown(clashes)}, named like outputs this run writes, but not written by a run "
+            f"(not in {MANIFEST_NAME}): training would write over them. Nothing was changed. Move them out of the "
+            "folder, or choose another --training.output_dir."
+        )
+    if not allow_other_files:
+        raise OutputFolderError(
+            f"{state.path}/ holds files this run did not write: {_shown(state.foreign)}. Nothing was changed. Choose a "
+            "new or empty --training.output_dir, or pass --allow-other-files to start the run among them (they are "
+            f"kept: --overwrite deletes only what a run recorded in {MANIFEST_NAME})."
+        )
 
 
 @dataclass
@@ -116,23 +192,35 @@ class StartPlan:
     note: str | None = None
 
 
-def plan_start(output_dir: str | Path, resume: str | bool | None = None, overwrite: bool = False) -> StartPlan:
-    """Decide how a run starts in `output_dir`. Raises `OutputFolderError` for a used folder with neither
-    `resume` nor `overwrite`, for both at once, and for a `resume` path that is not a complete checkpoint.
+def plan_start(
+    output_dir: str | Path,
+    resume: str | bool | None = None,
+    overwrite: bool = False,
+    allow_other_files: bool = False,
+    writes: Iterable[str] = (),
+) -> StartPlan:
+    """Decide how a run starts in `output_dir`. Raises `OutputFolderError` for the filesystem root or `$HOME`, a
+    used folder with neither `resume` nor `overwrite`, both at once, a `resume` path that is not a complete
+    checkpoint, and a run starting (fresh or `overwrite`) among files it did not write without `allow_other_files`.
 
     `resume=True` (`--resume`): the latest complete checkpoint; none yet (killed before the first one) starts from
-    the beginning; a finished run is reported finished and left as it is.
+    the beginning; a finished run is reported finished and left as it is. `writes`: `run_writes(recipe)`.
     """
+    refuse_shared_folder(output_dir)
     state = inspect_output_folder(output_dir)
     if resume and overwrite:
         raise OutputFolderError("--resume and --overwrite contradict each other; pass one.")
     if overwrite:
+        _check_other_files(state, allow_other_files, writes)
         return StartPlan(state, overwrite=state.used)
     if resume is True:
         if state.finished:
             return StartPlan(state, finished=True)
         if state.latest_checkpoint is None:
-            note = None if not state.used else (
+            if not state.used:  # nothing to resume: a fresh start
+                _check_other_files(state, allow_other_files, writes)
+                return StartPlan(state)
+            note = (
                 f"no complete checkpoint in {state.path}/ yet: starting from the beginning "
                 "(files of the earlier attempt are rewritten as the run goes)"
             )
@@ -155,30 +243,46 @@ def plan_start(output_dir: str | Path, resume: str | bool | None = None, overwri
             + (" (it is finished: --resume says so and exits)" if state.finished else "")
             + ", or --overwrite to delete its outputs and start again, or choose another --training.output_dir."
         )
+    _check_other_files(state, allow_other_files, writes)
     return StartPlan(state)
 
 
-def delete_run_outputs(state: FolderState) -> list[str]:
-    """`--overwrite`: delete the run outputs listed in `state` (never anything else in the folder)."""
-    removed = []
-    for name in state.outputs:
+def delete_run_outputs(state: FolderState) -> tuple[list[str], list[str]]:
+    """`--overwrite`: delete the run's outputs and leftovers listed in `state`, then its manifest; nothing else.
+
+    Returns (deleted, kept). A path reached through a symlink that leads out of the run folder is kept (a `runs/`
+    linked into a shared TensorBoard folder: nothing is deleted there); a recorded path that is itself a symlink
+    loses the link only. Folders left empty by a deletion (`runs/`) are removed, up to the run folder.
+    """
+    root = state.path.resolve()
+    deleted, kept = [], []
+    for name in state.outputs + state.leftovers:
         target = state.path / name.rstrip("/")
+        if not target.parent.resolve().is_relative_to(root):
+            kept.append(name)
+            continue
         if target.is_dir() and not target.is_symlink():
             shutil.rmtree(target)
         else:
             target.unlink(missing_ok=True)
-        removed.append(name)
-    return removed
+        deleted.append(name)
+        parent = target.parent
+        while parent != state.path and not parent.is_symlink() and parent.is_dir() and not any(parent.iterdir()):
+            parent.rmdir()
+            parent = parent.parent
+    (state.path / MANIFEST_NAME).unlink(missing_ok=True)
+    return deleted, kept
 
 
 def split_run_flags(tokens: list[str]) -> tuple[str | bool | None, bool, list[str]]:
     """`--resume [CHECKPOINT]` / `--resume=CHECKPOINT` and `--overwrite` among command-line tokens (after RECIPE,
-    argparse hands them over with the overrides); returns (resume, overwrite, the other tokens in order)."""
+    argparse hands them over with the overrides); returns (resume, overwrite, the other tokens in order).
+    `--allow-other-files` is dropped too: it lets a run start, and a resume of that run does not need it."""
     resume, overwrite, rest, index = None, False, [], 0
     while index < len(tokens):
         token = tokens[index]
-        if token == "--overwrite":
-            overwrite = True
+        if token in RUN_FLAGS:
+            overwrite = overwrite or token == "--overwrite"
         elif token == "--resume":
             following = tokens[index + 1] if index + 1 < len(tokens) else None
             if following is not None and not following.startswith("--"):
@@ -196,11 +300,14 @@ def split_run_flags(tokens: list[str]) -> tuple[str | bool | None, bool, list[st
 def resume_command(launcher_argv: list[str] | None = None, argv: list[str] | None = None) -> str:
     """The command that continues this run: as it was launched (`accelerate launch ...` or `torchrun ...` when the
     parent process is that launcher, so the resumed run has the same processes, else this process's own command
-    line), with `--overwrite`/`--resume ...` replaced by `--resume`."""
+    line), with `--overwrite`/`--allow-other-files`/`--resume ...` replaced by `--resume`. Under `prorl-trl launch`
+    (which names its command line in the environment, `prorl_trl.launch.LAUNCH_ARGV_ENV`) that command."""
     argv = list(sys.argv if argv is None else argv)
     launcher_argv = list(launcher_argv or [])
     launchers = ("accelerate", "accelerate.commands.launch", "torchrun", "torch.distributed.run")
-    if any(part in launchers or Path(part).name in launchers for part in launcher_argv) and "train" in launcher_argv:
+    if os.environ.get("PRORL_LAUNCH_ARGV"):
+        command = json.loads(os.environ["PRORL_LAUNCH_ARGV"])
+    elif any(part in launchers or Path(part).name in launchers for part in launcher_argv) and "train" in launcher_argv:
         command = launcher_argv
     else:
         program = ["prorl-trl"] if Path(argv[0]).name == "prorl-trl" else [sys.executable, "-m", "prorl_trl"]

@@ -5,7 +5,8 @@ Modules: `trainer` (ProRLTrainer), `callbacks` (HardResetCallback, SamplingSched
 `state` (the trainer's own callback: pending resets, stop requests, phase plateau, checkpoint state), `checks`
 (settings checked before init), `sampling` (where sampling settings live in TRL), `progress` (rate and ETA over the
 whole run), `dynamic_sampling`, `early_stop`, `overlong`, `interrupt` (SIGINT/SIGTERM -> checkpoint and
-`RunInterrupted`), `trackers` (`report_to` trackers over a multi-phase run).
+`RunInterrupted`), `trackers` (`report_to` trackers over a multi-phase run), `manifest` (what a run creates in its
+output folder, recorded first: all that `--overwrite` deletes).
 
 Names are imported on first use, so `prorl_trl.trainer.checks` (run by `prorl-trl validate`) does not import
 `GRPOTrainer` and the model code behind it.

@@ -96,7 +96,9 @@ class TrackerSpan:
         saved = self._saved_ids(args)
         env: dict[str, str] = {}
         if name == "TensorBoardCallback" and self.resumed_at is not None:
-            _reopen_tensorboard(callback, args, saved.get("tensorboard"), purge_step=self.resumed_at + 1)
+            folder = saved.get("tensorboard")  # relative to the run folder unless the user put it elsewhere
+            folder = str(Path(args.output_dir) / folder) if folder and not os.path.isabs(folder) else folder
+            _reopen_tensorboard(callback, args, folder, purge_step=self.resumed_at + 1)
         elif name == "WandbCallback" and saved.get("wandb"):
             env = {"WANDB_RUN_ID": saved["wandb"], "WANDB_RESUME": "allow"}
         elif name == "MLflowCallback" and saved.get("mlflow"):
@@ -118,17 +120,25 @@ class TrackerSpan:
         """What a resumed process needs to continue this tracker's run (main process, first phase only)."""
         if not self.trainer.accelerator.is_main_process:
             return
+        from ..reset.provenance import run_relative
         name = type(callback).__name__
         ids = {}
         with contextlib.suppress(Exception):  # a tracker that did not open a run has nothing to record
             if name == "TensorBoardCallback" and callback.logging_dir:
-                ids["tensorboard"] = str(callback.logging_dir)
+                folder = Path(callback.logging_dir)
+                inside = folder.resolve().is_relative_to(Path(args.output_dir).resolve())  # a moved run finds its own
+                ids["tensorboard"] = run_relative(folder, args.output_dir) if inside else str(folder)
             elif name == "WandbCallback" and callback._wandb.run is not None:
                 ids["wandb"] = callback._wandb.run.id
             elif name == "MLflowCallback" and callback._ml_flow.active_run() is not None:
                 ids["mlflow"] = callback._ml_flow.active_run().info.run_id
             elif name == "TrackioCallback":  # the name trackio generated when `run_name` is not set
                 ids["trackio"] = callback._trackio.context_vars.current_run.get().name
+        if name == "TensorBoardCallback" and getattr(callback, "logging_dir", None):  # its event folder is the run's
+            from .manifest import record_outputs
+
+            folder = os.path.relpath(os.path.abspath(callback.logging_dir), os.path.abspath(args.output_dir))
+            record_outputs(args.output_dir, [folder + "/"], created=True)  # outside the run folder: not recorded
         if ids:
             from ..reset.checkpoint import write_json
 

@@ -1,0 +1,162 @@
+"""The run manifest: every path a run creates in its output folder, recorded before it is created.
+
+`--overwrite` deletes exactly these paths (`prorl_trl.recipe.output_folder`), so files that only look like a run's
+(a user's `completions/`, `phase-1-plan.md`, `runs/other-experiment/`) are never touched. The manifest is
+`<output_dir>/.prorl_manifest.json`: paths relative to the run folder, folders ending in `/`, written atomically by
+the process that writes the run's files (the CLI for its own files, `ProRLTrainer.train` for checkpoints, merged
+saves and logs, the tracker span for TensorBoard's event folder).
+
+A path that already exists when it would be recorded is not the run's (a user's folder named like an output) and is
+never recorded, unless the caller has just created it (`created=True`). The temporary siblings of a recorded path
+(`.<name>.tmp`, `.<name>.tmp-*`, `.<name>.old-*`, left by an atomic write that was killed) belong to the run too.
+
+A run folder written before manifests existed has none: `legacy_outputs` names its outputs by the exact names such a
+run wrote (`phase-<i>/`, `final/`, ...; `completions/` and `distill/` only when its `recipe.yaml` asked for them; the
+TensorBoard folder recorded in `prorl_trackers.json`), never by pattern.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+MANIFEST_NAME = ".prorl_manifest.json"
+# Top-level files and folders every run may write (a folder ends in `/`); `phase-<i>/` are counted per run.
+CLI_FILES = ("recipe.yaml", "resume_history.yaml", "run_summary.json")  # written by `prorl-trl train` itself
+RUN_FILES = (*CLI_FILES, "prorl_log_history.json", "prorl_trackers.json", "README.md")
+RUN_FOLDERS = ("merged/", "frozen/", "final/")
+PHASE_FOLDER = re.compile(r"phase-\d+")
+_LEFTOVER = re.compile(r"\.(?P<name>.+?)\.(tmp|tmp-.+|old-.+)")
+
+
+def read_manifest(run_dir: str | os.PathLike) -> list[str] | None:
+    """The recorded paths (relative, folders ending in `/`), or None when the folder has no manifest. Entries that
+    would leave the run folder (absolute, `..`) are dropped: the manifest never names anything outside it."""
+    path = Path(run_dir) / MANIFEST_NAME
+    if not path.is_file():
+        return None
+    try:
+        paths = json.loads(path.read_text()).get("paths", [])
+    except (ValueError, AttributeError):
+        return []  # unreadable: nothing is the run's (an overwrite then deletes nothing but the manifest)
+    return [p for p in paths if isinstance(p, str) and _relative(p) == p]
+
+
+def owned_outputs(run_dir: str | os.PathLike) -> tuple[list[str], bool]:
+    """(the run's paths, whether they come from a manifest): the manifest's, else `legacy_outputs`."""
+    recorded = read_manifest(run_dir)
+    return (recorded, True) if recorded is not None else (legacy_outputs(run_dir), False)
+
+
+def record_outputs(run_dir: str | os.PathLike, names: Iterable[str], created: bool = False) -> None:
+    """Add `names` (relative to `run_dir`; folders end in `/`) to the manifest, before creating them.
+
+    Call it from the process that writes the run's files only. A name that already exists is not recorded (it is
+    not the run's) unless `created`; a folder without a manifest that holds an earlier run adopts that run's outputs
+    (`legacy_outputs`) first. Writes only when something changed.
+    """
+    run_dir = Path(run_dir)
+    recorded = read_manifest(run_dir)
+    known = list(recorded) if recorded is not None else legacy_outputs(run_dir)
+    added = []
+    for name in names:
+        relative = _relative(name)
+        if relative is None or relative in known or relative in added:
+            continue
+        if not created and os.path.lexists(run_dir / relative):
+            continue
+        added.append(relative)
+    if added or (recorded is None and known):
+        from ..reset.checkpoint import write_json
+
+        write_json(run_dir / MANIFEST_NAME, {"format": 1, "paths": sorted(known + added)})
+
+
+def trainer_outputs(args: Any, num_phases: int) -> list[str]:
+    """What `ProRLTrainer` (and TRL inside it) may create in `args.output_dir`: the phase checkpoint folders, the
+    merged/frozen/final saves, the log history and tracker ids, TRL's model card, TRL's `completions/`."""
+    names = [f"phase-{index}/" for index in range(num_phases)] + list(RUN_FOLDERS)
+    names += [name for name in RUN_FILES if name not in CLI_FILES]
+    return names + (["completions/"] if getattr(args, "log_completions", False) else [])
+
+
+def is_leftover_of(name: str, owned: Iterable[str]) -> bool:
+    """Whether `name` (relative) is a temporary sibling of an owned path, or the manifest itself (or its own)."""
+    parent, _, base = name.rpartition("/")
+    if name in (MANIFEST_NAME, f".{MANIFEST_NAME}.tmp"):
+        return True
+    match = _LEFTOVER.fullmatch(base)
+    if match is None:
+        return False
+    sibling = f"{parent}/{match['name']}" if parent else match["name"]
+    return any(path.rstrip("/") == sibling for path in owned)
+
+
+def legacy_outputs(run_dir: str | os.PathLike) -> list[str]:
+    """The outputs of a run written before manifests, by the exact names it wrote (never a pattern that also
+    matches a user's `phase-1-plan.md` or `completions-old/`); symlinks are never counted."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = []
+    for child in sorted(run_dir.iterdir()):
+        if child.is_symlink():
+            continue
+        if child.is_dir() and (PHASE_FOLDER.fullmatch(child.name) or f"{child.name}/" in RUN_FOLDERS):
+            found.append(f"{child.name}/")
+        elif child.is_file() and child.name in RUN_FILES and (child.name != "README.md" or _is_trl_card(child)):
+            found.append(child.name)
+    recipe = _read_yaml(run_dir / "recipe.yaml")
+    training = recipe.get("training") if isinstance(recipe.get("training"), dict) else {}
+    for folder, written in (("distill", recipe.get("distill")), ("completions", training.get("log_completions"))):
+        if written and (run_dir / folder).is_dir() and not (run_dir / folder).is_symlink():
+            found.append(f"{folder}/")
+    tensorboard = _tensorboard_folder(run_dir)
+    return found + ([tensorboard] if tensorboard else [])
+
+
+def _relative(name: str | os.PathLike) -> str | None:
+    """`name` as a clean relative posix path (a folder keeps its trailing `/`), or None if it leaves the folder."""
+    text = str(name)
+    folder = text.endswith(("/", os.sep))
+    parts = [part for part in Path(text).parts if part not in ("", ".")]
+    if not parts or Path(text).is_absolute() or ".." in parts:
+        return None
+    return "/".join(parts) + ("/" if folder else "")
+
+
+def _is_trl_card(path: Path) -> bool:
+    """TRL's model card (written at every save by `GRPOTrainer._save_checkpoint`), not a user's README."""
+    head = path.read_text(errors="replace")[:2000]
+    return head.startswith("---") and "- trl" in head and "- prorl" in head
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except yaml.YAMLError:
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def _tensorboard_folder(run_dir: Path) -> str | None:
+    """`runs/<name>/`: the TensorBoard folder recorded in `prorl_trackers.json`, when it is in the run folder."""
+    try:
+        logged = json.loads((run_dir / "prorl_trackers.json").read_text()).get("tensorboard")
+    except (OSError, ValueError, AttributeError):
+        return None
+    parts = Path(str(logged or "")).parts
+    if len(parts) < 2 or parts[-2] != "runs":
+        return None
+    folder = run_dir / "runs" / parts[-1]
+    if folder.is_dir() and not folder.is_symlink() and not (run_dir / "runs").is_symlink():
+        return f"runs/{parts[-1]}/"
+    return None
