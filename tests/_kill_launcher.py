@@ -3,6 +3,11 @@ injected at an exact point, named by the environment (production code has no tes
 
     PRORL_TEST_KILL_AT=EVENT:PHASE:STEP    SIGKILL this process at that point
     PRORL_TEST_TERM_AT=EVENT:PHASE:STEP    SIGTERM the parent process (the `accelerate launch` launcher) there
+    PRORL_TEST_TERM_SELF_AT=EVENT:PHASE:STEP    SIGTERM this process there (as a scheduler would)
+    PRORL_TEST_INT_AT=EVENT:PHASE:STEP     SIGINT the parent process (`prorl-trl launch`: Ctrl-C) there
+
+`python tests/_kill_launcher.py launch [ACCELERATE OPTIONS] train RECIPE ...` is `prorl-trl launch` whose training
+processes run this file (with its faults) instead of `-m prorl_trl`.
 
 It also registers the reward `token_hash` (deterministic, varies inside every group on a random tiny model, so every
 step has a gradient and a resumed run that went wrong ends on other weights).
@@ -57,10 +62,9 @@ def token_hash(completions, **kwargs):
 
 
 def install() -> None:
-    import rewards
-
-    import prorl_trl.reset.save as save
     import prorl_trl.trainer as trainer_package
+    import rewards
+    from prorl_trl.reset import save
 
     rewards.register("token_hash")(token_hash)
 
@@ -68,6 +72,8 @@ def install() -> None:
     for name, pid, signum in (
         ("PRORL_TEST_KILL_AT", os.getpid(), signal.SIGKILL),
         ("PRORL_TEST_TERM_AT", os.getppid(), signal.SIGTERM),
+        ("PRORL_TEST_TERM_SELF_AT", os.getpid(), signal.SIGTERM),
+        ("PRORL_TEST_INT_AT", os.getppid(), signal.SIGINT),
     ):
         spec = _spec(name)
         if spec is None:
@@ -98,6 +104,10 @@ def install() -> None:
 
 if __name__ == "__main__":
     install()
+    if sys.argv[1:2] == ["launch"]:
+        import prorl_trl.launch
+
+        prorl_trl.launch.TRAINING_SCRIPT = [__file__]
     from prorl_trl.cli import main
 
     sys.exit(main(sys.argv[1:]))

@@ -201,3 +201,17 @@ def test_what_the_drop_in_parity_relies_on():
 
     assert TRAINER_STATE_NAME == "trainer_state.json"
     assert "TRAINER_STATE_NAME" in inspect.getsource(Trainer._save_checkpoint)
+
+
+def test_hf_loss_sum_a_resumed_phase_puts_back():
+    # `ProRLTrainer._phase_loss_sum` saves `_total_loss_scalar` + `_tr_loss` with each checkpoint and `_on_train_begin`
+    # puts the sum back: HF zeroes both before `on_train_begin`, and `_finalize_training` divides the sum by this
+    # call's steps and logs it as `train_loss` beside `train_runtime` (how `log` recognises the summary).
+    loop = inspect.getsource(Trainer._inner_training_loop)
+    assert "self._tr_loss = torch.tensor(0.0" in loop
+    assert loop.index("self._total_loss_scalar = 0.0") < loop.index("callback_handler.on_train_begin")
+    final = inspect.getsource(Trainer._finalize_training)
+    assert "self._total_loss_scalar += self._tr_loss.item()" in final
+    assert "train_loss = self._total_loss_scalar / max(num_steps_trained" in final
+    assert 'speed_metrics(\n            "train"' in final and 'metrics["train_loss"] = train_loss' in final
+    assert final.index('metrics["train_loss"]') < final.index("self.log(metrics)")

@@ -4,6 +4,10 @@ Schedulers (SLURM, Kubernetes) send SIGTERM some time before they kill a job; Ct
 into `ProRLTrainer.request_stop`, which the trainer's own callback reads at the end of every step (agreed across
 processes, so every rank stops at the same step and writes the same checkpoint). `ProRLTrainer.train` then raises
 `RunInterrupted` naming that checkpoint. A second Ctrl-C stops at once (KeyboardInterrupt).
+
+`prorl-trl train` installs the handlers before its start-up (loading the model and data, building the trainer, ~20 s):
+a signal then stops the start-up at once with `StartupInterrupted` (nothing trained), except inside the few steps that
+write (`SignalStop.deferred`), which finish first.
 """
 
 from __future__ import annotations
@@ -29,20 +33,61 @@ class RunInterrupted(Exception):
         super().__init__(f"training stopped ({reason}) at global step {global_step}; checkpoint: {checkpoint}")
 
 
-@contextlib.contextmanager
-def stop_on_signals(trainer: Any) -> Iterator[None]:
-    """Within the block, SIGINT and SIGTERM ask `trainer` to stop after the current step (see module doc).
+class StartupInterrupted(BaseException):
+    """A stop signal arrived before training started: nothing was trained.
 
-    Only the main thread can own signal handlers; elsewhere this does nothing. The previous handlers come back on
-    exit. Under `accelerate launch` with one process, the launcher does not forward SIGTERM to the training process,
-    so the training process also asks the kernel for SIGTERM when its launcher dies (Linux `PR_SET_PDEATHSIG`).
+    A `BaseException`, as `KeyboardInterrupt` is, so library code that catches `Exception` while loading does not
+    swallow it.
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
 
-    def handler(signum: int, frame: Any) -> None:
+    def __init__(self, reason: str):
+        self.reason = reason
+        super().__init__(f"{reason} received during start-up")
+
+
+class SignalStop:
+    """Where SIGINT/SIGTERM go: before `attach`, they stop the start-up (`StartupInterrupted`); after it, they ask the
+    trainer to stop after the current step (`request_stop`)."""
+
+    def __init__(self, trainer: Any = None):
+        self.trainer = trainer
+        self.reason: str | None = None  # a request that arrived before a trainer was attached
+        self._deferring = 0
+
+    def attach(self, trainer: Any) -> None:
+        """From now on signals stop `trainer` after its current step; a request that came during start-up stops here."""
+        self.check()
+        self.trainer = trainer
+
+    def check(self) -> None:
+        """Raise `StartupInterrupted` if a signal arrived during start-up (and was deferred)."""
+        if self.reason is not None and self.trainer is None:
+            raise StartupInterrupted(self.reason)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """A start-up step that writes (deleting old outputs, ...): a signal during it stops right after it, never
+        halfway through."""
+        self._deferring += 1
+        try:
+            yield
+        finally:
+            self._deferring -= 1
+        if not self._deferring:
+            self.check()
+
+    def handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
+        trainer = self.trainer
+        if trainer is None:
+            if self.reason is not None:  # a second signal during start-up
+                if signum == signal.SIGINT:
+                    raise KeyboardInterrupt
+                return
+            self.reason = name
+            if not self._deferring:
+                raise StartupInterrupted(name)
+            return
         if trainer.stop_requested is not None:
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
@@ -56,20 +101,36 @@ def stop_on_signals(trainer: Any) -> Iterator[None]:
                 flush=True,
             )
 
+
+@contextlib.contextmanager
+def stop_on_signals(trainer: Any = None) -> Iterator[SignalStop]:
+    """Within the block, SIGINT and SIGTERM ask `trainer` to stop after the current step (see module doc).
+
+    Without a trainer (start-up), they raise `StartupInterrupted` until one is attached with `SignalStop.attach`.
+    Only the main thread can own signal handlers; elsewhere this installs nothing. The previous handlers come back on
+    exit. Under `accelerate launch` with one process, the launcher does not forward SIGTERM to the training process,
+    so the training process also asks the kernel for SIGTERM when its launcher dies (Linux `PR_SET_PDEATHSIG`).
+    """
+    stop = SignalStop(trainer)
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
     previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     for signum in STOP_SIGNALS:
-        signal.signal(signum, handler)
+        signal.signal(signum, stop.handle)
     _term_when_launcher_dies()
     try:
-        yield
+        yield stop
     finally:
         for signum, old in previous.items():
             signal.signal(signum, old)
 
 
 def _term_when_launcher_dies() -> None:
-    """SIGTERM this process when its parent `accelerate launch` dies (it dies on SIGTERM without forwarding it)."""
-    if not sys.platform.startswith("linux") or "accelerate" not in parent_command_line(" "):
+    """SIGTERM this process when its parent `accelerate launch` dies (it dies on SIGTERM without forwarding it), or
+    its `prorl-trl launch` (which names itself in PRORL_LAUNCH_ARGV) is killed."""
+    launched = "accelerate" in parent_command_line(" ") or os.environ.get("PRORL_LAUNCH_ARGV")
+    if not sys.platform.startswith("linux") or not launched:
         return
     import ctypes
 
