@@ -2,7 +2,10 @@
 
     prorl-trl train RECIPE [--key.path VALUE ...]     run a recipe (all phases), overrides read by the key's type
                   [--resume [CHECKPOINT] | --overwrite]   continue the run in the output folder / start it again
+                  [--allow-other-files]               start it in a folder that holds files it did not write
     prorl-trl validate RECIPE [--key.path VALUE ...]  check a recipe, this machine and local data (exit 0 or 2)
+    prorl-trl launch [ACCELERATE OPTIONS] train RECIPE ...   `accelerate launch -m prorl_trl train` with a clean stop
+                  (no launcher traceback; exit 75 when interrupted and resumable: `prorl_trl/launch.py`)
     prorl-trl ablate GRID [--parallel N]              run the variants of a grid file and tabulate them
     prorl-trl demo [--out DIR]                        offline tiny-model demo
     prorl-trl eval ...                                pass@k evaluation
@@ -162,6 +165,17 @@ def _add_output_folder_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--overwrite", action="store_true", help="delete the run outputs already in the output folder, then start"
     )
+    parser.add_argument(
+        "--allow-other-files", action="store_true",
+        help="start the run (or --overwrite it) in a folder that holds files it did not write; they are kept "
+        "(--overwrite deletes only what a run recorded in its .prorl_manifest.json). Never allows the filesystem root "
+        "or $HOME",
+    )  # fmt: skip
+    parser.add_argument(
+        "--allow-changes", action="store_true",
+        help="with --resume: continue even though the recipe changes training against the run's recorded one (the "
+        "changes are listed and appended to the run's resume_history.yaml; recipe.yaml keeps the original)",
+    )  # fmt: skip
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
@@ -200,6 +214,11 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         "a recipe meant for another machine",
     )  # fmt: skip
     validate.set_defaults(handler=_run_validate)
+
+    launch = commands.add_parser(
+        "launch", add_help=False, help="accelerate launch -m prorl_trl train, with a clean stop (exit 75: resumable)"
+    )
+    launch.set_defaults(handler=_run_launch)  # its words go to `prorl_trl.launch` unparsed (`parse_command_line`)
 
     ablate = commands.add_parser("ablate", help="run a grid of recipe variants and tabulate them")
     _add_ablate_arguments(ablate)
@@ -249,8 +268,9 @@ def _add_ablate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_validate(args: argparse.Namespace) -> int:
+    from .recipe.changes import resume_changes
     from .recipe.load import load_recipe
-    from .recipe.output_folder import plan_start
+    from .recipe.output_folder import plan_start, run_writes
     from .recipe.preflight import Launch, preflight, read_launch_config
     from .recipe.run import describe_recipe
 
@@ -264,7 +284,12 @@ def _run_validate(args: argparse.Namespace) -> int:
         raise RecipeError(args.recipe, problems)
     for warning in recipe.warnings:
         print(f"note: {warning}", file=sys.stderr)
-    plan = plan_start(recipe.output_dir, resume=args.resume, overwrite=args.overwrite)  # a used folder: exit 2, as train
+    plan = plan_start(  # a used folder, other files, root or $HOME: exit 2, as train
+        recipe.output_dir, args.resume, args.overwrite, allow_other_files=args.allow_other_files,
+        writes=run_writes(recipe),
+    )  # fmt: skip
+    for change in resume_changes(plan.resume, recipe.output_dir, recipe.raw, args.allow_changes):  # exit 2, as train
+        print(f"note: resuming changes {change.describe()}", file=sys.stderr)
     if plan.note or plan.finished or plan.overwrite:
         will = "the run is finished: `train --resume` says so and changes nothing" if plan.finished else (
             f"`train --overwrite` would delete the outputs of {plan.state.describe()}" if plan.overwrite else plan.note
@@ -280,7 +305,16 @@ def _run_validate(args: argparse.Namespace) -> int:
 def _run_train(args: argparse.Namespace) -> int:
     from .recipe.run import run_train
 
-    return run_train(args.recipe, args.overrides, resume=args.resume, overwrite=args.overwrite)
+    return run_train(
+        args.recipe, args.overrides, resume=args.resume, overwrite=args.overwrite, allow_changes=args.allow_changes,
+        allow_other_files=args.allow_other_files,
+    )  # fmt: skip
+
+
+def _run_launch(args: argparse.Namespace) -> int:
+    from .launch import run_launch
+
+    return run_launch(args.launch_tokens)
 
 
 def _run_ablate(args: argparse.Namespace) -> int:
@@ -294,6 +328,10 @@ def parse_command_line(argv: list[str]) -> tuple[argparse.ArgumentParser, argpar
     parser = build_parser(argv)
     position = next((i for i, token in enumerate(argv) if not token.startswith("-")), None)
     command = argv[position] if position is not None else None
+    if command == "launch":  # accelerate's options, then `train ...`: read by `prorl_trl.launch`
+        args = parser.parse_args(argv[: position + 1])
+        args.launch_tokens = argv[position + 1 :]
+        return parser, args
     if command not in RECIPE_COMMANDS:
         return parser, parser.parse_args(argv)
     own, overrides = split_options(argv[position + 1 :], parser.subcommands[command])

@@ -41,6 +41,7 @@ LAYERS = {
     "prorl_trl.cli": 5,
     "prorl_trl.__main__": 5,
     "prorl_trl.demo": 5,
+    "prorl_trl.launch": 5,  # `prorl-trl launch`: accelerate launch with a clean stop
 }
 
 
