@@ -1,0 +1,704 @@
+"""Does prolonged RL with hard resets help? Four arms x several seeds from one warm start (issue 29).
+
+    python benchmarks/prolonged.py --out runs/prolonged --gpus 4 --per-gpu 4 --time-limit 500 --resume  # GPU; repeat
+                                                   # the same command (10-minute calls) until every run is finished
+    python benchmarks/prolonged.py --out runs/prolonged --report-only   # the report again, from rows + settings.json
+    python benchmarks/prolonged.py --out runs/pilot --pilot --pilot-grid 'task_steps=1-2,1-3;learning_rate=1e-4,3e-5'
+    python benchmarks/prolonged.py --out /tmp/prolonged --smoke                        # CPU, tiny model, < 90 s
+
+1. One warm start for every arm and seed: `learning.py`'s SFT of a ~19M-parameter Qwen2 (byte-level tokenizer) until
+   greedy accuracy `--warm-start-accuracy`, here on a difficulty mix of arithmetic (`--task-steps 1-3` operations on
+   numbers up to `--task-max-value`), saved in `OUT/warm_start` and reused.
+2. Each (arm, seed) is a worker process (`--worker ARM --seed S`), at most `--per-gpu` per GPU (CUDA_VISIBLE_DEVICES
+   round-robin). RL trains a LoRA adapter (`--lora-rank` on `--lora-targets`) on the bf16 warm start with exact
+   resets (`lora_reset_mode="frozen"`), DAPO loss, clip 0.2/0.28, `--prompts-per-step` x `--num-generations`
+   completions per step, the rollout engine on GPU. Arms, all `--steps` long, same data (seed S) and warm start:
+   (a) one_phase: top_p 0.7, T 1.0 throughout; (b) prorl: 4 phases with a hard reset (optimizer and reference) at
+   each boundary, top_p 0.7 -> 0.9 -> 1.0 -> (1.0, T 1.2, twice the group: 2 optimizer steps per generation batch,
+   the prompts per generation batch kept); (c) no_reset: (b)'s phases without resets; (d) plateau: (a) plus
+   `HardResetCallback(on_plateau=--plateau-patience)` on validation pass@1.
+3. Every `--eval-steps`, `ValidationCallback` samples `--val-samples` completions (T 1.0) for `--val-problems` held-out
+   problems: pass@1/8/n, never solved = 1 - pass@n. Workers append every log entry to `OUT/runs/<arm>-s<seed>/
+   rows.jsonl`, checkpoint every `--save-steps` and write `done.json` at the end; `--resume` skips finished runs and
+   continues the others from their latest checkpoint. `--time-limit` (or SIGTERM) stops the workers after their
+   current step, with a checkpoint, and still writes the report: `OUT/prolonged.md`, `prolonged.json`, PNGs.
+`--pilot`: arm (a), one seed, over `--pilot-grid` (any option, `;` between options, `,` between values), to choose the
+task where (a) plateaus: `OUT/pilot.md` (plateaued: gain over the last half <= 2 s.e.).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import math
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from unittest import mock
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import learning  # (also puts the repository root on sys.path, offline environment)
+
+ARMS = {
+    "one_phase": "(a) one phase",
+    "prorl": "(b) 4 phases + hard resets",
+    "no_reset": "(c) 4 phases, no reset",
+    "plateau": "(d) one phase + resets on a plateau",
+}
+PAIRS = (("prorl", "one_phase"), ("prorl", "no_reset"), ("plateau", "one_phase"))
+PILOT_HEADER = (
+    "| setting | start pass@1 | mid | final | best | gain over the last half | plateaued? | final pass@n "
+    "| curve (step:%) |"
+)
+SCHEDULE = ((0.7, 1.0, 1), (0.9, 1.0, 1), (1.0, 1.0, 1), (1.0, 1.2, 2))  # (top_p, temperature, group x) per phase
+ROW_KINDS = (("eval_pass@1", "eval"), ("prorl/phase_start", "start"), ("reward", "train"))  # else "other" (summaries)
+VALIDATION_SEED = 10_000  # one held-out set and one validation sampling seed for every arm and seed
+KEEP = ("entropy", "kl", "grad_norm", "completions/mean_length", "loss", "learning_rate", "step", "clip_ratio/region_mean")
+# two-sided 95% quantiles of Student's t by degrees of freedom; between rows the lower row's (wider: conservative)
+T95 = {**dict(enumerate((12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+                         2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+                         2.052, 2.048, 2.045, 2.042), start=1)), 40: 2.021, 60: 2.000, 120: 1.980}  # fmt: skip
+# option: (GPU default, --smoke default)
+SIZES = {
+    "seeds": ("0,1,2", "0,1"), "steps": (600, 4), "eval_steps": (50, 1), "save_steps": (50, 1),
+    "val_problems": (200, 4), "val_samples": (64, 4), "prompts_per_step": (64, 2), "num_generations": (8, 4),
+    "max_completion_length": (48, 12), "lora_rank": (32, 4), "warmup_steps": (10, 1), "max_sft_steps": (1500, 4),
+    "plateau_patience": (3, 1), "launch": ("subprocess", "inline"),
+}  # fmt: skip
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p.add_argument("--out", required=True, help="output folder (created)")
+    p.add_argument("--seeds", help="comma separated (default 0,1,2; smoke 0,1)")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma separated, from {list(ARMS)}")
+    p.add_argument("--steps", type=int, help="RL optimizer steps per run (default 600; a multiple of 4 x eval steps)")
+    p.add_argument("--gpus", type=int, help="GPUs to spread workers over (default: all visible)")
+    p.add_argument("--per-gpu", type=int, default=4, help="concurrent workers per GPU")
+    p.add_argument("--launch", choices=("subprocess", "inline"), help="workers as processes (default) or in-process")
+    p.add_argument("--time-limit", type=float, help="seconds: then stop workers with a checkpoint and report")
+    p.add_argument("--resume", action="store_true", help="skip finished runs, continue the others from checkpoints")
+    p.add_argument("--report-only", action="store_true", help="rebuild the report from OUT/runs/*/rows.jsonl")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny model and sizes")
+    p.add_argument("--pilot", action="store_true", help="arm one_phase, first seed, over --pilot-grid")
+    p.add_argument("--pilot-grid", default="", help="e.g. 'task_steps=1-2,1-3;learning_rate=1e-4,3e-5'")
+    task = p.add_argument_group("task and warm start")
+    task.add_argument("--task-steps", default="1-3", help="operations per problem, 'low-high'")
+    task.add_argument("--task-max-value", type=int, default=20, help="largest number in a problem")
+    task.add_argument("--warm-start-accuracy", type=float, default=0.3, help="stop SFT at this greedy accuracy")
+    task.add_argument("--max-sft-steps", type=int, help="SFT step cap (default 1500)")
+    rl = p.add_argument_group("RL")
+    rl.add_argument("--learning-rate", type=float, default=1e-4)
+    rl.add_argument("--beta", type=float, default=0.001, help="KL coefficient")
+    rl.add_argument("--lora-rank", type=int, help="LoRA rank (default 32), alpha = 2 x rank")
+    rl.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
+    rl.add_argument("--prompts-per-step", type=int, help="prompts per optimizer step (default 64)")
+    rl.add_argument("--num-generations", type=int, help="group size (default 8; twice that in (b)/(c)'s last phase)")
+    rl.add_argument("--max-completion-length", type=int, help="default 48")
+    rl.add_argument("--warmup-steps", type=int, help="LR warm-up, restarted every phase (default 10)")
+    rl.add_argument("--save-steps", type=int, help="checkpoint every N steps (default 50)")
+    rl.add_argument("--rollout-engine", choices=("on", "off"), default="on", help="GPU: the rollout engine, or generate")
+    rl.add_argument("--plateau-patience", type=int, help="arm (d): evaluations without improvement (default 3)")
+    rl.add_argument("--plateau-min-delta", type=float, default=0.01, help="arm (d): smallest pass@1 improvement")
+    val = p.add_argument_group("validation")
+    val.add_argument("--eval-steps", type=int, help="validate every N steps (default 50)")
+    val.add_argument("--val-problems", type=int, help="held-out problems (default 200)")
+    val.add_argument("--val-samples", type=int, help="samples per problem, the n of pass@k (default 64)")
+    internal = p.add_argument_group("worker (set by the parent)")
+    internal.add_argument("--worker", help="'warm_start' or an arm")
+    internal.add_argument("--seed", type=int, default=0)
+    internal.add_argument("--run-dir")
+    internal.add_argument("--warm-dir")
+    args = p.parse_args(argv)
+    for name, (gpu, smoke) in SIZES.items():
+        if getattr(args, name) is None:
+            setattr(args, name, smoke if args.smoke else gpu)
+    args.seeds = [int(s) for s in str(args.seeds).split(",") if s]
+    args.arms = [arm for arm in args.arms.split(",") if arm]
+    if set(args.arms) - set(ARMS):
+        p.error(f"--arms: choose from {list(ARMS)}")
+    if args.steps % 4 or (args.steps // 4) % args.eval_steps:
+        p.error(f"--steps ({args.steps}) must be 4 phases of a multiple of --eval-steps ({args.eval_steps})")
+    return args
+
+
+def task_of(args) -> dict:
+    low, high = (int(v) for v in args.task_steps.split("-"))
+    return {"num_steps": (low, high), "max_value": args.task_max_value, "max_factor": 3, "style": "expression",
+            "instruction": ""}  # fmt: skip
+
+
+def ks_of(args) -> list[int]:
+    return sorted({1, *(k for k in (8, 64) if k < args.val_samples), args.val_samples})
+
+
+# ----------------------------------------------------------------------------------------------------- statistics
+def mean_se(values) -> tuple[float, float]:
+    """Mean and standard error (sample standard deviation / sqrt(n)); the s.e. is nan for one value."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, math.nan
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+
+
+def t_interval(values) -> tuple[float, float, float]:
+    """(mean, low, high): the 95% confidence interval of the mean, t distribution with n - 1 degrees of freedom."""
+    mean, se = mean_se(values)
+    if len(values) < 2:
+        return mean, math.nan, math.nan
+    t = T95[max(dof for dof in T95 if dof <= len(values) - 1)]
+    return mean, mean - t * se, mean + t * se
+
+
+# ------------------------------------------------------------------------------------------------------- workers
+def device_kwargs(args) -> dict:
+    import torch
+
+    return {"bf16": True} if torch.cuda.is_available() and not args.smoke else {"use_cpu": True, "bf16": False}
+
+
+def device_name(args) -> str:
+    import os
+
+    import torch
+
+    if torch.cuda.is_available() and not args.smoke:
+        return torch.cuda.get_device_name(0)
+    return f"CPU ({os.cpu_count()} cores)"
+
+
+def run_warm_start(args) -> None:
+    """`learning.warm_start` on this study's task mix, into `--warm-dir` (which must be named `warm_start`)."""
+    from prorl_trl.tiny import build_tiny_tokenizer
+
+    warm = Path(args.warm_dir)
+    if (warm / "warm_start.json").is_file():
+        return
+    settings = argparse.Namespace(seed=0, smoke=args.smoke, warm_start_accuracy=args.warm_start_accuracy,
+                                  max_sft_steps=args.max_sft_steps)  # fmt: skip
+    with mock.patch.object(learning, "TASK", task_of(args)):
+        path, seconds, parameters, accuracy = learning.warm_start(
+            settings, build_tiny_tokenizer(), device_kwargs(args), warm.parent
+        )
+    assert path == warm, (path, warm)
+    info = {"seconds": round(seconds, 1), "parameters": parameters, "greedy_accuracy": accuracy, "task": task_of(args)}
+    (warm / "warm_start.json").write_text(json.dumps(info, indent=1))
+
+
+def phases_of(arm: str, args) -> list:
+    from prorl_trl.config import PhaseConfig
+
+    if arm in ("one_phase", "plateau"):
+        return [PhaseConfig(name="single", max_steps=args.steps)]
+    return [
+        PhaseConfig(name=f"phase-{i}", max_steps=args.steps // 4, hard_reset=arm == "prorl" and i > 0, top_p=top_p,
+                    temperature=temperature, num_generations=args.num_generations * group)
+        for i, (top_p, temperature, group) in enumerate(SCHEDULE)
+    ]  # fmt: skip
+
+
+def make_rows_callback(path: Path, attempt: int):
+    """A callback appending every log entry (the keys the report reads) to `path`, one JSON line each, as it goes."""
+    from transformers import TrainerCallback
+
+    started = time.time()
+
+    class Rows(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            row = {k: v for k, v in (logs or {}).items() if k in KEEP or k.startswith(("eval_", "prorl/", "reward"))}
+            row.update(_attempt=attempt, _seconds=round(time.time() - started, 2))
+            with path.open("a") as file:
+                file.write(json.dumps(row) + "\n")
+
+    return Rows()
+
+
+def run_worker(args) -> int:
+    """One (arm, seed) run into `--run-dir`; 0 when finished, 143 when stopped by a signal (checkpoint written)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if args.smoke:  # a tiny model: one thread is fastest, and far faster on a busy machine
+        torch.set_num_threads(1)
+    try:
+        return _run_worker(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_worker(args) -> int:
+    if args.worker == "warm_start":
+        run_warm_start(args)
+        return 0
+    from peft import LoraConfig
+    from transformers.utils import logging as hf_logging
+
+    from prorl_trl.config import ProRLConfig
+    from prorl_trl.data.synthetic import make_arithmetic_dataset
+    from prorl_trl.evaluation.validation import ValidationCallback
+    from prorl_trl.reset.checkpoint import latest_checkpoint
+    from prorl_trl.tiny import build_tiny_tokenizer
+    from prorl_trl.trainer import (
+        HardResetCallback,
+        ProRLTrainer,
+        RunInterrupted,
+        stop_on_signals,
+    )
+    from rewards import get_reward
+
+    hf_logging.set_verbosity_error()
+    run_dir, arm, started = Path(args.run_dir), args.worker, time.time()
+    checkpoint = latest_checkpoint(run_dir / "trainer") if args.resume else None
+    if checkpoint is None:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    earlier = read_jsonl(run_dir / "rows.jsonl")
+    attempt = 1 + max((row["_attempt"] for row in earlier), default=-1)
+    with (run_dir / "attempts.jsonl").open("a") as file:
+        file.write(json.dumps({"attempt": attempt, "resumed_from": str(checkpoint) if checkpoint else None}) + "\n")
+    cuda = device_kwargs(args)["bf16"]
+    task = task_of(args)
+    validation = make_arithmetic_dataset(args.val_problems, seed=VALIDATION_SEED, **task)
+    held_out = set(validation["prompt"])
+    train = make_arithmetic_dataset(256 if args.smoke else max(20000, args.steps * args.prompts_per_step),
+                                    seed=args.seed + 1, **task).filter(lambda row: row["prompt"] not in held_out)  # fmt: skip
+    config = ProRLConfig(
+        output_dir=str(run_dir / "trainer"), phases=phases_of(arm, args), hard_reset_between_phases=arm == "prorl",
+        learning_rate=args.learning_rate, lr_scheduler_type="constant_with_warmup", warmup_steps=args.warmup_steps,
+        per_device_train_batch_size=args.prompts_per_step * args.num_generations,
+        num_generations=args.num_generations, max_completion_length=args.max_completion_length, temperature=1.0,
+        top_p=0.7, beta=args.beta, loss_type="dapo", epsilon=0.2, epsilon_high=0.28, lora_reset_mode="frozen",
+        save_strategy="steps", save_steps=args.save_steps, save_total_limit=2, save_merged_on_reset=False,
+        rollout_engine=cuda and args.rollout_engine == "on", plateau_metric="eval_pass@1", report_to=[], logging_steps=1, disable_tqdm=True,
+        seed=args.seed, model_init_kwargs={"dtype": "bfloat16" if cuda else "float32"}, **device_kwargs(args),
+    )  # fmt: skip
+    callbacks = [
+        ValidationCallback(validation, "boxed_answer", eval_steps=args.eval_steps, num_generations=args.val_samples,
+                           temperature=1.0, max_completion_length=args.max_completion_length, ks=ks_of(args),
+                           batch_size=max(1, 2048 // args.val_samples), at_start=True, seed=VALIDATION_SEED),
+        make_rows_callback(run_dir / "rows.jsonl", attempt),
+    ]  # fmt: skip
+    if arm == "plateau":
+        callbacks.append(HardResetCallback(on_plateau=args.plateau_patience, min_delta=args.plateau_min_delta))
+    targets = args.lora_targets.split(",")
+    trainer = ProRLTrainer(
+        model=args.warm_dir, reward_funcs=[get_reward("boxed_answer")], args=config, train_dataset=train,
+        processing_class=build_tiny_tokenizer(), callbacks=callbacks,
+        peft_config=LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules=targets),
+    )  # fmt: skip
+    try:
+        with stop_on_signals(trainer):
+            trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+    except RunInterrupted as stop:
+        print(f"[{run_dir.name}] {stop}", flush=True)
+        return 143
+    earlier_seconds = sum(attempt_seconds(earlier).values())
+    done = {"arm": arm, "seed": args.seed, "device": device_name(args), "steps": trainer.prorl_global_step,
+            "seconds": round(earlier_seconds + time.time() - started, 1), "attempts": attempt + 1,
+            "rollout_engine": getattr(trainer, "rollout_engine", None) is not None}  # fmt: skip
+    (run_dir / "done.json").write_text(json.dumps(done, indent=1))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------ the parent
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    lines = path.read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip() and line.rstrip().endswith("}")]  # a cut last line
+
+
+def attempt_seconds(rows: list[dict]) -> dict[int, float]:
+    seconds = defaultdict(float)
+    for row in rows:
+        seconds[row["_attempt"]] = max(seconds[row["_attempt"]], row["_seconds"])
+    return seconds
+
+
+def read_rows(path: Path) -> list[dict]:
+    """rows.jsonl in step order, one row per (kind, phase, step): a resumed attempt's row replaces the earlier one."""
+    kept = {}
+    for row in read_jsonl(path):
+        kind = next((kind for key, kind in ROW_KINDS if key in row), "other")
+        key = (kind, row.get("prorl/phase"), row.get("prorl/global_step"))
+        kept.pop(key, None)
+        kept[key] = row
+    return sorted(kept.values(), key=lambda row: row.get("prorl/global_step", 0))
+
+
+def reset_steps(rows: list[dict]) -> list[float]:
+    """The step after which each hard reset happened: the last step logged before `prorl/resets` reached k."""
+    total = max((row.get("prorl/resets", 0) for row in rows), default=0)
+    return [
+        max(row["prorl/global_step"] for row in rows if row.get("prorl/resets", 0) < k) for k in range(1, total + 1)
+    ]
+
+
+def worker_argv(argv: list[str], worker: str, seed: int, run_dir: Path | None, warm: Path, extra=()) -> list[str]:
+    tail = ["--worker", worker, "--seed", str(seed), "--warm-dir", str(warm)]
+    return [*argv, *extra, *tail, *(["--run-dir", str(run_dir)] if run_dir else [])]
+
+
+def run_jobs(args, jobs: list[tuple[str, list[str]]], deadline: float) -> None:
+    """Run `(name, argv)` jobs: in-process one after another, or as processes, at most `--per-gpu` per GPU. At the
+    deadline or on SIGTERM/SIGINT, workers get SIGTERM (they finish their step and checkpoint); no new job starts."""
+    if args.launch == "inline":
+        for name, job in jobs:
+            if time.time() < deadline:
+                print(f"[prolonged] {name}", flush=True)
+                run_worker(parse_args(job))
+        return
+    import os
+
+    import torch
+
+    gpus = args.gpus or max(torch.cuda.device_count(), 1)
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()] or list(range(gpus))
+    threads = max(1, (os.cpu_count() or 1) // (gpus * args.per_gpu))  # CPU threads shared fairly
+    stopping, stop_sent = [], None
+    handlers = {s: signal.signal(s, lambda *_: stopping.append(1)) for s in (signal.SIGTERM, signal.SIGINT)}
+    pending, running = list(jobs), {}
+    try:
+        while pending or running:
+            for process in [p for p in running if p.poll() is not None]:
+                name, gpu = running.pop(process)
+                print(f"[prolonged] {name} ended (exit {process.returncode}) on GPU {gpu}", flush=True)
+            if (stopping or time.time() >= deadline) and stop_sent is None:
+                print(f"[prolonged] stopping: {len(running)} run(s) checkpoint, {len(pending)} not started", flush=True)
+                pending, stop_sent = [], time.time()
+                for process in running:
+                    process.send_signal(signal.SIGTERM)
+            if stop_sent is not None and time.time() - stop_sent > 180:  # a worker that does not stop
+                for process in running:
+                    process.kill()
+            while pending and len(running) < gpus * args.per_gpu:
+                load = [sum(g == gpu for _, g in running.values()) for gpu in range(gpus)]
+                gpu = load.index(min(load))
+                name, job = pending.pop(0)
+                env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(visible[gpu]), "OMP_NUM_THREADS": str(threads)}
+                with (Path(args.out) / "logs" / f"{name}.log").open("a") as log:
+                    process = subprocess.Popen([sys.executable, __file__, *job], stdout=log, stderr=subprocess.STDOUT,
+                                               env=env)  # fmt: skip
+                running[process] = (name, gpu)
+                print(f"[prolonged] {name} started on GPU {gpu}", flush=True)
+            time.sleep(0.5)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def main(argv: list[str] | None = None) -> dict | int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.worker:
+        return run_worker(args)
+    out = Path(args.out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    deadline = time.time() + (args.time_limit or math.inf)
+    if args.pilot:
+        return run_pilot(args, argv, out, deadline)
+    if not args.report_only:
+        (out / "settings.json").write_text(json.dumps(vars(args), indent=1))  # what --report-only reports
+        warm = out / "warm_start"
+        if not (warm / "warm_start.json").is_file():
+            run_jobs(args, [("warm_start", worker_argv(argv, "warm_start", 0, None, warm))], deadline)
+        jobs = []
+        for seed, arm in itertools.product(args.seeds, args.arms):
+            run_dir = out / "runs" / f"{arm}-s{seed}"
+            if not (args.resume and (run_dir / "done.json").is_file()):
+                jobs.append((run_dir.name, worker_argv(argv, arm, seed, run_dir, warm)))
+        if (warm / "warm_start.json").is_file():
+            run_jobs(args, jobs, deadline)
+    return write_report(args, out)
+
+
+def run_pilot(args, argv: list[str], out: Path, deadline: float) -> dict:
+    """Arm (a), the first seed, for every combination of `--pilot-grid`; one warm start per task."""
+    grid = [part.split("=", 1) for part in args.pilot_grid.split(";") if part.strip()]
+    warms, runs, settings = {}, [], []
+    for combination in itertools.product(*[[(key.strip(), v) for v in values.split(",")] for key, values in grid]):
+        extra = [item for key, value in combination for item in (f"--{key.replace('_', '-')}", value)]
+        name = "_".join(f"{key}-{value}" for key, value in combination) or "base"
+        setting = parse_args([*argv, *extra])
+        task = f"task-{setting.task_steps}-max{setting.task_max_value}-acc{setting.warm_start_accuracy:g}"
+        warm = out / "pilot" / task / "warm_start"
+        warms[warm] = (f"warm_start-{warm.parent.name}", worker_argv(argv, "warm_start", 0, None, warm, extra))
+        run_dir = out / "pilot" / name
+        settings.append((name, setting, run_dir))
+        if not (args.resume and (run_dir / "done.json").is_file()):
+            runs.append((name, worker_argv(argv, "one_phase", args.seeds[0], run_dir, warm, extra)))
+    if not args.report_only:
+        run_jobs(args, [job for warm, job in warms.items() if not (warm / "warm_start.json").is_file()], deadline)
+        run_jobs(args, runs, deadline)
+    rows, curves = [], {}
+    for name, setting, run_dir in settings:
+        evals = [row for row in read_rows(run_dir / "rows.jsonl") if "eval_pass@1" in row]
+        if not evals:
+            rows.append(f"| {name} | not run |" + " |" * 7)
+            continue
+        steps, values = [row["prorl/global_step"] for row in evals], [row["eval_pass@1"] for row in evals]
+        curves[name] = (steps, values)
+        middle = min(range(len(steps)), key=lambda i: abs(steps[i] - steps[-1] / 2))
+        gain = values[-1] - values[middle]
+        two_se = learning.two_standard_errors(values[-1], values[middle], setting.val_problems)
+        n = ks_of(setting)[-1]
+        plateau = "yes" if gain <= two_se else "no"
+        finished = "" if (run_dir / "done.json").is_file() else " (unfinished)"
+        curve = " ".join(f"{step}:{100 * v:.0f}" for step, v in zip(steps, values))
+        rows.append(f"| {name}{finished} | {100 * values[0]:.1f} | {100 * values[middle]:.1f} (step {steps[middle]}) "
+                    f"| {100 * values[-1]:.1f} (step {steps[-1]}) | {100 * max(values):.1f} | {100 * gain:+.1f} "
+                    f"(2 s.e. {100 * two_se:.1f}) | {plateau} | {100 * evals[-1][f'eval_pass@{n}']:.1f} (n={n}) "
+                    f"| {curve} |")  # fmt: skip
+    lines = [f"# Pilot: arm (a), seed {args.seeds[0]}, {args.steps} steps ({datetime.date.today()})", "",
+             PILOT_HEADER, "| --- " * 9 + "|", *rows]  # fmt: skip
+    (out / "pilot.md").write_text("\n".join(lines) + "\n")
+    pilot = {"grid": args.pilot_grid, "settings": [name for name, _, _ in settings], "curves": curves}
+    (out / "pilot.json").write_text(json.dumps(pilot, indent=1))
+    if curves:
+        plot_lines(out / "pilot.png", "Pilot: validation pass@1 of arm (a)", "pass@1",
+                   {name: [curve] for name, curve in curves.items()})  # fmt: skip
+    print("\n".join(lines))
+    return {"curves": curves}
+
+
+# ------------------------------------------------------------------------------------------------------ the report
+def load_runs(out: Path) -> list[dict]:
+    runs = []
+    for folder in sorted((out / "runs").glob("*-s*")):
+        arm, _, seed = folder.name.rpartition("-s")
+        rows = read_rows(folder / "rows.jsonl")
+        done = json.loads((folder / "done.json").read_text()) if (folder / "done.json").is_file() else None
+        seconds = done["seconds"] if done else sum(attempt_seconds(read_jsonl(folder / "rows.jsonl")).values())
+        runs.append({"arm": arm, "seed": int(seed), "done": done, "rows": rows, "resets": reset_steps(rows),
+                     "evals": [row for row in rows if "eval_pass@1" in row], "seconds": seconds})  # fmt: skip
+    return sorted(
+        (run for run in runs if run["arm"] in ARMS), key=lambda run: (list(ARMS).index(run["arm"]), run["seed"])
+    )
+
+
+def pct(values) -> str:
+    if not values:
+        return "-"
+    mean, se = mean_se(values)
+    return f"{100 * mean:.1f}" + ("" if math.isnan(se) else f" ± {100 * se:.1f}")
+
+
+def write_report(args, out: Path) -> dict:
+    if args.report_only and (out / "settings.json").is_file():
+        args = argparse.Namespace(**json.loads((out / "settings.json").read_text()))
+    runs = load_runs(out)
+    ks = ks_of(args)
+    n = ks[-1]
+    if not (out / "warm_start" / "warm_start.json").is_file():
+        raise SystemExit(f"No warm start in {out / 'warm_start'}: see {out / 'logs' / 'warm_start.log'}.")
+    warm = json.loads((out / "warm_start" / "warm_start.json").read_text())
+    for run in runs:  # final and best of finished runs
+        if run["done"] and run["evals"]:
+            run["final"] = {k: run["evals"][-1][f"eval_pass@{k}"] for k in ks}
+            run["best"] = {k: max(row[f"eval_pass@{k}"] for row in run["evals"]) for k in ks}
+    finished = {arm: [run for run in runs if run["arm"] == arm and "final" in run] for arm in ARMS}
+    devices = sorted({run["done"]["device"] for run in runs if run["done"]}) or ["(no finished run)"]
+    header = "| arm | runs finished | " + " | ".join(f"final pass@{k} | best pass@{k}" for k in ks)
+    lines = [
+        f"# Prolonged RL with hard resets: {len(args.arms)} arms x {len(args.seeds)} seeds (issue 29)", "",
+        f"{', '.join(devices)}; {datetime.date.today()}{' (smoke)' if args.smoke else ''}.", "",
+        settings_text(args, warm, "CPU" in devices[0], n), "",
+        "## Results (%, mean ± s.e. across seeds)", "",
+        f"{header} | never solved (1 - pass@{n}) | wall per run (s) |",
+        "| --- " * (3 + 2 * len(ks)) + "| --- |",
+    ]  # fmt: skip
+    summary = {}
+    for arm, done in finished.items():
+        if arm not in args.arms:
+            continue
+        seconds = [run["seconds"] for run in done]
+        summary[arm] = {f"{which}_pass@{k}": mean_se([run[which][k] for run in done]) for which in ("final", "best")
+                        for k in ks} if done else {}  # fmt: skip
+        cells = [f"{pct([run['final'][k] for run in done])} | {pct([run['best'][k] for run in done])}" for k in ks]
+        never = pct([1 - run["final"][n] for run in done]) if done else "-"
+        wall = f"{sum(seconds) / len(seconds):.0f}" if seconds else "-"
+        row = " | ".join(cells) if done else " | ".join(["-"] * 2 * len(ks))
+        lines.append(f"| {ARMS[arm]} | {len(done)} of {len(args.seeds)} | {row} | {never} | {wall} |")
+    engine = sum(bool(run["done"].get("rollout_engine")) for run in runs if run["done"])
+    note = (
+        "Best is the maximum over the validations of a run (biased upward by validation noise). Wall: one run, with "
+        f"up to {args.per_gpu} runs sharing a GPU; the rollout engine generated in {engine} of "
+        f"{sum(bool(run['done']) for run in runs)} finished runs."
+    )
+    lines += ["", note, "",
+              "## Paired differences (final, points; 95% CI, t with n - 1 degrees of freedom)", ""]  # fmt: skip
+    pairs = {}
+    for x, y in [(x, y) for x, y in PAIRS if {x, y} <= set(args.arms)]:
+        by_seed = {run["seed"]: run for run in finished[y]}
+        pairs_xy = [(run["seed"], run, by_seed[run["seed"]]) for run in finished[x] if run["seed"] in by_seed]
+        for k in ks:
+            diffs = [a["final"][k] - b["final"][k] for _, a, b in pairs_xy]
+            label = f"{ARMS[x][:3]} - {ARMS[y][:3]} pass@{k}"
+            if not diffs:
+                lines.append(f"- {label}: no seed with both runs finished")
+                continue
+            mean, low, high = t_interval(diffs)
+            pairs[f"{x}-{y}@{k}"] = {"mean": mean, "ci95": [low, high], "per_seed": diffs}
+            per_seed = ", ".join(f"s{seed} {100 * d:+.1f}" for (seed, _, _), d in zip(pairs_xy, diffs))
+            ci = "n/a" if math.isnan(low) else f"[{100 * low:+.1f}, {100 * high:+.1f}]"
+            lines.append(f"- {label}: {100 * mean:+.1f} pts, 95% CI {ci} (n={len(diffs)}); per seed: {per_seed}")
+    lines += ["", *common_step_lines(args, runs, ks)]
+    lines += ["", "## Plateau of arm (a)", "", *plateau_lines(args, finished["one_phase"]), "",
+              "## Hard resets (global step after which each happened)", ""]  # fmt: skip
+    for run in runs:
+        last = max((row["prorl/global_step"] for row in run["rows"]), default=0)
+        state = "" if run["done"] else f" (unfinished, last step {last})"
+        lines.append(f"- {ARMS[run['arm']]} s{run['seed']}{state}: {', '.join(map(str, run['resets'])) or 'none'}")
+    plots = write_plots(args, out, runs, n)
+    lines += ["", "## Plots", "", *[f"![{path.stem}]({path.name})" for path in plots]]
+    (out / "prolonged.md").write_text("\n".join(lines) + "\n")
+    result = {
+        "devices": devices, "date": str(datetime.date.today()), "warm_start": warm, "summary": summary,
+        "pairs": pairs, "plots": [p.name for p in plots],
+        "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "seed", "run_dir", "warm_dir")},
+        "runs": [{"arm": r["arm"], "seed": r["seed"], "finished": bool(r["done"]), "seconds": r["seconds"],
+                  "resets": r["resets"], "final": r.get("final"), "best": r.get("best"),
+                  "curves": {f"pass@{k}": ([e["prorl/global_step"] for e in r["evals"]],
+                                           [e[f"eval_pass@{k}"] for e in r["evals"]]) for k in ks}} for r in runs],
+    }  # fmt: skip
+    (out / "prolonged.json").write_text(json.dumps(result, indent=1))
+    print("\n".join(lines))
+    return result
+
+
+def common_step_lines(args, runs: list[dict], ks: list[int]) -> list[str]:
+    """Every run (finished or cut off) at the last validation step all of them reached: per-arm mean ± s.e. and the
+    paired differences there, so arms compare at equal steps even when a time limit cut some runs short."""
+    evaluated = [run for run in runs if run["evals"] and run["arm"] in args.arms]
+    if not evaluated:
+        return []
+    common = min(run["evals"][-1]["prorl/global_step"] for run in evaluated)
+    at = {(run["arm"], run["seed"]): next(row for row in run["evals"] if row["prorl/global_step"] == common)
+          for run in evaluated}  # fmt: skip
+    lines = [f"## At step {common}, the last validation every run reached (%, mean ± s.e. across seeds)", "",
+             "| arm | runs | " + " | ".join(f"pass@{k}" for k in ks) + " |", "| --- " * (2 + len(ks)) + "|"]  # fmt: skip
+    for arm in [arm for arm in ARMS if arm in args.arms]:
+        rows = [row for (name, _), row in at.items() if name == arm]
+        lines.append(f"| {ARMS[arm]} | {len(rows)} | " + " | ".join(pct([r[f"eval_pass@{k}"] for r in rows]) for k in ks)
+                     + " |")  # fmt: skip
+    lines += ["", f"Paired differences at step {common} (points; 95% CI, t with n - 1 degrees of freedom):", ""]
+    for x, y in [(x, y) for x, y in PAIRS if {x, y} <= set(args.arms)]:
+        seeds = sorted(seed for arm, seed in at if arm == x and (y, seed) in at)
+        for k in ks:
+            diffs = [at[(x, seed)][f"eval_pass@{k}"] - at[(y, seed)][f"eval_pass@{k}"] for seed in seeds]
+            if not diffs:
+                continue
+            mean, low, high = t_interval(diffs)
+            ci = "n/a" if math.isnan(low) else f"[{100 * low:+.1f}, {100 * high:+.1f}]"
+            per_seed = ", ".join(f"s{seed} {100 * d:+.1f}" for seed, d in zip(seeds, diffs))
+            lines.append(f"- {ARMS[x][:3]} - {ARMS[y][:3]} pass@{k}: {100 * mean:+.1f} pts, 95% CI {ci} "
+                         f"(n={len(diffs)}); per seed: {per_seed}")  # fmt: skip
+    return lines
+
+
+def settings_text(args, warm: dict, cpu: bool, n: int) -> str:
+    return (
+        f"Warm start (the same for every arm and seed): {warm['parameters'] / 1e6:.1f}M-parameter Qwen2, greedy "
+        f"accuracy {warm['greedy_accuracy']:.1%} after {warm['seconds']:.0f} s of SFT. Task: arithmetic, "
+        f"{args.task_steps} operations on numbers up to {args.task_max_value}. {args.steps} RL steps of "
+        f"{args.prompts_per_step} prompts x {args.num_generations} completions (at most {args.max_completion_length} "
+        f"tokens); LoRA r{args.lora_rank} (alpha {2 * args.lora_rank}) on {args.lora_targets} over the "
+        f"{'float32' if cpu else 'bf16'} warm start, exact (frozen) resets; lr {args.learning_rate:g} (constant, "
+        f"{args.warmup_steps} warm-up steps per phase), beta {args.beta:g}, DAPO loss, clip 0.2/0.28. (b), (c): "
+        f"phases of {args.steps // 4} steps, top_p 0.7 -> 0.9 -> 1.0 -> 1.0 with T 1.2 and twice the group (the "
+        "prompts per generation batch kept: 2 optimizer steps per generation batch); (b) hard-resets (adapter, "
+        f"optimizer, reference) at each boundary. (d): a reset after {args.plateau_patience} validations without a "
+        f"{100 * args.plateau_min_delta:g}-point pass@1 gain. Validation every {args.eval_steps} steps: "
+        f"{args.val_problems} held-out problems x {n} samples at T 1.0 (one sampling seed for all runs). Data: seed S "
+        "gives every arm the same problems, in the same order for phase 0 and for all of (a) and (d)."
+    )
+
+
+def plateau_lines(args, runs: list[dict]) -> list[str]:
+    """Per seed: pass@1 gain over the last half of the steps and the first step within 1 point of its best."""
+    if not runs:
+        return ["No finished run of arm (a)."]
+    gains, lines = [], []
+    for run in runs:
+        steps = [row["prorl/global_step"] for row in run["evals"]]
+        values = [row["eval_pass@1"] for row in run["evals"]]
+        middle = min(range(len(steps)), key=lambda i: abs(steps[i] - args.steps / 2))
+        gains.append(values[-1] - values[middle])
+        near = next(step for step, value in zip(steps, values) if value >= max(values) - 0.01)
+        two_se = learning.two_standard_errors(values[-1], values[middle], args.val_problems)
+        lines.append(f"- s{run['seed']}: pass@1 {100 * values[middle]:.1f} at step {steps[middle]} -> "
+                     f"{100 * values[-1]:.1f} at step {steps[-1]} ({100 * gains[-1]:+.1f} pts, 2 s.e. {100 * two_se:.1f});"
+                     f" within 1 point of its best ({100 * max(values):.1f}) from step {near}")  # fmt: skip
+    mean, low, high = t_interval(gains)
+    ci = "" if math.isnan(low) else f", 95% CI [{100 * low:+.1f}, {100 * high:+.1f}]"
+    return [f"Gain over the last half: {100 * mean:+.1f} pts{ci} (n={len(gains)}).", "", *lines]
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    return [sum(values[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
+
+
+def plot_lines(path: Path, title: str, ylabel: str, groups: dict, marks: dict | None = None, window: int = 1) -> Path:
+    """One color per group: a thin line per member curve, a thick line for their mean per step; `marks` are vertical
+    lines (group -> steps; the key None for grey dashed phase boundaries)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for index, (label, curves) in enumerate(groups.items()):
+        color, by_step = f"C{index}", defaultdict(list)
+        for steps, values in curves:
+            axis.plot(steps, moving_average(values, window), color=color, alpha=0.35, linewidth=0.7)
+            for step, value in zip(steps, values):
+                by_step[step].append(value)
+        steps = sorted(by_step)
+        means = moving_average([sum(by_step[s]) / len(by_step[s]) for s in steps], window)
+        axis.plot(steps, means, color=color, linewidth=2, label=f"{label} (n={len(curves)})")
+        for step in sorted(set((marks or {}).get(label, []))):
+            axis.axvline(step, color=color, linestyle=":", linewidth=1, alpha=0.7)
+    for step in (marks or {}).get(None, []):
+        axis.axvline(step, color="grey", linestyle="--", linewidth=1)
+    axis.set(title=title, xlabel="optimizer step", ylabel=ylabel)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def write_plots(args, out: Path, runs: list[dict], n: int) -> list[Path]:
+    """pass@1, pass@n, entropy, KL, length against step; resets dotted (arm color), phase boundaries grey dashed."""
+    from prorl_trl.plots import series
+
+    arms = [arm for arm in ARMS if any(run["arm"] == arm for run in runs)]
+    marks = {ARMS[arm]: [s for run in runs if run["arm"] == arm for s in run["resets"]] for arm in arms}
+    if {"prorl", "no_reset"} & set(arms):
+        marks[None] = [args.steps // 4 * i for i in (1, 2, 3)]
+    window = max(1, args.steps // 60)
+    figures = (("pass1", "eval_pass@1", "Validation pass@1", 1), (f"pass{n}", f"eval_pass@{n}",
+               f"Validation pass@{n}", 1), ("entropy", "entropy", "Policy entropy (nats/token)", window),
+               ("kl", "kl", "KL to the reference", window),
+               ("length", "completions/mean_length", "Mean completion length (tokens)", window))  # fmt: skip
+    written = []
+    for stem, key, title, smooth in figures:
+        groups = {ARMS[arm]: [series(run["rows"], (key,)) for run in runs if run["arm"] == arm] for arm in arms}
+        groups = {label: [c for c in curves if c[0]] for label, curves in groups.items()}
+        if any(groups.values()):
+            groups = {label: curves for label, curves in groups.items() if curves}
+            written.append(plot_lines(out / f"{stem}.png", title, key, groups, marks, smooth))
+    return written
+
+
+if __name__ == "__main__":
+    result = main()
+    sys.exit(result if isinstance(result, int) else 0)

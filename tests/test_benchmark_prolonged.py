@@ -1,0 +1,91 @@
+"""benchmarks/prolonged.py (issue 29): its statistics against hand-computed values, how it reads rows written by a
+resumed run, and its CPU smoke end to end: four arms x two seeds in-process, then `--resume` continuing one run from a
+checkpoint in a worker process without touching the others."""
+
+import json
+import math
+import shutil
+
+import pytest
+from _benchmarks import load_benchmark
+
+prolonged = load_benchmark("prolonged")
+
+
+def test_mean_standard_error_and_t_interval_match_hand_computed_values():
+    assert prolonged.mean_se([1.0, 2.0, 3.0]) == pytest.approx((2.0, 1 / math.sqrt(3)))  # sd 1, n 3
+    mean, low, high = prolonged.t_interval([1.0, 2.0, 3.0])  # t(2 dof) = 4.303
+    assert (mean, low, high) == pytest.approx((2.0, 2 - 4.303 / math.sqrt(3), 2 + 4.303 / math.sqrt(3)))
+    assert prolonged.t_interval([0.1, 0.3]) == pytest.approx((0.2, 0.2 - 1.2706, 0.2 + 1.2706))  # se 0.1, t(1) 12.706
+    assert prolonged.t_interval([0.0, 0.0, 0.0, 0.0]) == (0.0, 0.0, 0.0)
+    mean, se = prolonged.mean_se([0.5])
+    assert mean == 0.5 and math.isnan(se) and math.isnan(prolonged.t_interval([0.5])[1])
+    values = [float(i % 2) for i in range(50)]  # 49 dof: the 40-dof quantile, 2.021 (conservative)
+    mean, low, _ = prolonged.t_interval(values)
+    assert mean - low == pytest.approx(2.021 * prolonged.mean_se(values)[1])
+
+
+def test_rows_of_a_resumed_run_keep_the_last_attempt_and_resets_sit_after_their_step(tmp_path):
+    rows = [
+        {"eval_pass@1": 0.1, "prorl/phase": 0, "prorl/resets": 0, "prorl/global_step": 0, "_attempt": 0, "_seconds": 1},
+        {"reward": 0.0, "prorl/phase": 0, "prorl/resets": 0, "prorl/global_step": 1, "_attempt": 0, "_seconds": 2},
+        {"train_runtime": 3.0, "prorl/phase": 0, "prorl/resets": 0, "prorl/global_step": 1, "_attempt": 0, "_seconds": 3},
+        {"reward": 0.5, "prorl/phase": 0, "prorl/resets": 0, "prorl/global_step": 2, "_attempt": 0, "_seconds": 4},
+        {"reward": 0.6, "prorl/phase": 0, "prorl/resets": 0, "prorl/global_step": 2, "_attempt": 1, "_seconds": 1},
+        {"prorl/phase_start": 1, "prorl/phase": 1, "prorl/resets": 1, "prorl/global_step": 2, "_attempt": 1, "_seconds": 2},
+        {"reward": 0.7, "prorl/phase": 1, "prorl/resets": 1, "prorl/global_step": 3, "_attempt": 1, "_seconds": 5},
+    ]  # fmt: skip
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"reward": 0.8, "prorl/gl')  # cut last line
+    kept = prolonged.read_rows(path)
+    assert [row.get("reward") for row in kept if "reward" in row] == [0.0, 0.6, 0.7]
+    assert any("train_runtime" in row for row in kept)  # a phase's summary entry does not replace its last step
+    assert prolonged.reset_steps(kept) == [2]
+    assert prolonged.attempt_seconds(prolonged.read_jsonl(path)) == {0: 4, 1: 5}
+
+
+def test_smoke_runs_four_arms_and_resume_continues_one_run_from_a_checkpoint(tmp_path):
+    result = prolonged.main(["--smoke", "--out", str(tmp_path)])
+    report = (tmp_path / "prolonged.md").read_text()
+    for label in prolonged.ARMS.values():
+        assert f"| {label} | 2 of 2 |" in report
+    for pair in ("(b) - (a) pass@1", "(b) - (c) pass@1", "(d) - (a) pass@1", "(b) - (a) pass@4"):
+        assert f"- {pair}: " in report and "95% CI [" in report.split(f"- {pair}: ")[1].splitlines()[0]
+    assert "## Plateau of arm (a)" in report and "Gain over the last half" in report
+    runs = {f"{arm}-s{seed}" for arm in prolonged.ARMS for seed in (0, 1)}
+    assert {p.parent.name for p in (tmp_path / "runs").glob("*/rows.jsonl")} == runs
+    assert all((tmp_path / "runs" / run / "done.json").is_file() for run in runs)
+    assert {p.name for p in tmp_path.glob("*.png")} >= {"pass1.png", "pass4.png", "entropy.png", "kl.png"}
+    resets = {(run["arm"], run["seed"]): run["resets"] for run in result["runs"]}
+    assert resets[("prorl", 0)] == [1, 2, 3] and resets[("no_reset", 0)] == [] and resets[("one_phase", 0)] == []
+    assert resets[("plateau", 0)], "smoke patience 1: pass@1 stays flat, so the plateau rule resets"
+    assert set(result["pairs"]) >= {"prorl-one_phase@1", "prorl-no_reset@4", "plateau-one_phase@1"}
+
+    # Cut one run short: no done.json, and its last phase's checkpoint gone, so it resumes from phase 2's.
+    cut = tmp_path / "runs" / "prorl-s1"
+    (cut / "done.json").unlink()
+    shutil.rmtree(cut / "trainer" / "phase-3")
+    others = {run: (tmp_path / "runs" / run / "done.json").stat().st_mtime_ns for run in runs - {cut.name}}
+    prolonged.main(["--smoke", "--out", str(tmp_path), "--resume", "--launch", "subprocess", "--gpus", "1"])
+    assert (cut / "done.json").is_file(), (tmp_path / "logs" / "prorl-s1.log").read_text()[-3000:]
+    attempts = prolonged.read_jsonl(cut / "attempts.jsonl")
+    assert len(attempts) == 2 and attempts[1]["resumed_from"].endswith("phase-2/checkpoint-1")
+    assert json.loads((cut / "done.json").read_text())["attempts"] == 2
+    for run, mtime in others.items():  # not re-run
+        assert (tmp_path / "runs" / run / "done.json").stat().st_mtime_ns == mtime
+        assert len(prolonged.read_jsonl(tmp_path / "runs" / run / "attempts.jsonl")) == 1
+    evals = [row["prorl/global_step"] for row in prolonged.read_rows(cut / "rows.jsonl") if "eval_pass@1" in row]
+    assert evals == [0, 1, 2, 3, 4]  # the re-run step's rows replace the first attempt's
+    assert "| (b) 4 phases + hard resets | 2 of 2 |" in (tmp_path / "prolonged.md").read_text()
+
+
+def test_pilot_runs_arm_a_per_grid_point_with_one_warm_start_per_task(tmp_path):
+    """`--pilot`: one run of arm (a) per combination of `--pilot-grid`; the two learning rates share a task and so
+    its warm start; `pilot.md` has a row with a pass@1 curve and a plateau verdict per setting."""
+    grid = "task_steps=1-2;learning_rate=1e-4,3e-5"
+    result = prolonged.main(["--smoke", "--out", str(tmp_path), "--pilot", "--pilot-grid", grid, "--steps", "4"])
+    assert set(result["curves"]) == {"task_steps-1-2_learning_rate-1e-4", "task_steps-1-2_learning_rate-3e-5"}
+    assert [p.parent.name for p in (tmp_path / "pilot").glob("*/warm_start")] == ["task-1-2-max20-acc0.3"]
+    rows = [line for line in (tmp_path / "pilot.md").read_text().splitlines() if line.startswith("| task_steps")]
+    assert len(rows) == 2 and all("| 0:" in row and ("| yes |" in row or "| no |" in row) for row in rows)
+    assert (tmp_path / "pilot.png").is_file()
