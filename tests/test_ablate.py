@@ -39,7 +39,8 @@ def ablation(tiny_dir, shared_data, tmp_path_factory):
     variants = {
         "rank4": {},
         "rank2": {"peft.r": 2, "rewards": [{"name": "boxed_answer"}, {"name": "think_answer_format", "weight": 0.5}]},
-        "broken": {"data.max_prompt_tokens": 1},  # valid recipe, but every prompt is filtered out at run time
+        # a valid recipe that fails at run time: validate does not reach the hub (reported unchecked), train is offline
+        "broken": {"data.source": "hub-org/no-such-dataset"},
     }
     grid = write_grid(tmp_path, tiny_dir, shared_data, variants)
     code = main(["ablate", str(grid), "--parallel", "2"])
@@ -66,7 +67,7 @@ def test_table_has_metric_and_reward_means_and_survives_a_failure(ablation):
     markdown = (out / "summary.md").read_text()
     assert "| rank2 | done |" in markdown and "eval_pass@1" in markdown
     log = (out / "logs" / "broken.log").read_text()
-    assert "no rows left: all 32 prompts are longer than data.max_prompt_tokens = 1" in log and "Traceback" not in log
+    assert "hub-org/no-such-dataset [train]: cannot be loaded" in log and "Traceback" not in log
 
 
 def test_rerun_skips_finished_variants(ablation, capsys):
@@ -132,3 +133,20 @@ def test_shipped_ablation_grid_validates(capsys):
     grid = str(REPO / "recipes" / "ablations" / "qwen3_0.6b_rewards.yaml")
     assert main(["ablate", grid, "--validate-only", "--no-machine-checks"]) == 0  # a GPU grid (bf16)
     assert "8 variants" in capsys.readouterr().out
+
+
+def test_a_problem_every_variant_shares_is_listed_once_with_the_right_command(capsys):
+    """Issue 30: `ablate --validate-only` on a GPU grid without a GPU said the bf16 problem once per variant and
+    pointed to `prorl-trl validate`; now once, for all variants, with the ablate command that checks the grid."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("bf16 is valid on this machine's GPU")
+    grid = str(REPO / "recipes" / "ablations" / "qwen3_0.6b_rewards.yaml")
+    assert main(["ablate", grid, "--validate-only"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("training.bf16 = True") == 1 and "(1 problem)" in err, err
+    assert f"{grid}: (all 8 variants): training.bf16 = True: needs a CUDA GPU" in err
+    hint = "hint: to check a recipe meant for another machine (precision switches not tested here): "
+    assert f"{hint}prorl-trl ablate {grid} --validate-only --no-machine-checks" in err
+    assert "prorl-trl validate" not in err
