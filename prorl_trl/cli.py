@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +37,7 @@ PLUGGED_COMMANDS = {
     "demo": ("prorl_trl.demo", "add_demo_arguments", "run_demo", "offline demo: tiny model, synthetic task, report"),
     "eval": ("prorl_trl.evaluation.cli", "add_eval_arguments", "run_eval", "sample, grade and report pass@k"),
     "distill": ("prorl_trl.distill.cli", "add_distill_arguments", "run_distill", "distil a teacher into a tiny model"),
+    "convert": ("prorl_trl.recipe.translate", "add_convert_arguments", "run_convert", "open-r1/TRL config to recipe"),
 }
 RECIPE_COMMANDS = ("train", "validate")
 
@@ -269,19 +271,20 @@ def _add_ablate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_validate(args: argparse.Namespace) -> int:
     from .recipe.changes import resume_changes
-    from .recipe.load import load_recipe
+    from .recipe.checks import other_machine_hint
     from .recipe.output_folder import plan_start, run_writes
-    from .recipe.preflight import Launch, preflight, read_launch_config
+    from .recipe.preflight import Launch, check_everything, read_launch_config
     from .recipe.run import describe_recipe
 
     launch = read_launch_config(args.launch_config) if args.launch_config else None
-    world_size = args.num_processes or (launch.num_processes if launch else None)
+    world_size = args.num_processes or (launch.num_processes if launch else None) or 1
     machine = not args.no_machine_checks
-    recipe = load_recipe(args.recipe, args.overrides, world_size=world_size, dry=not machine)
-    world_size = world_size or 1
-    problems = preflight(recipe, world_size=world_size, machine=machine, launch=launch or Launch(world_size))
+    recipe, problems, skipped = check_everything(  # every stage that can run, in one pass
+        args.recipe, args.overrides, world_size=world_size, machine=machine, launch=launch or Launch(world_size)
+    )
     if problems:
-        raise RecipeError(args.recipe, problems)
+        again = shlex.join(["prorl-trl", "validate", args.recipe, *args.overrides, "--no-machine-checks"])
+        raise RecipeError(args.recipe, problems, notes=skipped, hints=other_machine_hint(problems, again))
     for warning in recipe.warnings:
         print(f"note: {warning}", file=sys.stderr)
     plan = plan_start(  # a used folder, other files, root or $HOME: exit 2, as train

@@ -26,7 +26,9 @@ PROGRESS_METRICS = (
     "loss", "reward", "reward_std", "kl", "entropy", "completions/mean_length", "completions/clipped_ratio",
     "prorl/dropped_groups", "eval_pass@1", "eval_reward", "eval_loss", "learning_rate",
 )  # fmt: skip
-SHORT_NAMES = {"completions/mean_length": "length", "completions/clipped_ratio": "clipped", "learning_rate": "lr"}
+# `truncated`: the fraction of completions cut at max_completion_length (TRL logs it as `completions/clipped_ratio`;
+# not the PPO clip fraction, `clip_ratio/*`, which the plots call "PPO clip fraction").
+SHORT_NAMES = {"completions/mean_length": "length", "completions/clipped_ratio": "truncated", "learning_rate": "lr"}
 
 
 @contextlib.contextmanager

@@ -29,10 +29,20 @@ FIGURES: tuple[tuple[str, str, str, dict[str, tuple[str, ...]]], ...] = (
     ("entropy", "Policy entropy", "nats / token", {"entropy": ("entropy",)}),
     ("kl", "KL to the reference policy", "KL", {"kl": ("kl",)}),
     (
+        "truncated",
+        "Truncated completions (completions/clipped_ratio)",
+        "fraction cut at max_completion_length",
+        {"truncated": ("completions/clipped_ratio",)},
+    ),
+    (  # the fraction of tokens whose importance ratio PPO's clip cut; 0 while every step is on-policy
         "clip_ratio",
-        "Clipped token fraction",
-        "fraction",
-        {"region": ("clip_ratio/region_mean", "clip_ratio")},
+        "PPO clip fraction (clip_ratio/*)",
+        "fraction of tokens",
+        {
+            "low or high (region_mean)": ("clip_ratio/region_mean", "clip_ratio"),
+            "low (low_mean)": ("clip_ratio/low_mean",),
+            "high (high_mean)": ("clip_ratio/high_mean",),
+        },
     ),
 )
 
@@ -42,7 +52,7 @@ def _matplotlib():
         import matplotlib
     except ImportError as error:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "Plots need matplotlib: `pip install prorl-trl[plots]` (or `pip install matplotlib`)."
+            "Plots need matplotlib: `pip install 'prorl-trl[plots]'` (or `pip install matplotlib`)."
         ) from error
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

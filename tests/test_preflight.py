@@ -88,6 +88,63 @@ def test_bad_data_exits_2_from_validate_and_train(capsys, tmp_path, tiny_dir, ca
     assert not (tmp_path / "out").exists()
 
 
+def test_one_pass_lists_recipe_file_and_data_problems_together(capsys, tmp_path, tiny_dir):
+    """Issue 30: a recipe with a bad key, a missing local file and a bad data file gets all three from one `validate`
+    (exit 2), and `train` refuses with the same list before loading anything; what could not be checked because of
+    them is named."""
+    source = tmp_path / "data.jsonl"
+    source.write_bytes(lines({"question": "1+1=", "answer": "2"}, {"question": "2+2=", "answer": "4"}))
+    raw = data_recipe(tmp_path, tiny_dir, source)
+    raw["training"]["learning_rat"] = 1e-6  # the recipe: an unknown key
+    raw["rewards"] = [{"name": "boxed_answr"}]  # ... and a reward the registry lacks
+    raw["model"]["tokenizer_name_or_path"] = str(tmp_path / "no-tokenizer")  # a local file that is not there
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    expected = [
+        "training.learning_rat = 1e-06: unknown key; did you mean `learning_rate`?",
+        "rewards.0.name = 'boxed_answr': unknown reward; did you mean `boxed_answer`?",
+        f"model.tokenizer_name_or_path = '{tmp_path / 'no-tokenizer'}': local file or folder not found",
+        f"data.source: {source}, column 'prompt': no such column in any row (columns: answer, question)",
+    ]
+    outputs = {}
+    for command in ("validate", "train"):
+        code = main([command, str(path)])
+        out, err = capsys.readouterr()
+        assert code == 2 and "(4 problems)" in err and all(text in err for text in expected), (command, err)
+        assert "not checked until the problems above are fixed:\n  the launch (engine, processes" in err, err
+        assert "Traceback" not in err + out
+        outputs[command] = err
+    assert outputs["validate"] == outputs["train"]  # the same list
+    assert not (tmp_path / "out").exists()
+
+
+def test_one_pass_skips_only_what_depends_on_a_broken_section(capsys, tmp_path, tiny_dir):
+    """A broken `data` section: its rows are not read (noted), but the other files and the output folder still are;
+    a broken `training.output_dir` skips the folder check only."""
+    source = tmp_path / "data.jsonl"
+    source.write_bytes(lines(GOOD_ROW))
+    raw = data_recipe(tmp_path, tiny_dir, source)
+    raw["data"]["columns"] = ["prompt"]  # not a mapping
+    raw["model"]["name_or_path"] = str(tmp_path / "no-model")
+    (tmp_path / "file").write_text("")
+    raw["training"]["output_dir"] = str(tmp_path / "file" / "out")
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "(3 problems)" in err and "data.columns = ['prompt']: expected a mapping" in err, err
+    assert "model.name_or_path" in err and "local file or folder not found" in err
+    assert "training.output_dir" in err and "is a file, so the run folder cannot be created under it" in err
+    assert "the data files' rows (the `data` or `validation` section has a problem)" in err
+    raw["data"]["columns"] = {"prompt": "prompt"}
+    raw["training"]["output_dir"] = 7
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "(2 problems)" in err and "training.output_dir = 7" in err and "model.name_or_path" in err, err
+    assert "the output folder (`training.output_dir` has a problem)" in err
+
+
 def test_bad_parquet_rows_and_bad_gsm8k_golds_are_named(capsys, tmp_path, tiny_dir):
     import pyarrow as pa
     import pyarrow.parquet as pq

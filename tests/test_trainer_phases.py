@@ -93,6 +93,10 @@ def test_prorl_logs_and_history(three_phase_run):
     assert output.global_step == 6 and trainer.prorl_resets == 2
     saved = json.loads((out_dir / "prorl_log_history.json").read_text())
     assert [e["prorl/global_step"] for e in saved if "loss" in e] == [1, 2, 3, 4, 5, 6]
+    # `step` is the run's continuous step (issue 30: it restarted each phase); HF's per-phase step is kept apart.
+    assert [e["step"] for e in saved if "loss" in e] == [1, 2, 3, 4, 5, 6]
+    assert [e["prorl/phase_step"] for e in saved if "loss" in e] == [1, 2, 1, 2, 1, 2]
+    assert all(e["step"] == e["prorl/global_step"] for e in saved)
     assert "rewards/recorder/mean" in steps[0]
     assert [e["prorl/global_step"] for e in trainer.state.log_history if "loss" in e] == [1, 2, 3, 4, 5, 6]
 

@@ -126,29 +126,56 @@ def _shape_problems(grid: dict[str, Any]) -> list[RecipeProblem]:
 
 def prepare_variants(grid: dict[str, Any], variants: list[Variant], out: Path, machine: bool = True) -> None:
     """Apply overrides to the base recipe and check every variant as `validate` does (recipe, this machine, local
-    data; `machine=False`: the recipe alone; nothing is written); one `RecipeError` lists every variant's problems."""
-    from .load import recipe_from_dict
+    data; `machine=False`: the recipe alone; nothing is written); one `RecipeError` lists every variant's problems,
+    each problem the variants share once (`shared_problems`)."""
+    from .checks import other_machine_hint
+    from .load import recipe_and_problems
     from .preflight import preflight
 
-    problems: list[RecipeProblem] = []
+    found: dict[str, list[RecipeProblem]] = {}
+    skipped: list[str] = []
     base = read_recipe_file(grid["base"])
     data_checked: set[str] = set()  # variants usually share their data: read it once
     for variant in variants:
         raw = copy.deepcopy(base)
         overrides = list((grid.get("overrides") or {}).items()) + list(variant.overrides.items())
         overrides.append(("training.output_dir", str(out / variant.name)))
-        found: list[RecipeProblem] = []
-        try:
-            recipe = recipe_from_dict(raw, f"{grid['base']} [{variant.name}]", overrides, dry=not machine)
+        recipe, problems = recipe_and_problems(raw, f"{grid['base']} [{variant.name}]", overrides, dry=not machine)
+        if recipe is not None:
             data_key = repr((recipe.data, recipe.rewards, recipe.validation))
-            found = preflight(recipe, machine=machine, data=data_key not in data_checked)
+            problems += preflight(recipe, machine=machine, data=data_key not in data_checked)
             data_checked.add(data_key)
-        except RecipeError as error:
-            found = error.problems
-        problems += [RecipeProblem(f"variants.{variant.name}: {p.path}", p.message, p.value) for p in found]
+            skipped += recipe.skipped
+        found[variant.name] = problems
         variant.raw = raw
-    if problems:
-        raise RecipeError(grid.get("_file", "grid"), problems)
+    if any(found.values()):
+        problems = shared_problems(found)
+        file = grid.get("_file", "grid")
+        command = shlex.join(["prorl-trl", "ablate", str(file), "--validate-only", "--no-machine-checks"])
+        raise RecipeError(file, problems, notes=skipped, hints=other_machine_hint(problems, command))
+
+
+def shared_problems(found: dict[str, list[RecipeProblem]]) -> list[RecipeProblem]:
+    """Each variant's problems under `variants.<name>: ...`, except that a problem several variants share is listed
+    once, naming them (`(all 8 variants): training.bf16 = True: ...`)."""
+    who: dict[tuple[str, str, str], list[str]] = {}
+    first: dict[tuple[str, str, str], RecipeProblem] = {}
+    for name, problems in found.items():
+        for problem in problems:
+            key = (problem.path, problem.message, repr(problem.value))
+            who.setdefault(key, []).append(name)
+            first.setdefault(key, problem)
+    merged = []
+    for key, names in who.items():
+        problem = first[key]
+        if len(names) == 1:
+            where = f"variants.{names[0]}"
+        elif len(names) == len(found):
+            where = f"(all {len(names)} variants)"
+        else:
+            where = f"variants {', '.join(names)}"
+        merged.append(RecipeProblem(f"{where}: {problem.path}", problem.message, problem.value))
+    return merged
 
 
 def write_variant_recipes(variants: list[Variant], out: Path) -> None:

@@ -14,7 +14,8 @@ import typing
 import warnings
 from typing import Any
 
-from .recipe import Recipe
+from ..data.spec import DataSection
+from .recipe import Recipe, passed
 from .schema import (
     SECTIONS,
     TOP_LEVEL_KEYS,
@@ -95,6 +96,8 @@ FLAT_CONFIG_KEYS = {
     "dataset_train_split": "data.split",
     "dataset_test_split": "data.validation_split",
     "system_prompt": "data.system_prompt",
+    "dataset_prompt_column": "data.columns: {prompt: <column>} (with data.builder: parquet)",
+    "max_prompt_length": "data.max_prompt_tokens (drops longer prompts; TRL 1.16 has no max_prompt_length)",
     "reward_funcs": "rewards: [{name: ...}, ...]",
     "reward_weights": "rewards[i].weight",
 }
@@ -126,13 +129,9 @@ def check_recipe(file: str, raw: dict[str, Any], problems: list[RecipeProblem], 
         if not dry:
             problems += precision_problems(training)
     if problems:
-        return None
+        return readable_parts(file, raw, sections, problems)
     validation = sections.get("validation")
-    data = sections["data"]
-    if validation is not None and validation.enabled and data.validation_split is None:
-        from ..data import BUILDERS
-
-        data = dataclasses.replace(data, validation_split=BUILDERS[data.builder].default_validation_split)
+    data = with_validation_split(sections["data"], validation)
     recipe = Recipe(
         file=file,
         raw=raw,
@@ -148,7 +147,58 @@ def check_recipe(file: str, raw: dict[str, Any], problems: list[RecipeProblem], 
     )
     check_validation(validation, recipe.rewards, problems)
     check_assembled(recipe, reward_names, problems, world_size, dry)
+    recipe.broken = frozenset(problem.path for problem in problems)
     return recipe
+
+
+def with_validation_split(data: Any, validation: Any) -> Any:
+    """The data section with the builder's validation split where the `validation` section needs one."""
+    if validation is not None and validation.enabled and data.validation_split is None:
+        from ..data import BUILDERS
+
+        data = dataclasses.replace(data, validation_split=BUILDERS[data.builder].default_validation_split)
+    return data
+
+
+def readable_parts(file: str, raw: dict[str, Any], sections: dict[str, Any], problems: list[RecipeProblem]) -> Recipe:
+    """A recipe with problems, kept for the preflight stages that do not depend on them (`validate` lists every
+    problem in one pass): each section that passed its checks, the `model`/`data` keys and `training`/`logging` keys
+    that passed theirs, and `broken`, the key paths with problems. `load_recipe` never returns one."""
+    broken = frozenset(problem.path for problem in problems)
+
+    def fine(path: str) -> bool:
+        return passed(path, broken)
+
+    def keys_that_passed(section: str) -> dict[str, Any]:
+        value = raw.get(section)
+        return {k: v for k, v in value.items() if fine(f"{section}.{k}")} if isinstance(value, dict) and fine(section) else {}
+
+    def section(name: str, cls: type) -> Any:
+        if sections.get(name) is not None:
+            return sections[name]
+        try:  # the keys that passed (a required one that did not: nothing to check with)
+            return cls(**{k: v for k, v in keys_that_passed(name).items() if k in {f.name for f in dataclasses.fields(cls)}})
+        except TypeError:
+            return None
+
+    training = keys_that_passed("training") | {k: v for k, v in keys_that_passed("logging").items() if k in LOGGING_KEYS}
+    data = section("data", DataSection)
+    if data is not None and fine("data") and fine("validation"):
+        data = with_validation_split(data, sections.get("validation"))
+    return Recipe(
+        file=file,
+        raw=raw,
+        model=section("model", ModelSection),
+        peft=sections.get("peft"),
+        data=data,
+        rewards=[spec for spec in sections.get("rewards") or [] if spec is not None],
+        training=training,
+        phases=None,
+        validation=sections.get("validation"),
+        description=raw.get("description"),
+        distill=raw.get("distill") if fine("distill") else None,
+        broken=broken,
+    )
 
 
 def _value_at(raw: Any, path: str) -> Any:
@@ -189,6 +239,7 @@ def flat_config_message(raw: dict[str, Any], stray: list[str], training_fields: 
         lines += ["    and moves these keys:"] + elsewhere
     if unknown:
         lines.append(f"    no recipe key matches: {', '.join(unknown)}")
+    lines.append("    `prorl-trl convert FILE -o RECIPE` writes the recipe and names each key it cannot translate")
     return "\n".join(lines)
 
 
@@ -244,7 +295,8 @@ def check_training(raw: Any, logging_section: Any, raw_logging: Any, problems: l
         raw = {**raw, "resume_from_checkpoint": "true" if raw["resume_from_checkpoint"] else None}
     before = len(problems)
     training = check_mapping(raw, "training", hints, problems, metadata=TRAINING_RANGES, reserved=TRAINING_RESERVED)
-    if isinstance(raw, dict) and "output_dir" in raw and (not isinstance(raw["output_dir"], str) or not raw["output_dir"].strip()):
+    folder = raw.get("output_dir", "-") if isinstance(raw, dict) else "-"
+    if folder is None or (isinstance(folder, str) and not folder.strip()):  # another type: the type check said so
         problems.append(
             RecipeProblem(
                 "training.output_dir",
@@ -395,7 +447,7 @@ def check_assembled(recipe: Any, reward_names: list[str], problems: list[RecipeP
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            args = recipe.training_args(dry=dry)
+            args = recipe.training_args(dry=dry, world_size=world_size)
         except Exception as error:  # TRL/transformers validation: report it against the section
             problems.append(RecipeProblem(key_path_of(str(error), "training"), str(error)))
             return
@@ -483,29 +535,40 @@ def batch_problems(training: dict[str, Any], world_size: int) -> list[RecipeProb
     return []
 
 
+MACHINE_KEYS = ("training.bf16", "training.fp16", "training.tf32")
+
+
+def other_machine_hint(problems: list[RecipeProblem], command: str) -> list[str]:
+    """Once, under the list: how to check a recipe meant for another machine (`command`: the right one for the
+    command that found the precision problems), when any of them is about this machine's GPU."""
+    if any(problem.path.endswith(MACHINE_KEYS) for problem in problems):
+        return [f"to check a recipe meant for another machine (precision switches not tested here): {command}"]
+    return []
+
+
 def precision_problems(training: dict[str, Any]) -> list[RecipeProblem]:
-    """`bf16`/`fp16`/`tf32` against this machine, as `train` will meet them (TrainingArguments refuses them late)."""
+    """`bf16`/`fp16`/`tf32` against this machine, as `train` will meet them (TrainingArguments refuses them late).
+    How to check the recipe for another machine is said once, under the list (`other_machine_hint`)."""
     import torch
 
     on_cpu = bool(training.get("use_cpu")) or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
     gpu = torch.cuda.is_available() and not on_cpu
-    elsewhere = "; to check a recipe meant for another machine, run `prorl-trl validate --no-machine-checks`"
     problems = []
     if training.get("bf16") and not gpu and not on_cpu:
         problems.append(RecipeProblem(
             "training.bf16", "needs a CUDA GPU and torch sees none here (torch.cuda.is_available() is False); set "
-            "`training.bf16: false`, or `training.use_cpu: true` for bf16 on the CPU" + elsewhere, True))  # fmt: skip
+            "`training.bf16: false`, or `training.use_cpu: true` for bf16 on the CPU", True))  # fmt: skip
     elif training.get("bf16") and gpu and not torch.cuda.is_bf16_supported():
         problems.append(RecipeProblem(
-            "training.bf16", "this GPU has no bf16 support (it needs Ampere or newer); use `fp16: true`" + elsewhere, True
+            "training.bf16", "this GPU has no bf16 support (it needs Ampere or newer); use `fp16: true`", True
         ))  # fmt: skip
     if training.get("fp16") and not gpu:
         problems.append(RecipeProblem(
-            "training.fp16", "fp16 mixed precision needs a CUDA GPU and torch sees none here; set `training.fp16: false`"
-            + elsewhere, True))  # fmt: skip
+            "training.fp16", "fp16 mixed precision needs a CUDA GPU and torch sees none here; set "
+            "`training.fp16: false`", True))  # fmt: skip
     if training.get("tf32") and not (gpu and torch.cuda.get_device_capability()[0] >= 8):
         problems.append(RecipeProblem(
-            "training.tf32", "needs an Ampere or newer CUDA GPU; remove it or set `training.tf32: false`" + elsewhere, True
+            "training.tf32", "needs an Ampere or newer CUDA GPU; remove it or set `training.tf32: false`", True
         ))  # fmt: skip
     return problems
 

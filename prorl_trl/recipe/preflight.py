@@ -15,7 +15,8 @@ says ok only when `train` would start:
   built splits (with the run's tokenizer, so a file whose prompts are all over `data.max_prompt_tokens` is refused
   as `train` refuses it), and whether the rewards can read the golds (`prorl_trl.data.checks`).
 
-`train` runs it first (`preflight(recipe, data=False)` in `run.py`); `validate` runs all of it. The trackers'
+`train` runs it first (`require_valid`: data excepted unless something else is wrong); `validate` runs all of it, on
+as much of a recipe with problems as passed its own checks (`check_everything`: one pass, one list). The trackers'
 installation and W&B's credentials are checked by `trackers.check_recipe_trackers` (see `SEAM` below); the output
 folder's state by `train` itself (`output_folder`), and `validate` notes it.
 """
@@ -24,14 +25,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .checks import key_path_of
+from .checks import key_path_of, other_machine_hint
 from .recipe import Recipe
-from .schema import RecipeProblem
+from .schema import ModelSection, RecipeProblem
 from .trackers import check_recipe_trackers
 
 # Optional packages: import name -> how to install it.
@@ -93,27 +95,66 @@ def preflight(
     recipe: Recipe, world_size: int = 1, machine: bool = True, data: bool = True, launch: Launch | None = None
 ) -> list[RecipeProblem]:
     """Every problem `train` would meet before its first step, for `world_size` processes. Hub ids are noted in
-    `recipe.warnings`. `machine=False` skips what depends on this machine (paths, installed packages, data)."""
+    `recipe.warnings`. `machine=False` skips what depends on this machine (paths, installed packages, data).
+
+    A recipe with problems of its own (`recipe.broken`, from `check_recipe`) is checked as far as it can be: each
+    stage runs on the parts that passed, and what it cannot check is noted in `recipe.skipped`."""
     problems: list[RecipeProblem] = []
     if machine:
         problems += path_problems(recipe)
         problems += extras_problems(recipe, launch)
-        for check in SEAM:
-            problems += check(recipe)
-    problems += launch_problems(recipe, world_size, launch)
-    if data and machine and not problems:  # data checks read files; a missing one was reported above
-        problems += data_problems(recipe)
+        if recipe.readable("training.report_to") and recipe.readable("logging.report_to"):
+            for check in SEAM:
+                problems += check(recipe)
+        else:
+            recipe.skipped.append("the trackers (`report_to` has a problem)")
+    if recipe.broken:
+        recipe.skipped.append("the launch (engine, processes, the trainer's pre-init checks): they need a recipe "
+                              "without problems")  # fmt: skip
+    else:
+        problems += launch_problems(recipe, world_size, launch)
+    if data and machine:  # data checks read files; a missing one is reported above, once
+        problems += data_problems(recipe, {problem.path for problem in problems})
     return problems
 
 
-def require_preflight(recipe: Recipe, world_size: int) -> None:
-    """`train`'s first step: raise `RecipeError` with every problem the preflight finds (data excepted: `train`
-    checks it while building its datasets, see `require_readable_golds`)."""
+def check_everything(
+    path: str | Path,
+    overrides: list[str] = (),
+    world_size: int | None = None,
+    machine: bool = True,
+    data: bool = True,
+    launch: Launch | None = None,
+) -> tuple[Recipe | None, list[RecipeProblem], list[str]]:
+    """`validate`'s one pass: (the recipe, every problem of the recipe, its files, its data and this machine, the
+    checks that could not run and why). The recipe is complete only when there are no problems; a file that cannot
+    be read at all (or malformed overrides) raises `RecipeError`, as nothing else can be checked."""
+    from .load import read_recipe
+
+    recipe, problems = read_recipe(path, overrides, world_size=world_size, dry=not machine)
+    if recipe is None:  # not a recipe at all (a grid file, a flat TRL config): one message
+        return None, problems, []
+    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    problems = problems + preflight(recipe, world_size=world_size, machine=machine, data=data, launch=launch)
+    return recipe, problems, recipe.skipped
+
+
+def require_valid(path: str | Path, overrides: list[str], world_size: int) -> Recipe:
+    """`train`'s first step: the recipe, or `RecipeError` with the list `validate` gives, before anything loads.
+    Data is checked here only when something else is wrong (the run is refused anyway, and the list is then
+    complete); otherwise `train` checks it while building its datasets (hub data too, see `require_readable_golds`)."""
+    from .load import read_recipe
     from .schema import RecipeError
 
-    problems = preflight(recipe, world_size=world_size, data=False)
+    recipe, problems = read_recipe(path, overrides, world_size=world_size, dry=False)
+    if recipe is None:
+        raise RecipeError(str(path), problems)
+    problems += preflight(recipe, world_size=world_size, data=False)
     if problems:
-        raise RecipeError(recipe.file, problems)
+        problems += data_problems(recipe, {problem.path for problem in problems})
+        again = shlex.join(["prorl-trl", "validate", str(path), *overrides, "--no-machine-checks"])
+        raise RecipeError(str(path), problems, notes=recipe.skipped, hints=other_machine_hint(problems, again))
+    return recipe
 
 
 def require_readable_golds(recipe: Recipe, train_dataset: Any, eval_dataset: Any) -> None:
@@ -133,18 +174,24 @@ def path_problems(recipe: Recipe) -> list[RecipeProblem]:
     """Local model/tokenizer folders, data files and the teacher exist and look like what they should be."""
     problems = []
     model = recipe.model
-    problems += _model_folder("model.name_or_path", model.name_or_path, recipe, MODEL_FILES, "a model")
-    tokenizer_key = "model.tokenizer_name_or_path" if model.tokenizer_name_or_path else "model.name_or_path"
-    tokenizer = model.tokenizer_name_or_path or model.name_or_path
-    if not problems or model.tokenizer_name_or_path:
-        problems += _model_folder(tokenizer_key, tokenizer, recipe, TOKENIZER_FILES, "a tokenizer")
+    if model is not None:
+        problems += _model_folder("model.name_or_path", model.name_or_path, recipe, MODEL_FILES, "a model")
+        tokenizer_key = "model.tokenizer_name_or_path" if model.tokenizer_name_or_path else "model.name_or_path"
+        tokenizer = model.tokenizer_name_or_path or model.name_or_path
+        if not problems or model.tokenizer_name_or_path:
+            problems += _model_folder(tokenizer_key, tokenizer, recipe, TOKENIZER_FILES, "a tokenizer")
+    else:
+        recipe.skipped.append("the model and tokenizer paths (the `model` section has a problem)")
     for key in ("source", "validation_source"):
-        value = getattr(recipe.data, key)
+        value = getattr(recipe.data, key, None)
         if value and is_local(value) and not Path(value).expanduser().exists():
             problems.append(RecipeProblem(f"data.{key}", "local file or folder not found", value))
         elif value and not is_local(value):
             recipe.warnings.append(f"data.{key} = {value!r} is a hub dataset id: not checked here (no network use)")
-    problems += output_dir_problems(recipe)
+    if recipe.readable("training.output_dir"):
+        problems += output_dir_problems(recipe)
+    else:
+        recipe.skipped.append("the output folder (`training.output_dir` has a problem)")
     if recipe.distill is not None and isinstance(recipe.distill.get("teacher"), str):
         from ..distill.run import check_teacher
 
@@ -191,7 +238,7 @@ def _model_folder(key: str, value: str, recipe: Recipe, files: tuple[str, ...], 
 
 def extras_problems(recipe: Recipe, launch: Launch | None) -> list[RecipeProblem]:
     """Optional packages the recipe or the launch needs, each with its install command."""
-    training, model = recipe.training, recipe.model
+    training, model = recipe.training, recipe.model or ModelSection(name_or_path="")
     needs = []
     if training.get("use_vllm"):
         needs.append(("training.use_vllm", "vllm"))
@@ -260,26 +307,41 @@ def launch_problems(recipe: Recipe, world_size: int, launch: Launch | None) -> l
     return problems
 
 
-def data_problems(recipe: Recipe) -> list[RecipeProblem]:
+def data_problems(recipe: Recipe, reported: set[str] = frozenset()) -> list[RecipeProblem]:
     """Local data, row by row, then built as `train` builds it (the run's tokenizer filters prompts by length, so a
     file that leaves no rows is refused here too) and probed with the recipe's rewards (hub and generated data are
-    checked by `train` while it builds them, before the model loads)."""
+    checked by `train` while it builds them, before the model loads). `reported`: key paths already reported (a
+    missing file is not reported twice). A recipe with problems: rows are read only with a `data` section that passed
+    its checks, and built and probed only with rewards (and a `validation` section) that passed theirs."""
     from ..data.builders import local_split_file, scan_split_file, split_source
 
+    if not (recipe.readable("data") and recipe.readable("validation")):
+        recipe.skipped.append("the data files' rows (the `data` or `validation` section has a problem)")
+        return []
     problems: list[RecipeProblem] = []
     tokenizer: Any = None
     needs_tokenizer = recipe.data.max_prompt_tokens is not None
+    can_build = recipe.readable("rewards")
+    tokenizer_keys = {"model", "model.name_or_path", "model.tokenizer_name_or_path"}
+    tokenizer_broken = not recipe.readable("model") or bool(tokenizer_keys & set(reported))
     for which, key in (("train", "data.source"), ("validation", "data.validation_source")):
-        if split_source(recipe.data, which)[1] is None:
+        if which == "validation" and not recipe.data.validation_source:
+            key = "data.source"  # the validation split is read from the training source
+        if split_source(recipe.data, which)[1] is None or key in reported:
             continue
         found = scan_split_file(recipe.data, which)
         try:
             local = local_split_file(recipe.data, which)
         except FileNotFoundError:
             local = None
-        if not found and local is not None:
-            if needs_tokenizer:
-                needs_tokenizer, tokenizer = False, _length_tokenizer(recipe, problems)
+        if not found and local is not None and not can_build:
+            recipe.skipped.append(f"the {which} data built and read by the rewards (`rewards` has a problem)")
+        elif not found and local is not None:
+            if needs_tokenizer and tokenizer_broken:
+                recipe.skipped.append("prompt lengths (data.max_prompt_tokens): the model's tokenizer has a problem")
+            elif needs_tokenizer:
+                tokenizer = _length_tokenizer(recipe, problems)
+            needs_tokenizer = False
             found = built_data_problems(recipe, which, tokenizer)
         problems += _as_recipe_problems(key, found)
     return problems

@@ -22,6 +22,11 @@ from .schema import ModelSection, PeftSection, RewardSpec, ValidationSection
 DRY_RUN_SKIPPED = ("bf16", "fp16", "tf32", "bf16_full_eval", "fp16_full_eval", "use_liger_kernel")
 
 
+def passed(path: str, broken: frozenset[str]) -> bool:
+    """Whether the key path `path` passed its checks: no problem at it, under it, or at a key that holds it."""
+    return not any(path == bad or path.startswith(bad + ".") or bad.startswith(path + ".") for bad in broken)
+
+
 @dataclass
 class Recipe:
     """A validated recipe. Building the heavy objects (`training_args`, `reward_functions`) is cheap and repeatable."""
@@ -39,6 +44,15 @@ class Recipe:
     distill: dict[str, Any] | None = None  # run before the phases (prorl_trl.distill)
     warnings: list[str] = dataclasses.field(default_factory=list)
     resolved_phases: list[Any] | None = None  # filled by validation (`config.resolve_phases`)
+    # Key paths with problems: empty for a recipe `load_recipe` returns. A recipe with problems is built only for
+    # `validate`'s one pass (`checks.readable_parts`): its broken sections are None, its `training` holds the keys
+    # that passed their checks, and the preflight skips what depends on the rest (`skipped` says what and why).
+    broken: frozenset[str] = frozenset()
+    skipped: list[str] = dataclasses.field(default_factory=list)
+
+    def readable(self, path: str) -> bool:
+        """Whether the value at `path` (and everything it holds or sits in) passed its checks."""
+        return passed(path, self.broken)
 
     @property
     def output_dir(self) -> str:
@@ -67,11 +81,22 @@ class Recipe:
             kwargs["phases"] = [dict(p) for p in self.phases]
         return kwargs
 
-    def training_args(self, dry: bool = False):
-        """The `ProRLConfig`. `dry=True` leaves out hardware-dependent switches (bf16 on a CPU-only box)."""
+    def training_args(self, dry: bool = False, world_size: int = 1):
+        """The `ProRLConfig`. `dry=True` leaves out hardware-dependent switches (bf16 on a CPU-only box).
+
+        `world_size` (dry runs): the processes the run will have. TRL derives the default generation batch from the
+        processes it sees (`per_device_train_batch_size x processes x steps`), so a one-process check of a 7-process
+        recipe would judge a batch the run never has; the run's own batch is passed explicitly instead."""
         from ..config import ProRLConfig
 
-        return ProRLConfig(**self.config_kwargs(dry=dry))
+        kwargs = self.config_kwargs(dry=dry)
+        if dry and world_size > 1 and kwargs.get("generation_batch_size") is None:
+            if kwargs.get("steps_per_generation") is None:
+                defaults = {f.name: f.default for f in dataclasses.fields(ProRLConfig)}
+                per_device = kwargs.get("per_device_train_batch_size", defaults["per_device_train_batch_size"])
+                steps = kwargs.get("gradient_accumulation_steps", defaults["gradient_accumulation_steps"])
+                kwargs["generation_batch_size"] = per_device * world_size * steps
+        return ProRLConfig(**kwargs)
 
     def peft_config(self):
         if self.peft is None or not self.peft.enabled:

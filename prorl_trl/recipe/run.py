@@ -1,8 +1,8 @@
 """`prorl-trl train`: a validated recipe -> tokenizer, datasets, rewards, callbacks -> `ProRLTrainer.train()`.
 
-Everything that can be wrong with the recipe is caught by `load_recipe` first (exit 2, nothing written), and a
-folder that already holds a run is refused unless `--resume`/`--overwrite` say what to do with it
-(`output_folder`). Only then is anything loaded; the output folder is written by the trainer, plus `recipe.yaml`
+Everything that can be wrong with the recipe is caught first, in one list (`preflight.require_valid`, the checks of
+`validate`; exit 2, nothing written), and a folder that already holds a run is refused unless `--resume`/`--overwrite`
+say what to do with it (`output_folder`). Only then is anything loaded; the output folder is written by the trainer, plus `recipe.yaml`
 (the effective recipe, after overrides) and `run_summary.json` (final metrics and the log history of the whole run,
 read by `prorl-trl ablate`).
 """
@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 from ..trainer.manifest import CLI_FILES, record_outputs, trainer_outputs
 from .changes import RESUME_HISTORY_NAME, resume_changes, write_run_recipe
-from .load import load_recipe
 from .output_folder import (
     delete_run_outputs,
     describe_checkpoint,
@@ -32,7 +31,7 @@ from .output_folder import (
     resume_command,
     run_writes,
 )
-from .preflight import require_preflight, require_readable_golds, reward_functions_for
+from .preflight import require_readable_golds, require_valid, reward_functions_for
 from .recipe import Recipe
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -58,7 +57,7 @@ def describe_recipe(recipe: Recipe, world_size: int = 1) -> str:
         ),
         "rewards: " + ", ".join(f"{spec.name} x{spec.weight:g}" for spec in recipe.rewards),
     ]
-    phases = recipe.resolved_phases or resolve_phases(recipe.training_args(dry=True), recipe.peft_config(), world_size)
+    phases = recipe.resolved_phases or resolve_phases(recipe.training_args(dry=True, world_size=world_size), recipe.peft_config(), world_size)
     lines.append(
         f"{'phase':<16}{'steps':>6}{'T':>6}{'top_p':>6}{'n':>4}{'max_len':>8}{'buffer':>7}{'lora_r':>7}{'reset':>6}"
     )
@@ -204,8 +203,7 @@ def _train(
 ) -> int:  # fmt: skip
     """`run_train`'s work, with `signals` stopping the start-up until the trainer is built and attached to them."""
     started = time.time()
-    recipe = load_recipe(recipe_path, overrides, dry=False)
-    require_preflight(recipe, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    recipe = require_valid(recipe_path, overrides, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     base_model = recipe.model.name_or_path  # before a `distill:` section swaps in its student
     main = _is_main_process()
     if resume is None:

@@ -42,15 +42,23 @@ class RecipeProblem:
 class RecipeError(ValueError):
     """A recipe failed validation. Carries every problem found, so the user fixes them in one pass."""
 
-    def __init__(self, file: str, problems: list[RecipeProblem]):
+    def __init__(
+        self, file: str, problems: list[RecipeProblem], notes: typing.Iterable[str] = (), hints: typing.Iterable[str] = ()
+    ):
         self.file = str(file)
         self.problems = list(problems)
+        self.notes = list(dict.fromkeys(notes))  # what could not be checked because of a problem above, and why
+        self.hints = list(dict.fromkeys(hints))  # advice about several problems at once, said once
         super().__init__(self.render())
 
     def render(self) -> str:
         count = len(self.problems)
         head = f"recipe {self.file} is invalid ({count} problem{'s' if count != 1 else ''}):"
-        return "\n".join([head] + ["  " + problem.format(self.file) for problem in self.problems])
+        lines = [head] + ["  " + problem.format(self.file) for problem in self.problems]
+        if self.notes:
+            lines += ["not checked until the problems above are fixed:"] + [f"  {note}" for note in self.notes]
+        lines += [f"hint: {hint}" for hint in self.hints]
+        return "\n".join(lines)
 
 
 def _short_repr(value: Any, limit: int = 80) -> str:

@@ -59,7 +59,8 @@ def resume_state(checkpoint: Path, first_phase: Any) -> dict[str, Any]:
         )
     planned = first_phase.max_steps if first_phase.max_steps > 0 else int(trainer_state.get("max_steps", 0))
     history = [
-        {**entry, "prorl/phase": 0, "prorl/resets": 0, "prorl/global_step": entry.get("step", 0)}
+        {**entry, "prorl/phase": 0, "prorl/resets": 0, "prorl/global_step": entry.get("step", 0),
+         "prorl/phase_step": entry.get("step", 0)}
         for entry in trainer_state.get("log_history", [])
     ]
     return {

@@ -973,8 +973,14 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         logs["prorl/global_step"] = self.prorl_global_step
 
     def _keep_last_log_entry(self) -> None:
-        if self.state.log_history:  # no phase name: it is on the console and in the phase table
-            self.prorl_log_history.append(dict(self.state.log_history[-1]))
+        """Keep HF's last entry in the run's history with the run's continuous step as `step` (HF's restarts every
+        phase; it is kept as `prorl/phase_step`). No phase name: it is on the console and in the phase table."""
+        if self.state.log_history:
+            entry = dict(self.state.log_history[-1])
+            if "step" in entry:
+                entry["prorl/phase_step"] = entry["step"]
+                entry["step"] = entry.get("prorl/global_step", entry["step"])
+            self.prorl_log_history.append(entry)
 
     def _get_output_dir(self, trial: Any) -> str:
         """Checkpoints per phase (`<output_dir>/phase-<i>/checkpoint-<step>`): HF's step restarts every phase."""
