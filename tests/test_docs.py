@@ -66,6 +66,10 @@ def test_python_snippets_run(page, tmp_path, monkeypatch):
         pytest.skip("no runnable Python snippet")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from rewards import registry
+
+    # a snippet that registers a reward must not leave it for later tests (the registry is process-wide)
+    monkeypatch.setattr(registry, "_USER_REWARDS", dict(registry._USER_REWARDS))
     namespace: dict = {"__name__": "__docs__"}
     for line, code in snippets:
         try:
