@@ -145,12 +145,14 @@ def greedy_accuracy(model, tokenizer, rows, max_new_tokens: int = 40) -> float:
     return sum(score > 0 for score in scores) / len(scores)
 
 
-def warm_start(args, tokenizer, device_kwargs, out: Path) -> tuple[Path, float, int, float]:
+def warm_start(args, tokenizer, device_kwargs, out: Path, task: dict | None = None) -> tuple[Path, float, int, float]:
+    """SFT until `args.warm_start_accuracy` on `task` (make_arithmetic_dataset's settings; default `TASK`)."""
+    task = TASK if task is None else task
     started = time.time()
     model = build_tiny_model(tokenizer, seed=args.seed, **(SMOKE_MODEL if args.smoke else GPU_MODEL))
-    train = make_arithmetic_dataset(512 if args.smoke else 20000, seed=args.seed, **TASK)
+    train = make_arithmetic_dataset(512 if args.smoke else 20000, seed=args.seed, **task)
     train = train.map(lambda row: {"completion": row["solution"]}).select_columns(["prompt", "completion"])
-    probe = make_arithmetic_dataset(8 if args.smoke else 128, seed=args.seed + 7, **TASK)
+    probe = make_arithmetic_dataset(8 if args.smoke else 128, seed=args.seed + 7, **task)
     stopper = StopAtAccuracy(tokenizer, probe, args.warm_start_accuracy, every=2 if args.smoke else 25)
     config = SFTConfig(
         output_dir=str(out / "sft"),

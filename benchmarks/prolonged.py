@@ -40,7 +40,6 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import learning  # (also puts the repository root on sys.path, offline environment)
@@ -183,10 +182,9 @@ def run_warm_start(args) -> None:
         return
     settings = argparse.Namespace(seed=0, smoke=args.smoke, warm_start_accuracy=args.warm_start_accuracy,
                                   max_sft_steps=args.max_sft_steps)  # fmt: skip
-    with mock.patch.object(learning, "TASK", task_of(args)):
-        path, seconds, parameters, accuracy = learning.warm_start(
-            settings, build_tiny_tokenizer(), device_kwargs(args), warm.parent
-        )
+    path, seconds, parameters, accuracy = learning.warm_start(
+        settings, build_tiny_tokenizer(), device_kwargs(args), warm.parent, task=task_of(args)
+    )
     assert path == warm, (path, warm)
     info = {"seconds": round(seconds, 1), "parameters": parameters, "greedy_accuracy": accuracy, "task": task_of(args)}
     (warm / "warm_start.json").write_text(json.dumps(info, indent=1))

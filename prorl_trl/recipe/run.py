@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..trainer.manifest import CLI_FILES, record_outputs, trainer_outputs
+from ..trainer.manifest import CLI_FILES, record_outputs
 from .changes import RESUME_HISTORY_NAME, resume_changes, write_run_recipe
 from .output_folder import (
     delete_run_outputs,
@@ -249,10 +249,9 @@ def _train(
             print(f"--overwrite: deleted {', '.join(deleted) or 'nothing'} in {output_dir}/", flush=True)
             if kept:
                 print(f"--overwrite: kept {', '.join(kept)} (reached through a symlink out of the run folder)")
-    if main:  # record what this run will create, before creating it (`--overwrite` deletes exactly these)
-        phases = len(recipe.resolved_phases or args.phases or [None])
+    if main:  # what the CLI itself will create, before creating it (ProRLTrainer.train records its own outputs)
         extra = ["distill/"] if recipe.distill is not None else []
-        record_outputs(output_dir, [*CLI_FILES, *extra, *trainer_outputs(args, phases)])
+        record_outputs(output_dir, [*CLI_FILES, *extra])
     if main and plan.note:
         print(f"note: {plan.note}", flush=True)
     peft_config = recipe.peft_config()
