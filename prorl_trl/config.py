@@ -255,6 +255,11 @@ class ProRLConfig(GRPOConfig):
         plateau_patience (`int`, defaults to `0`): Base patience for phases that do not set one (0: off).
         plateau_min_delta (`float`, defaults to `0.0`): Base minimum improvement.
 
+        > Safety
+
+        stop_on_nonfinite (`bool`, defaults to `True`): Stop before an optimizer step whose gradients are NaN or inf
+            (`NonFiniteUpdate`), so the weights and the latest checkpoint stay good (`prorl_trl.trainer.finite`).
+
         > Resume
 
         resume_from_checkpoint (`str` or `bool`, *optional*): A checkpoint folder, or `True` (`"true"`, `"latest"`)
@@ -356,6 +361,14 @@ class ProRLConfig(GRPOConfig):
         default=0, metadata={"help": "Evaluations without improvement that end a phase (0: never)."}
     )
     plateau_min_delta: float = field(default=0.0, metadata={"help": "Smallest improvement of the plateau metric."})
+    stop_on_nonfinite: bool = field(
+        default=True,
+        metadata={
+            "help": "Stop before an optimizer step whose gradients are NaN or inf (NonFiniteUpdate, naming the latest "
+            "checkpoint), instead of writing NaN into the weights and training on garbage. Under DeepSpeed the "
+            "logged grad_norm is checked after the step."
+        },
+    )
     resume_from_checkpoint: str | None = field(
         default=None,
         metadata={

@@ -267,6 +267,7 @@ def _train(
     reward_funcs = recipe.reward_functions()
     callback = _validation_callback(recipe, eval_dataset, args)
     from ..trainer import ProRLTrainer
+    from ..trainer.finite import NonFiniteUpdate
     from ..trainer.interrupt import RunInterrupted, parent_command_line
 
     extra = {"quantization_config": recipe.quantization_config()} if recipe.model.quantization else {}
@@ -296,6 +297,11 @@ def _train(
             )
         leave_process_group()  # every rank stopped at the same step (the stop is agreed across processes)
         return 130 if stop.reason == "SIGINT" else 143
+    except NonFiniteUpdate as stop:
+        if main:
+            print(f"\n{stop}\nresume with:\n  {command}", file=sys.stderr, flush=True)
+        leave_process_group()  # every rank stopped at the same step (the decision is reduced across processes)
+        return 1
     except Exception as error:
         if not is_disk_full(error, output_dir):
             raise

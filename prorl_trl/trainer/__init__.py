@@ -4,8 +4,8 @@ stop), when to hard-reset, and the overlong penalty.
 Modules: `trainer` (ProRLTrainer), `callbacks` (HardResetCallback, SamplingScheduleCallback, PlateauTracker),
 `state` (the trainer's own callback: pending resets, stop requests, phase plateau, checkpoint state), `checks`
 (settings checked before init), `sampling` (where sampling settings live in TRL), `progress` (rate and ETA over the
-whole run), `dynamic_sampling`, `early_stop`, `overlong`, `interrupt` (SIGINT/SIGTERM -> checkpoint and
-`RunInterrupted`), `trackers` (`report_to` trackers over a multi-phase run), `manifest` (what a run creates in its
+whole run), `dynamic_sampling`, `early_stop`, `overlong`, `finite` (stop before a NaN/inf update), `interrupt`
+(SIGINT/SIGTERM -> checkpoint and `RunInterrupted`), `trackers` (`report_to` trackers over a multi-phase run), `manifest` (what a run creates in its
 output folder, recorded first: all that `--overwrite` deletes).
 
 Names are imported on first use, so `prorl_trl.trainer.checks` (run by `prorl-trl validate`) does not import
@@ -19,11 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     from .callbacks import HardResetCallback, PlateauTracker, SamplingScheduleCallback
+    from .finite import NonFiniteGuard, NonFiniteUpdate
     from .interrupt import RunInterrupted, stop_on_signals
     from .trainer import ProRLTrainer
 
 _HOME = {
     "HardResetCallback": "callbacks",
+    "NonFiniteGuard": "finite",
+    "NonFiniteUpdate": "finite",
     "PlateauTracker": "callbacks",
     "SamplingScheduleCallback": "callbacks",
     "ProRLTrainer": "trainer",

@@ -87,6 +87,7 @@ from ..rollout.vllm_sync import (
 from .checks import check_before_init, check_launch, check_optimizer_hook, check_process_group, resets_possible
 from .dynamic_sampling import DynamicSamplingMixin
 from .early_stop import MinibatchEarlyStopMixin
+from .finite import NonFiniteGuard
 from .interrupt import RunInterrupted
 from .manifest import record_outputs, trainer_outputs
 from .overlong import OverlongPenalty
@@ -232,6 +233,8 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
         self.sampling: dict[str, Any] = {key: getattr(self, key) for key in SAMPLING_KEYS}
         self._state_callback = ProRLStateCallback(self)
         self.add_callback(self._state_callback)
+        if args.stop_on_nonfinite:  # binds in `_bind_callbacks`: names the run's latest checkpoint when it stops
+            self.add_callback(NonFiniteGuard())
         self._trackers = TrackerSpan(self)
         self._bind_callbacks()
 

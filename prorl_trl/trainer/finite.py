@@ -1,0 +1,123 @@
+"""Stop a run at the first non-finite update, before it corrupts the weights.
+
+A NaN or inf gradient, once the optimizer applies it, turns the adapter's weights to NaN: every later rollout is
+garbage (reward at its floor, completions at the cap, entropy NaN) and every later checkpoint holds the broken
+weights, while the run goes on for days looking alive. Gradient clipping does not help: the norm of a NaN gradient is
+NaN, and so is the clipped gradient.
+
+`NonFiniteGuard` looks at the gradients right before each optimizer step (`on_pre_optimizer_step`, after clipping):
+if any is not finite it raises `NonFiniteUpdate` there, so the update is never applied and the latest checkpoint is
+the last good state. Every process takes the same decision (the flag is reduced across them), so no rank is left
+waiting in a collective. Where the gradients are not visible to callbacks (DeepSpeed keeps them in its own
+partitions), the logged `grad_norm` of the step is checked instead: that update was applied, and the message says
+so. Skipping the step instead would not restore anything: Adam's moments already hold the non-finite values.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+
+class NonFiniteUpdate(RuntimeError):
+    """Training stopped at `global_step` because its gradients were not finite; `applied` tells whether that update
+    reached the weights (False: the weights are as after the previous step). `checkpoint`: the latest checkpoint
+    written before it, or None."""
+
+    def __init__(self, global_step: int, norm: float, applied: bool, checkpoint: Path | None, phase: str | None):
+        self.global_step, self.norm, self.applied, self.checkpoint = global_step, norm, applied, checkpoint
+        where = f"global step {global_step}" + (f" (phase {phase!r})" if phase else "")
+        state = (
+            "That update was applied (DeepSpeed keeps its gradients out of reach until the step): the weights in "
+            "memory are corrupt"
+            if applied
+            else "The update was not applied"
+        )
+        saved = (
+            f"The latest checkpoint, {checkpoint}/, was written before it and is good."
+            if checkpoint is not None
+            else "No checkpoint was written before it."
+        )
+        super().__init__(
+            f"Training stopped at {where}: the gradient norm is {norm} (not finite). {state}; nothing more was "
+            f"saved. {saved} Usual causes: a learning rate too high for this model and dtype, or a reward that "
+            "returned NaN/inf. Lower `learning_rate` (a resume needs `--allow-changes` for that) or fix the reward, "
+            "then resume; `stop_on_nonfinite: false` turns this check off."
+        )
+
+
+def local_gradient_norm(optimizer: Any) -> float:
+    """The 2-norm of this process's share of the optimizer's gradients (a DTensor's local shard), 0.0 when it holds
+    none; NaN or inf when any element is."""
+    grads = []
+    for group in getattr(optimizer, "param_groups", []):
+        for parameter in group["params"]:
+            grad = parameter.grad
+            if grad is None:
+                continue
+            grads.append(grad.to_local() if hasattr(grad, "to_local") else grad)
+    if not grads:
+        return 0.0
+    wide = [grad for grad in grads if grad.dtype != torch.float16]  # float16 norms overflow: summed in float32
+    norms = [norm.float() for norm in torch._foreach_norm(wide)] if wide else []
+    norms += [torch.linalg.vector_norm(grad, dtype=torch.float32) for grad in grads if grad.dtype == torch.float16]
+    return float(torch.linalg.vector_norm(torch.stack([norm.to(norms[0].device) for norm in norms])).item())
+
+
+def agreed_nonfinite(value: float, device: torch.device) -> bool:
+    """Whether `value` is not finite on any process (MAX-reduced where a process group runs; FSDP2 ranks hold
+    different shards, so they must agree before one of them stops)."""
+    bad = not math.isfinite(value)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([1.0 if bad else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        bad = bool(flag.item() > 0)
+    return bad
+
+
+class NonFiniteGuard(TrainerCallback):
+    """Raise `NonFiniteUpdate` before an optimizer step whose gradients are not finite (see the module docstring).
+
+    Added by `ProRLTrainer` when `stop_on_nonfinite` is on; usable with any `transformers.Trainer` (call `bind`
+    with it to name its output folder's latest checkpoint in the message).
+    """
+
+    def __init__(self):
+        self.trainer: Any = None
+        self._checked_before_step = False  # the gradients were visible: the logged norm needs no second look
+
+    def bind(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        optimizer = optimizer if optimizer is not None else getattr(self.trainer, "optimizer", None)
+        if getattr(getattr(self.trainer, "accelerator", None), "distributed_type", None) == "DEEPSPEED":
+            return  # DeepSpeed holds the gradients in its partitions: `on_log` checks its norm
+        norm = local_gradient_norm(optimizer)
+        self._checked_before_step = True
+        device = getattr(getattr(self.trainer, "accelerator", None), "device", torch.device("cpu"))
+        if agreed_nonfinite(norm, device):
+            raise self._error(state, norm, applied=False, args=args)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        norm = (logs or {}).get("grad_norm")
+        if self._checked_before_step or norm is None:
+            return
+        if not math.isfinite(float(norm)):
+            raise self._error(state, float(norm), applied=True, args=args)
+
+    def _error(self, state, norm: float, applied: bool, args) -> NonFiniteUpdate:
+        """The error for the step being taken (before the update) or just taken (`applied`), counted over the whole
+        run where the trainer counts across phases."""
+        from ..reset.checkpoint import latest_checkpoint
+
+        checkpoint = latest_checkpoint(args.output_dir) if args.output_dir else None
+        step = getattr(self.trainer, "prorl_global_step", state.global_step) + (0 if applied else 1)
+        phase = getattr(getattr(self.trainer, "current_phase", None), "name", None)
+        return NonFiniteUpdate(step, norm, applied, checkpoint, phase)

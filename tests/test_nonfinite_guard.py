@@ -1,0 +1,127 @@
+"""A non-finite gradient stops the run before the update reaches the weights, naming the last good checkpoint."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import TrainerCallback, TrainerControl, TrainerState
+
+from prorl_trl.trainer import ProRLTrainer
+from prorl_trl.trainer.finite import NonFiniteGuard, NonFiniteUpdate, local_gradient_norm
+from tests._prorl_helpers import lora, prompts_dataset, tiny_args, tiny_model
+
+
+def length_reward(completions, **kwargs):
+    return [float(len(str(c)) % 3) for c in completions]
+
+
+class OverflowAtStep(TrainerCallback):
+    """Makes the training forward of one optimizer step overflow (its final norm's output times inf, as a bf16
+    activation that overflows): the loss and every gradient of that step are NaN; generation is untouched."""
+
+    def __init__(self, model: torch.nn.Module, step: int):
+        self.step, self.active = step, False
+        model.model.norm.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output):
+        return output * math.inf if self.active and torch.is_grad_enabled() else output
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.active = state.global_step + 1 == self.step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.active = False
+
+
+class TrainableAfterEachStep(TrainerCallback):
+    def __init__(self):
+        self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.snapshots[state.global_step] = {
+            name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad
+        }
+
+
+def run(tmp_path: Path, stop_on_nonfinite: bool, max_steps: int = 4) -> tuple[ProRLTrainer, TrainableAfterEachStep]:
+    model, tokenizer = tiny_model()
+    record, overflow = TrainableAfterEachStep(), OverflowAtStep(model, step=3)
+    args = tiny_args(
+        tmp_path, max_steps=max_steps, save_strategy="steps", save_steps=2, stop_on_nonfinite=stop_on_nonfinite
+    )
+    trainer = ProRLTrainer(
+        model=model, reward_funcs=[length_reward], args=args, train_dataset=prompts_dataset(),
+        processing_class=tokenizer, peft_config=lora(), callbacks=[record, overflow],
+    )  # fmt: skip
+    return trainer, record
+
+
+def test_a_nan_gradient_stops_before_the_update_and_names_the_last_good_checkpoint(tmp_path):
+    trainer, record = run(tmp_path, stop_on_nonfinite=True)
+    with pytest.raises(NonFiniteUpdate) as stopped:
+        trainer.train()
+    error = stopped.value
+    assert error.global_step == 3 and not error.applied and not math.isfinite(error.norm)
+    assert error.checkpoint is not None and error.checkpoint.name == "checkpoint-2"
+    assert "checkpoint-2" in str(error) and "not applied" in str(error) and "learning_rate" in str(error)
+    now = {name: p.detach() for name, p in trainer.model.named_parameters() if p.requires_grad}
+    assert set(now) == set(record.snapshots[2]) and 3 not in record.snapshots
+    for name, value in now.items():  # the weights are those of step 2, the checkpoint's: the NaN update never landed
+        assert torch.equal(value, record.snapshots[2][name]), name
+
+
+def test_without_the_guard_the_same_run_trains_on_into_nan_weights(tmp_path):
+    """What the guard prevents, and proof that the poisoned step does reach the weights without it (a fourth step
+    would then fail to sample on the CPU; the GPU's rollout engine samples garbage without a word)."""
+    trainer, record = run(tmp_path, stop_on_nonfinite=False, max_steps=3)
+    trainer.train()
+    assert not any(isinstance(callback, NonFiniteGuard) for callback in trainer.callback_handler.callbacks)
+    assert all(torch.isfinite(v).all() for v in record.snapshots[2].values())
+    assert any(not torch.isfinite(v).all() for v in record.snapshots[3].values())
+
+
+def test_the_gradient_norm_sees_nan_and_inf_and_does_not_overflow_in_float16():
+    weight = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.float16))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    assert local_gradient_norm(optimizer) == 0.0  # no gradients yet
+    weight.grad = torch.full((4, 4), 60000.0, dtype=torch.float16)  # finite; its norm (240000) is not a float16
+    assert local_gradient_norm(optimizer) == pytest.approx(240000.0)
+    weight.grad[1, 2] = float("inf")
+    assert local_gradient_norm(optimizer) == math.inf
+    weight.grad[0, 0] = float("nan")
+    assert math.isnan(local_gradient_norm(optimizer))
+
+
+def test_where_gradients_are_out_of_reach_the_logged_norm_stops_the_run_and_says_the_update_landed(tmp_path):
+    """DeepSpeed's path: no pre-step look, so the logged `grad_norm` decides (the update was applied)."""
+    guard = NonFiniteGuard()
+    args = tiny_args(tmp_path)
+    state, control = TrainerState(), TrainerControl()
+    state.global_step = 7
+    guard.on_log(args, state, control, logs={"grad_norm": 0.5, "loss": 0.1})  # finite: nothing happens
+    with pytest.raises(NonFiniteUpdate) as stopped:
+        guard.on_log(args, state, control, logs={"grad_norm": float("nan")})
+    assert stopped.value.applied and stopped.value.global_step == 7 and stopped.value.checkpoint is None
+    assert "was applied" in str(stopped.value) and "No checkpoint" in str(stopped.value)
+
+
+def test_trl_gives_padding_positions_log_prob_zero_so_the_kl_term_cannot_overflow_there(tmp_path):
+    """A NaN source ruled out (benchmarks/results/prolonged.md): TRL 1.16 labels padding -100, so its log-probs there
+    are exactly 0 for the policy and the reference alike, and `exp(ref - logp)` is 1, however far the policy has
+    drifted at the pad token. If TRL stops doing this, padding can overflow the KL term and this test fails."""
+    model, tokenizer = tiny_model()
+    with torch.no_grad():
+        model.lm_head.bias[tokenizer.pad_token_id] = -500.0  # a policy that drifted far at a token never sampled
+    trainer = ProRLTrainer(
+        model=model, reward_funcs=[length_reward], args=tiny_args(tmp_path, beta=0.04), train_dataset=prompts_dataset(),
+        processing_class=tokenizer, peft_config=lora(),
+    )  # fmt: skip
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    ids = torch.tensor([[5, 6, 7, 9, 10, 11, eos], [5, 6, 8, 12, eos, pad, pad]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0, 0]])
+    with torch.no_grad():
+        logps = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 4)[0]
+    assert torch.equal(logps[1, 2:], torch.zeros(2)) and (logps[mask[:, -4:].bool()] < 0).all()
