@@ -5,6 +5,8 @@
     python benchmarks/prolonged.py --out runs/prolonged --report-only   # the report again, from rows + settings.json
     python benchmarks/prolonged.py --out runs/pilot --pilot --pilot-grid 'task_steps=1-2,1-3;learning_rate=1e-4,3e-5'
     python benchmarks/prolonged.py --out /tmp/prolonged --smoke                        # CPU, tiny model, < 90 s
+    python benchmarks/prolonged.py --out runs/part1 --arms prorl,one_phase --solo-arms prorl --warm-start WARM ...
+                      # arms split over calls: one warm start (--warm-start), then gather runs/ and --report-only
 
 1. One warm start for every arm and seed: `learning.py`'s SFT of a ~19M-parameter Qwen2 (byte-level tokenizer) until
    greedy accuracy `--warm-start-accuracy`, here on a difficulty mix of arithmetic (`--task-steps 1-3` operations on
@@ -21,7 +23,8 @@
    problems: pass@1/8/n, never solved = 1 - pass@n. Workers append every log entry to `OUT/runs/<arm>-s<seed>/
    rows.jsonl`, checkpoint every `--save-steps` and write `done.json` at the end; `--resume` skips finished runs and
    continues the others from their latest checkpoint. `--time-limit` (or SIGTERM) stops the workers after their
-   current step, with a checkpoint, and still writes the report: `OUT/prolonged.md`, `prolonged.json`, PNGs.
+   current step, with a checkpoint, and still writes the report: `OUT/prolonged.md`, `prolonged.json`, PNGs. A run
+   whose gradients turn NaN/inf stops there (`stop_on_nonfinite`): `stopped.json`, reported as such, not retried.
 `--pilot`: arm (a), one seed, over `--pilot-grid` (any option, `;` between options, `,` between values), to choose the
 task where (a) plateaus: `OUT/pilot.md` (plateaued: gain over the last half <= 2 s.e.).
 """
@@ -80,6 +83,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, help="RL optimizer steps per run (default 600; a multiple of 4 x eval steps)")
     p.add_argument("--gpus", type=int, help="GPUs to spread workers over (default: all visible)")
     p.add_argument("--per-gpu", type=int, default=4, help="concurrent workers per GPU")
+    p.add_argument("--solo-arms", default="", help="comma separated arms whose runs each get a GPU to themselves")
     p.add_argument("--launch", choices=("subprocess", "inline"), help="workers as processes (default) or in-process")
     p.add_argument("--time-limit", type=float, help="seconds: then stop workers with a checkpoint and report")
     p.add_argument("--resume", action="store_true", help="skip finished runs, continue the others from checkpoints")
@@ -90,6 +94,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     task = p.add_argument_group("task and warm start")
     task.add_argument("--task-steps", default="1-3", help="operations per problem, 'low-high'")
     task.add_argument("--task-max-value", type=int, default=20, help="largest number in a problem")
+    task.add_argument("--warm-start", help="a warm start folder made earlier (with warm_start.json), used as is")
     task.add_argument("--warm-start-accuracy", type=float, default=0.3, help="stop SFT at this greedy accuracy")
     task.add_argument("--max-sft-steps", type=int, help="SFT step cap (default 1500)")
     rl = p.add_argument_group("RL")
@@ -120,8 +125,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             setattr(args, name, smoke if args.smoke else gpu)
     args.seeds = [int(s) for s in str(args.seeds).split(",") if s]
     args.arms = [arm for arm in args.arms.split(",") if arm]
-    if set(args.arms) - set(ARMS):
-        p.error(f"--arms: choose from {list(ARMS)}")
+    args.solo_arms = [arm for arm in str(args.solo_arms).split(",") if arm]
+    if set(args.arms + args.solo_arms) - set(ARMS):
+        p.error(f"--arms, --solo-arms: choose from {list(ARMS)}")
     if args.steps % 4 or (args.steps // 4) % args.eval_steps:
         p.error(f"--steps ({args.steps}) must be 4 phases of a multiple of --eval-steps ({args.eval_steps})")
     return args
@@ -174,11 +180,15 @@ def device_name(args) -> str:
 
 
 def run_warm_start(args) -> None:
-    """`learning.warm_start` on this study's task mix, into `--warm-dir` (which must be named `warm_start`)."""
+    """`learning.warm_start` on this study's task mix, into `--warm-dir` (which must be named `warm_start`); or a copy
+    of `--warm-start` (one warm start shared by studies run in several calls, or made on another machine)."""
     from prorl_trl.tiny import build_tiny_tokenizer
 
     warm = Path(args.warm_dir)
     if (warm / "warm_start.json").is_file():
+        return
+    if args.warm_start:
+        copy_warm_start(args, warm)
         return
     settings = argparse.Namespace(seed=0, smoke=args.smoke, warm_start_accuracy=args.warm_start_accuracy,
                                   max_sft_steps=args.max_sft_steps)  # fmt: skip
@@ -188,6 +198,15 @@ def run_warm_start(args) -> None:
     assert path == warm, (path, warm)
     info = {"seconds": round(seconds, 1), "parameters": parameters, "greedy_accuracy": accuracy, "task": task_of(args)}
     (warm / "warm_start.json").write_text(json.dumps(info, indent=1))
+
+
+def copy_warm_start(args, warm: Path) -> None:
+    """`--warm-start` copied into `warm`, refused when it was trained on another task than this study's."""
+    info = json.loads((Path(args.warm_start) / "warm_start.json").read_text())
+    task = json.loads(json.dumps(task_of(args)))  # as the JSON file holds it (lists, not tuples)
+    if info["task"] != task:
+        raise SystemExit(f"--warm-start {args.warm_start} was trained on {info['task']}, not this study's {task}")
+    shutil.copytree(args.warm_start, warm, dirs_exist_ok=True)
 
 
 def phases_of(arm: str, args) -> list:
@@ -245,6 +264,7 @@ def _run_worker(args) -> int:
     from prorl_trl.tiny import build_tiny_tokenizer
     from prorl_trl.trainer import (
         HardResetCallback,
+        NonFiniteUpdate,
         ProRLTrainer,
         RunInterrupted,
         stop_on_signals,
@@ -297,6 +317,12 @@ def _run_worker(args) -> int:
     except RunInterrupted as stop:
         print(f"[{run_dir.name}] {stop}", flush=True)
         return 143
+    except NonFiniteUpdate as stop:  # the run's own outcome (a collapse), kept in the report, not retried
+        print(f"[{run_dir.name}] {stop}", flush=True)
+        stopped = {"arm": arm, "seed": args.seed, "device": device_name(args), "step": stop.global_step,
+                   "grad_norm": str(stop.norm), "reason": "non-finite gradient"}  # fmt: skip
+        (run_dir / "stopped.json").write_text(json.dumps(stopped, indent=1))
+        return 3
     earlier_seconds = sum(attempt_seconds(earlier).values())
     done = {"arm": arm, "seed": args.seed, "device": device_name(args), "steps": trainer.prorl_global_step,
             "seconds": round(earlier_seconds + time.time() - started, 1), "attempts": attempt + 1,
@@ -366,7 +392,7 @@ def run_jobs(args, jobs: list[tuple[str, list[str]]], deadline: float) -> None:
     try:
         while pending or running:
             for process in [p for p in running if p.poll() is not None]:
-                name, gpu = running.pop(process)
+                name, gpu, _ = running.pop(process)
                 print(f"[prolonged] {name} ended (exit {process.returncode}) on GPU {gpu}", flush=True)
             if (stopping or time.time() >= deadline) and stop_sent is None:
                 print(f"[prolonged] stopping: {len(running)} run(s) checkpoint, {len(pending)} not started", flush=True)
@@ -376,15 +402,19 @@ def run_jobs(args, jobs: list[tuple[str, list[str]]], deadline: float) -> None:
             if stop_sent is not None and time.time() - stop_sent > 180:  # a worker that does not stop
                 for process in running:
                     process.kill()
-            while pending and len(running) < gpus * args.per_gpu:
-                load = [sum(g == gpu for _, g in running.values()) for gpu in range(gpus)]
+            while pending:
+                name, job = pending[0]
+                weight = args.per_gpu if name.rpartition("-s")[0] in args.solo_arms else 1
+                load = [sum(w for _, g, w in running.values() if g == gpu) for gpu in range(gpus)]
                 gpu = load.index(min(load))
-                name, job = pending.pop(0)
+                if load[gpu] + weight > args.per_gpu:
+                    break
+                pending.pop(0)
                 env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(visible[gpu]), "OMP_NUM_THREADS": str(threads)}
                 with (Path(args.out) / "logs" / f"{name}.log").open("a") as log:
                     process = subprocess.Popen([sys.executable, __file__, *job], stdout=log, stderr=subprocess.STDOUT,
                                                env=env)  # fmt: skip
-                running[process] = (name, gpu)
+                running[process] = (name, gpu, weight)
                 print(f"[prolonged] {name} started on GPU {gpu}", flush=True)
             time.sleep(0.5)
     finally:
@@ -405,13 +435,17 @@ def main(argv: list[str] | None = None) -> dict | int:
     if not args.report_only:
         (out / "settings.json").write_text(json.dumps(vars(args), indent=1))  # what --report-only reports
         warm = out / "warm_start"
+        if args.warm_start and not (warm / "warm_start.json").is_file():
+            copy_warm_start(args, warm)
         if not (warm / "warm_start.json").is_file():
             run_jobs(args, [("warm_start", worker_argv(argv, "warm_start", 0, None, warm))], deadline)
         jobs = []
         for seed, arm in itertools.product(args.seeds, args.arms):
             run_dir = out / "runs" / f"{arm}-s{seed}"
-            if not (args.resume and (run_dir / "done.json").is_file()):
+            ended = (run_dir / "done.json").is_file() or (run_dir / "stopped.json").is_file()
+            if not (args.resume and ended):
                 jobs.append((run_dir.name, worker_argv(argv, arm, seed, run_dir, warm)))
+        jobs.sort(key=lambda job: job[0].rpartition("-s")[0] not in args.solo_arms)  # solo runs take whole GPUs first
         if (warm / "warm_start.json").is_file():
             run_jobs(args, jobs, deadline)
     return write_report(args, out)
@@ -449,6 +483,8 @@ def run_pilot(args, argv: list[str], out: Path, deadline: float) -> dict:
         n = ks_of(setting)[-1]
         plateau = "yes" if gain <= two_se else "no"
         finished = "" if (run_dir / "done.json").is_file() else " (unfinished)"
+        if (run_dir / "stopped.json").is_file():
+            finished = f" (stopped before step {json.loads((run_dir / 'stopped.json').read_text())['step']}: NaN/inf)"
         curve = " ".join(f"{step}:{100 * v:.0f}" for step, v in zip(steps, values))
         rows.append(f"| {name}{finished} | {100 * values[0]:.1f} | {100 * values[middle]:.1f} (step {steps[middle]}) "
                     f"| {100 * values[-1]:.1f} (step {steps[-1]}) | {100 * max(values):.1f} | {100 * gain:+.1f} "
@@ -473,8 +509,10 @@ def load_runs(out: Path) -> list[dict]:
         arm, _, seed = folder.name.rpartition("-s")
         rows = read_rows(folder / "rows.jsonl")
         done = json.loads((folder / "done.json").read_text()) if (folder / "done.json").is_file() else None
+        stopped = json.loads((folder / "stopped.json").read_text()) if (folder / "stopped.json").is_file() else None
         seconds = done["seconds"] if done else sum(attempt_seconds(read_jsonl(folder / "rows.jsonl")).values())
-        runs.append({"arm": arm, "seed": int(seed), "done": done, "rows": rows, "resets": reset_steps(rows),
+        runs.append({"arm": arm, "seed": int(seed), "done": done, "stopped": stopped, "rows": rows,
+                     "resets": reset_steps(rows),
                      "evals": [row for row in rows if "eval_pass@1" in row], "seconds": seconds})  # fmt: skip
     return sorted(
         (run for run in runs if run["arm"] in ARMS), key=lambda run: (list(ARMS).index(run["arm"]), run["seed"])
@@ -489,9 +527,13 @@ def pct(values) -> str:
 
 
 def write_report(args, out: Path) -> dict:
-    if args.report_only and (out / "settings.json").is_file():
+    report_only = args.report_only
+    if report_only and (out / "settings.json").is_file():
         args = argparse.Namespace(**json.loads((out / "settings.json").read_text()))
     runs = load_runs(out)
+    if report_only:  # runs made by several calls (each its own arms) and gathered into one folder
+        args.arms = [arm for arm in ARMS if any(run["arm"] == arm for run in runs)] or args.arms
+        args.seeds = sorted({run["seed"] for run in runs}) or args.seeds
     ks = ks_of(args)
     n = ks[-1]
     if not (out / "warm_start" / "warm_start.json").is_file():
@@ -502,7 +544,8 @@ def write_report(args, out: Path) -> dict:
             run["final"] = {k: run["evals"][-1][f"eval_pass@{k}"] for k in ks}
             run["best"] = {k: max(row[f"eval_pass@{k}"] for row in run["evals"]) for k in ks}
     finished = {arm: [run for run in runs if run["arm"] == arm and "final" in run] for arm in ARMS}
-    devices = sorted({run["done"]["device"] for run in runs if run["done"]}) or ["(no finished run)"]
+    devices = sorted({(run["done"] or run["stopped"])["device"] for run in runs if run["done"] or run["stopped"]})
+    devices = devices or ["(no finished run)"]
     header = "| arm | runs finished | " + " | ".join(f"final pass@{k} | best pass@{k}" for k in ks)
     lines = [
         f"# Prolonged RL with hard resets: {len(args.arms)} arms x {len(args.seeds)} seeds (issue 29)", "",
@@ -523,7 +566,9 @@ def write_report(args, out: Path) -> dict:
         never = pct([1 - run["final"][n] for run in done]) if done else "-"
         wall = f"{sum(seconds) / len(seconds):.0f}" if seconds else "-"
         row = " | ".join(cells) if done else " | ".join(["-"] * 2 * len(ks))
-        lines.append(f"| {ARMS[arm]} | {len(done)} of {len(args.seeds)} | {row} | {never} | {wall} |")
+        stopped = sum(bool(run["stopped"]) for run in runs if run["arm"] == arm)
+        count = f"{len(done)} of {len(args.seeds)}" + (f" ({stopped} stopped: non-finite gradient)" if stopped else "")
+        lines.append(f"| {ARMS[arm]} | {count} | {row} | {never} | {wall} |")
     engine = sum(bool(run["done"].get("rollout_engine")) for run in runs if run["done"])
     note = (
         "Best is the maximum over the validations of a run (biased upward by validation noise). Wall: one run, with "
@@ -553,6 +598,10 @@ def write_report(args, out: Path) -> dict:
     for run in runs:
         last = max((row["prorl/global_step"] for row in run["rows"]), default=0)
         state = "" if run["done"] else f" (unfinished, last step {last})"
+        if run["stopped"]:
+            state = f" (stopped before step {run['stopped']['step']}: {run['stopped']['reason']})"
+        device = (run["done"] or run["stopped"] or {}).get("device")
+        state += f" [{device}]" if device and len(devices) > 1 else ""
         lines.append(f"- {ARMS[run['arm']]} s{run['seed']}{state}: {', '.join(map(str, run['resets'])) or 'none'}")
     plots = write_plots(args, out, runs, n)
     lines += ["", "## Plots", "", *[f"![{path.stem}]({path.name})" for path in plots]]

@@ -89,3 +89,34 @@ def test_pilot_runs_arm_a_per_grid_point_with_one_warm_start_per_task(tmp_path):
     rows = [line for line in (tmp_path / "pilot.md").read_text().splitlines() if line.startswith("| task_steps")]
     assert len(rows) == 2 and all("| 0:" in row and ("| yes |" in row or "| no |" in row) for row in rows)
     assert (tmp_path / "pilot.png").is_file()
+
+
+def test_arms_split_over_calls_share_one_warm_start_and_gather_into_one_report(tmp_path, capsys):
+    """Two calls, each its own arms (the first with (b) on a device of its own, `--solo-arms`), the second reusing
+    the first's warm start (`--warm-start`); their runs gathered into one folder make one report over all arms. A run
+    stopped by a non-finite gradient is reported as stopped, not as finished."""
+    first, second, gathered = tmp_path / "first", tmp_path / "second", tmp_path / "gathered"
+    common = ["--smoke", "--seeds", "0", "--launch", "subprocess", "--gpus", "1", "--per-gpu", "2"]
+    prolonged.main([*common, "--out", str(first), "--arms", "one_phase,prorl", "--solo-arms", "prorl"])
+    printed = capsys.readouterr().out
+    assert printed.index("prorl-s0 ended") < printed.index("one_phase-s0 started"), printed  # alone on its device
+    warm = first / "warm_start"
+    prolonged.main([*common, "--out", str(second), "--arms", "no_reset,plateau", "--warm-start", str(warm)])
+    assert (second / "warm_start" / "model.safetensors").read_bytes() == (warm / "model.safetensors").read_bytes()
+    assert "warm_start started" not in capsys.readouterr().out  # copied, not trained again
+    shutil.copytree(first / "warm_start", gathered / "warm_start")
+    for part in (first, second):
+        for run in (part / "runs").iterdir():
+            shutil.copytree(run, gathered / "runs" / run.name)
+    shutil.copy(first / "settings.json", gathered / "settings.json")
+    stopped = gathered / "runs" / "plateau-s0"
+    device = json.loads((stopped / "done.json").read_text())["device"]
+    (stopped / "done.json").unlink()
+    (stopped / "stopped.json").write_text(json.dumps({"step": 3, "reason": "non-finite gradient", "device": device}))
+    result = prolonged.main(["--out", str(gathered), "--report-only"])
+    report = (gathered / "prolonged.md").read_text()
+    for arm in ("one_phase", "prorl", "no_reset"):
+        assert f"| {prolonged.ARMS[arm]} | 1 of 1 |" in report
+    assert "| (d) one phase + resets on a plateau | 0 of 1 (1 stopped: non-finite gradient) |" in report
+    assert "(stopped before step 3: non-finite gradient)" in report
+    assert {"prorl-one_phase@1", "prorl-no_reset@1"} <= set(result["pairs"])
