@@ -27,7 +27,14 @@ base layer no LoRA layer wraps rounds its own sum. Each reset is then bitwise a 
 
 Cost: each part is one more pair of small float32 products per adapted layer, as the live adapter is; when a layer's
 parts reach min(in, out) in total rank they are refactored exactly into one (float64 SVD), so long runs stop growing.
-The rollout engine folds the parts' A weights into its stacked GEMMs (`prorl_trl.rollout.lora_decode`).
+The rollout engine folds the parts' A weights into its stacked GEMMs (`prorl_trl.rollout.lora_decode`). On a small,
+launch-bound model the per-part products dominate: each reset made every later step ~0.09 s slower (+23 %) on an
+H100 (benchmarks/results/prolonged.md). `consolidate=True` (`ProRLConfig.consolidate_frozen_parts`) therefore joins a
+layer's float32 parts into one at each reset (`FrozenDelta.consolidate`: the ranks stacked, each part's scaling folded
+into its `up` in float32), so the forward pays for one part however many resets came before. The delta is kept to
+float32 rounding, but the joined product sums in another order than the parts did, so such a reset is no longer
+bitwise a no-op: it moves outputs by float32 rounding (an output rounded to bf16 flips one ulp where the float32 sum
+sat on a rounding boundary).
 
 The factors are buffers of a module that keeps their dtype whatever the model is cast to (`FrozenDelta._apply`:
 DeepSpeed's bf16 engine calls `module.bfloat16()` at every phase) and out of the state dict (non-persistent): a run
@@ -112,6 +119,22 @@ class FrozenDelta(nn.Module):
             part = nn.functional.linear(nn.functional.linear(cast, down.to(dtype)), up.to(dtype)) * scaling
             output = output + (part.to(output.dtype) if self.round_each and not autocast else part)
         return output if self.bias is None else output + self.bias
+
+    def consolidate(self) -> bool:
+        """Join the parts into one of their total rank: downs stacked, ups side by side, each up times its scaling (in
+        float32, exact to rounding), scaling 1. Only float32 parts (a bf16 QLoRA adapter's would round the scaled up
+        to bf16); returns whether it joined anything."""
+        parts = self.parts
+        if len(parts) < 2 or any(t.dtype != torch.float32 for down, up, _ in parts for t in (down, up)):
+            return False
+        down = torch.cat([down for down, _, _ in parts], dim=0)
+        up = torch.cat([up * scaling for _, up, scaling in parts], dim=1)
+        for index in range(len(self.scalings)):
+            delattr(self, f"down_{index}")
+            delattr(self, f"up_{index}")
+        self.scalings = []
+        self.append(down, up, 1.0)
+        return True
 
     def weight_delta(self) -> torch.Tensor:
         """The dense delta, the parts' `up @ down * scaling` summed in float32 (out_features, in_features)."""
@@ -201,12 +224,14 @@ def attach_frozen_delta(
     scaling: float,
     bias: torch.Tensor | None = None,
     lora_layer: nn.Module | None = None,
+    consolidate: bool = False,
 ) -> FrozenDelta:
     """Append a part (`down` r x in, `up` out x r, `scaling`; `bias`, unscaled, for a LoRA bias) to the base layer's
     frozen delta, creating it (and its hook) on first use; copied in their dtype onto the base layer's device.
     `lora_layer`: the PEFT LoRA layer that wraps `base_layer`: its output is then rounded once where the base layer is
     a plain `nn.Linear`, and each part's output is cast first where it is a bitsandbytes layer (as PEFT computes
-    those). Parts beyond min(in, out) in total rank are refactored into one (`refactor`)."""
+    those). `consolidate`: join the float32 parts into one (`FrozenDelta.consolidate`). Parts beyond min(in, out) in
+    total rank are refactored into one (`refactor`)."""
     device = _device_of(base_layer)
     frozen = frozen_delta_of(base_layer)
     if frozen is None:
@@ -219,6 +244,8 @@ def attach_frozen_delta(
     out_features, in_features = frozen.parts[0][1].shape[0], frozen.parts[0][0].shape[1]
     if len(frozen.scalings) > 1 and frozen.rank > min(out_features, in_features):
         frozen.refactor()
+    elif consolidate:
+        frozen.consolidate()
     if add_frozen_delta not in base_layer._forward_hooks.values():
         base_layer.register_forward_hook(add_frozen_delta)
     if lora_layer is not None and type(base_layer) is nn.Linear:
@@ -264,7 +291,10 @@ def _live_factors(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 @torch.no_grad()
 def freeze_lora_delta(
-    model: nn.Module, engine: str | None = None, active_layers: frozenset[str] | None = None
+    model: nn.Module,
+    engine: str | None = None,
+    active_layers: frozenset[str] | None = None,
+    consolidate: bool = False,
 ) -> FreezeReport:
     """Move the "default" adapter's delta into each layer's frozen factors; the base weights are not written.
 
@@ -273,7 +303,8 @@ def freeze_lora_delta(
     adapter is live this phase (a superset adapter's idle layers hold zeros); None: all. Columns of B that are all zero
     (a superset adapter's idle rank) are left out. Under every engine the factors are read whole (FSDP2: gathered from
     the shards; ZeRO-3: inside a read-only gather), so the call is collective there and every rank attaches the same
-    factors. A layer PEFT holds merged (`merge_adapter` without `unmerge_adapter`) is unmerged first.
+    factors. A layer PEFT holds merged (`merge_adapter` without `unmerge_adapter`) is unmerged first. `consolidate`:
+    each layer's float32 parts are joined into one (see the module docstring: one part's cost, float32 rounding).
     """
     check_lora_supported(model)
     if engine == FSDP2:
@@ -292,8 +323,9 @@ def freeze_lora_delta(
             if not bool(keep.any()) and (bias is None or not bool(bias.any())):
                 continue
             frozen = attach_frozen_delta(
-                layer.get_base_layer(), down[keep], up[:, keep], layer.scaling[ADAPTER_NAME], bias, lora_layer=layer
-            )
+                layer.get_base_layer(), down[keep], up[:, keep], layer.scaling[ADAPTER_NAME], bias, lora_layer=layer,
+                consolidate=consolidate,
+            )  # fmt: skip
         report.layers += 1
         report.rank_added += int(keep.sum())
         report.frozen_rank = max(report.frozen_rank, frozen.rank)

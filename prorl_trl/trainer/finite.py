@@ -44,9 +44,10 @@ class NonFiniteUpdate(RuntimeError):
         )
         super().__init__(
             f"Training stopped at {where}: the gradient norm is {norm} (not finite). {state}; nothing more was "
-            f"saved. {saved} Usual causes: a learning rate too high for this model and dtype, or a reward that "
-            "returned NaN/inf. Lower `learning_rate` (a resume needs `--allow-changes` for that) or fix the reward, "
-            "then resume; `stop_on_nonfinite: false` turns this check off."
+            f"saved. {saved} Usual causes: TRL's KL term overflowing on one token (with beta > 0: set `kl_clamp: "
+            "true`, verl's bounded term), a learning rate too high for this model and dtype, or a reward that returned "
+            "NaN/inf. Change the setting (a resume needs `--allow-changes` for that) or fix the reward, then resume; "
+            "`stop_on_nonfinite: false` turns this check off."
         )
 
 

@@ -27,7 +27,8 @@ tests/test_trainer_internals.py):
 * `_calculate_rewards` / `_generate_and_score_completions`: dynamic sampling (`DynamicSamplingMixin`; no hook exists
   in TRL).
 * `_compute_loss` / `_get_per_token_logps_and_entropies`: minibatch early stop (`MinibatchEarlyStopMixin`) needs the
-  policy log-probs TRL computes inside the loss and does not return.
+  policy log-probs TRL computes inside the loss and does not return; `kl_clamp` (`KLClampMixin`) bounds the KL term
+  as verl's `low_var_kl` does, by editing the reference log-probs between the two reads.
 * `_load_from_checkpoint` (HF): keeps the trainable parameters' dtype across a resume (PEFT's `load_adapter` casts a
   QLoRA adapter, which TRL keeps in bf16, back to float32).
 * `_generate_single_turn`: with `rollout_engine`, TRL's transformers branch (left-pad, `generate`, cut after the first
@@ -89,6 +90,7 @@ from .dynamic_sampling import DynamicSamplingMixin
 from .early_stop import MinibatchEarlyStopMixin
 from .finite import NonFiniteGuard
 from .interrupt import RunInterrupted
+from .kl_clamp import KLClampMixin
 from .manifest import record_outputs, trainer_outputs
 from .overlong import OverlongPenalty
 from .placement import fsdp2_model_init_kwargs, move_stray_tensors_
@@ -101,7 +103,7 @@ from .trackers import TrackerSpan
 logger = logging.getLogger("prorl_trl")
 
 
-class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
+class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, KLClampMixin, GRPOTrainer):
     """`GRPOTrainer` with ProRL phases, hard resets, a phase-aware overlong penalty, dynamic sampling and early stop.
 
     Takes `GRPOTrainer`'s arguments, in its order; `args` is a [`ProRLConfig`] (None: a default one named after the
@@ -728,7 +730,7 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, GRPOTrainer):
             # in the engine's storage; idle parts of a superset adapter are zero and skipped
             active = self._active_lora["target_names"] if engine.sharded and self._active_lora else None
             if self.args.lora_reset_mode == "frozen":
-                kept = reset_ops.freeze_lora_delta(model, engine.kind, active)
+                kept = reset_ops.freeze_lora_delta(model, engine.kind, active, self.args.consolidate_frozen_parts)
                 reset_ops.keep_out_of_ddp_broadcasts(self.model_wrapped)
             elif engine.sharded:
                 rounding = reset_ops.merge_lora_sharded(model, engine.kind, active)

@@ -1,0 +1,104 @@
+"""`consolidate_frozen_parts`: each reset joins a layer's frozen parts into one, so the forward pays for one part;
+the delta is kept to float32 rounding (no longer to the bit), the reference still equals the policy, and a saved run
+loads back to the same bits."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _prorl_helpers import lora, prompts_dataset, tiny_args
+from peft import get_peft_model
+
+from prorl_trl import PhaseConfig, ProRLConfig, ProRLTrainer
+from prorl_trl.reset import frozen_layers, frozen_state_dict, load_frozen_
+from prorl_trl.reset.frozen import FrozenDelta
+from prorl_trl.tiny import build_tiny
+
+PROBE = torch.arange(3, 40).reshape(1, -1)
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def random_parts(dtype=torch.float32, ranks=(4, 4, 2), scalings=(2.0, 0.5, 1.5)) -> FrozenDelta:
+    generator = torch.Generator().manual_seed(0)
+    frozen = FrozenDelta()
+    for rank, scaling in zip(ranks, scalings, strict=True):
+        down = torch.randn(rank, 16, generator=generator).to(dtype)
+        up = (torch.randn(12, rank, generator=generator) * 1e-3).to(dtype)
+        frozen.append(down, up, scaling)
+    return frozen
+
+
+def test_joined_part_has_the_parts_product_and_their_total_rank():
+    frozen = random_parts()
+    dense, x = frozen.weight_delta(), torch.randn(5, 16)
+    separate = frozen.add_to(torch.zeros(5, 12), x)
+    assert frozen.consolidate() and len(frozen.scalings) == 1 and frozen.rank == 10 and frozen.scalings == [1.0]
+    torch.testing.assert_close(frozen.weight_delta(), dense, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(frozen.add_to(torch.zeros(5, 12), x), separate, rtol=1e-5, atol=1e-8)
+    assert not frozen.consolidate()  # one part: nothing to join
+
+
+def test_bf16_parts_are_left_apart():
+    """A bf16 (QLoRA) adapter's parts would round the scaled `up` to bf16: they stay one part per reset."""
+    frozen = random_parts(dtype=torch.bfloat16)
+    assert not frozen.consolidate() and len(frozen.scalings) == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@torch.no_grad()
+def test_three_joined_resets_move_the_outputs_by_float32_rounding_only(dtype):
+    """Three resets with joined parts against the same three with one part each (bitwise no-ops, see
+    test_exact_resets): float32 outputs agree to float32 rounding; bf16 outputs differ in a few elements by one bf16
+    step at most. The reference (adapter disabled) equals the policy after every reset."""
+    from prorl_trl.reset import freeze_lora_delta, reinit_adapter
+
+    model = get_peft_model(build_tiny(seed=0)[0].to(dtype), lora(r=4, targets=TARGETS)).eval()
+    models = {False: model, True: copy.deepcopy(model)}  # the same initial adapters
+    for reset in range(3):
+        for joined, model in models.items():
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(reset)
+                for name, param in model.named_parameters():
+                    if "lora_B" in name:
+                        param.normal_(std=1e-2)
+            freeze_lora_delta(model, consolidate=joined)
+            reinit_adapter(model, seed=reset)
+    parts = {joined: {len(f.scalings) for _, _, f in frozen_layers(model)} for joined, model in models.items()}
+    assert parts == {False: {3}, True: {1}}
+    separate, joined = (models[j](input_ids=PROBE).logits.float() for j in (False, True))
+    with models[True].disable_adapter():
+        assert torch.equal(models[True](input_ids=PROBE).logits.float(), joined)  # the reference is the policy
+    if dtype == torch.float32:
+        torch.testing.assert_close(joined, separate, rtol=1e-5, atol=1e-5)
+    else:
+        differ = joined != separate
+        step = separate.abs().clamp_min(1e-2) / 128  # one bf16 step (8 significant bits), generously
+        assert differ.float().mean() < 0.02 and ((joined - separate).abs() <= step).all()
+
+
+def test_a_trained_run_joins_its_parts_at_every_reset_and_loads_back_to_the_bit(tmp_path):
+    model, tokenizer = build_tiny(seed=0)
+    args = tiny_args(tmp_path, max_steps=-1, learning_rate=1e-2, save_merged_on_reset=False,
+                     consolidate_frozen_parts=True, phases=[PhaseConfig(max_steps=1)] * 3)  # fmt: skip
+    trainer = ProRLTrainer(
+        model=model, processing_class=tokenizer, reward_funcs=[lambda completions, **kw: [0.0, 1.0] * 2],
+        args=args, train_dataset=prompts_dataset(), peft_config=lora(r=4, targets=TARGETS),
+    )  # fmt: skip
+    trainer.train()
+    layers = frozen_layers(trainer.model)
+    assert trainer.prorl_resets == 2 and layers
+    assert all(len(frozen.scalings) == 1 and frozen.rank == 8 for _, _, frozen in layers)
+    state = frozen_state_dict(trainer.model)
+    with torch.no_grad():
+        before = trainer.model(input_ids=PROBE).logits
+        load_frozen_(trainer.model, state)
+        assert torch.equal(trainer.model(input_ids=PROBE).logits, before)
+
+
+def test_joining_parts_without_frozen_resets_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="consolidate_frozen_parts"):
+        ProRLConfig(
+            output_dir=str(tmp_path), use_cpu=True, bf16=False, lora_reset_mode="merge", consolidate_frozen_parts=True
+        )
