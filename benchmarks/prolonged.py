@@ -297,8 +297,7 @@ def _run_worker(args) -> int:
         num_generations=args.num_generations, max_completion_length=args.max_completion_length, temperature=1.0,
         top_p=0.7, beta=args.beta, loss_type="dapo", epsilon=0.2, epsilon_high=0.28, lora_reset_mode="frozen",
         consolidate_frozen_parts=args.consolidate_frozen_parts == "on", kl_clamp=args.kl_clamp == "on",
-        save_strategy="steps",
-        save_steps=args.save_steps, save_total_limit=2, save_merged_on_reset=False,
+        save_strategy="steps", save_steps=args.save_steps, save_total_limit=2, save_merged_on_reset=False,
         rollout_engine=cuda and args.rollout_engine == "on", plateau_metric="eval_pass@1", report_to=[], logging_steps=1, disable_tqdm=True,
         seed=args.seed, model_init_kwargs={"dtype": "bfloat16" if cuda else "float32"}, **device_kwargs(args),
     )  # fmt: skip
@@ -375,6 +374,11 @@ def worker_argv(argv: list[str], worker: str, seed: int, run_dir: Path | None, w
     return [*argv, *extra, *tail, *(["--run-dir", str(run_dir)] if run_dir else [])]
 
 
+def is_solo(args, run_name: str) -> bool:
+    """Whether run `<arm>-s<seed>` gets a GPU to itself (`--solo-arms`)."""
+    return run_name.rpartition("-s")[0] in args.solo_arms
+
+
 def run_jobs(args, jobs: list[tuple[str, list[str]]], deadline: float) -> None:
     """Run `(name, argv)` jobs: in-process one after another, or as processes, at most `--per-gpu` per GPU. At the
     deadline or on SIGTERM/SIGINT, workers get SIGTERM (they finish their step and checkpoint); no new job starts."""
@@ -409,7 +413,7 @@ def run_jobs(args, jobs: list[tuple[str, list[str]]], deadline: float) -> None:
                     process.kill()
             while pending:
                 name, job = pending[0]
-                weight = args.per_gpu if name.rpartition("-s")[0] in args.solo_arms else 1
+                weight = args.per_gpu if is_solo(args, name) else 1
                 load = [sum(w for _, g, w in running.values() if g == gpu) for gpu in range(gpus)]
                 gpu = load.index(min(load))
                 if load[gpu] + weight > args.per_gpu:
@@ -450,7 +454,7 @@ def main(argv: list[str] | None = None) -> dict | int:
             ended = (run_dir / "done.json").is_file() or (run_dir / "stopped.json").is_file()
             if not (args.resume and ended):
                 jobs.append((run_dir.name, worker_argv(argv, arm, seed, run_dir, warm)))
-        jobs.sort(key=lambda job: job[0].rpartition("-s")[0] not in args.solo_arms)  # solo runs take whole GPUs first
+        jobs.sort(key=lambda job: not is_solo(args, job[0]))  # solo runs take whole GPUs first
         if (warm / "warm_start.json").is_file():
             run_jobs(args, jobs, deadline)
     return write_report(args, out)

@@ -129,11 +129,7 @@ class FrozenDelta(nn.Module):
             return False
         down = torch.cat([down for down, _, _ in parts], dim=0)
         up = torch.cat([up * scaling for _, up, scaling in parts], dim=1)
-        for index in range(len(self.scalings)):
-            delattr(self, f"down_{index}")
-            delattr(self, f"up_{index}")
-        self.scalings = []
-        self.append(down, up, 1.0)
+        self._replace_parts(down, up)
         return True
 
     def weight_delta(self) -> torch.Tensor:
@@ -144,11 +140,15 @@ class FrozenDelta(nn.Module):
         """Replace the parts by one of rank min(out, in) with the same product (float64 SVD, then float32)."""
         dense = sum((up.double() @ down.double()) * scaling for down, up, scaling in self.parts)
         left, values, right = torch.linalg.svd(dense, full_matrices=False)
+        self._replace_parts(right.float(), (left * values).float())
+
+    def _replace_parts(self, down: torch.Tensor, up: torch.Tensor) -> None:
+        """Every part replaced by the one part `(down, up)` with scaling 1."""
         for index in range(len(self.scalings)):
             delattr(self, f"down_{index}")
             delattr(self, f"up_{index}")
         self.scalings = []
-        self.append(right.float(), (left * values).float(), 1.0)
+        self.append(down, up, 1.0)
 
     def _apply(self, fn, recurse=True):
         """Move with the model (`.to(device)`, `.cuda()`) but keep each factor's dtype: a model-wide cast

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from transformers import TrainerCallback
 
 
@@ -73,8 +74,6 @@ def agreed_nonfinite(value: float, device: torch.device) -> bool:
     """Whether `value` is not finite on any process (MAX-reduced where a process group runs; FSDP2 ranks hold
     different shards, so they must agree before one of them stops)."""
     bad = not math.isfinite(value)
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         flag = torch.tensor([1.0 if bad else 0.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
