@@ -311,9 +311,9 @@ class ProRLConfig(GRPOConfig):
             "help": "lora_reset_mode 'frozen': at each reset join a layer's frozen LoRA parts into one (ranks stacked, "
             "scalings folded in float32), so steps cost one part however many resets came before (each part made an "
             "H100 step of a small model ~0.09 s slower). The delta is kept to float32 rounding, but such a reset is no "
-            "longer bitwise a no-op (outputs move by float32 rounding). Float32 adapters only: a bf16 (QLoRA) "
-            "adapter's parts stay one per reset, since folding the scaling would round them. Off: one part per reset, "
-            "every reset exact to the bit."
+            "longer bitwise a no-op (outputs move by float32 rounding; a bf16 model's by up to one bf16 step). Float32 "
+            "adapters only: a bf16 (QLoRA) adapter's parts stay one per reset, since folding the scaling would round "
+            "them. Off: one part per reset, every reset exact to the bit."
         },
     )
     lora_reset_mode: str = field(

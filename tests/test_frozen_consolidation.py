@@ -50,10 +50,14 @@ def test_bf16_parts_are_left_apart():
 @torch.no_grad()
 def test_three_joined_resets_move_the_outputs_by_float32_rounding_only(dtype):
     """Three resets with joined parts against the same three with one part each (bitwise no-ops, see
-    test_exact_resets): float32 outputs agree to float32 rounding; bf16 outputs differ in a few elements by one bf16
-    step at most. The reference (adapter disabled) equals the policy after every reset."""
+    test_exact_resets): float32 outputs agree to float32 rounding. In bf16 a hidden value whose float32 sum sat on a
+    rounding boundary flips one step and later layers and positions carry it on, so many logits may differ, but by
+    less than one bf16 step of the largest logit. The adapters' initial A (PEFT draws it from the global generator)
+    is seeded to a case where that happens (26: a quarter of the logits differ). The reference (adapter disabled)
+    equals the policy after every reset."""
     from prorl_trl.reset import freeze_lora_delta, reinit_adapter
 
+    torch.manual_seed(26)
     model = get_peft_model(build_tiny(seed=0)[0].to(dtype), lora(r=4, targets=TARGETS)).eval()
     models = {False: model, True: copy.deepcopy(model)}  # the same initial adapters
     for reset in range(3):
@@ -73,9 +77,8 @@ def test_three_joined_resets_move_the_outputs_by_float32_rounding_only(dtype):
     if dtype == torch.float32:
         torch.testing.assert_close(joined, separate, rtol=1e-5, atol=1e-5)
     else:
-        differ = joined != separate
-        step = separate.abs().clamp_min(1e-2) / 128  # one bf16 step (8 significant bits), generously
-        assert differ.float().mean() < 0.02 and ((joined - separate).abs() <= step).all()
+        assert (joined != separate).any()  # the case this test is about
+        assert (joined - separate).abs().max() <= separate.abs().max() / 256  # one bf16 step of the largest logit
 
 
 def test_a_trained_run_joins_its_parts_at_every_reset_and_loads_back_to_the_bit(tmp_path):

@@ -33,8 +33,9 @@ H100 (benchmarks/results/prolonged.md). `consolidate=True` (`ProRLConfig.consoli
 layer's float32 parts into one at each reset (`FrozenDelta.consolidate`: the ranks stacked, each part's scaling folded
 into its `up` in float32), so the forward pays for one part however many resets came before. The delta is kept to
 float32 rounding, but the joined product sums in another order than the parts did, so such a reset is no longer
-bitwise a no-op: it moves outputs by float32 rounding (an output rounded to bf16 flips one ulp where the float32 sum
-sat on a rounding boundary).
+bitwise a no-op: it moves outputs by float32 rounding (a value rounded to bf16 flips one step where the float32 sum
+sat on a rounding boundary, and later layers carry the flip on: bf16 logits move by under one bf16 step of the
+largest logit, tests/test_frozen_consolidation.py).
 
 The factors are buffers of a module that keeps their dtype whatever the model is cast to (`FrozenDelta._apply`:
 DeepSpeed's bf16 engine calls `module.bfloat16()` at every phase) and out of the state dict (non-persistent): a run
