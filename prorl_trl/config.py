@@ -220,7 +220,8 @@ class ProRLConfig(GRPOConfig):
             included; the forward pays for the frozen rank). `"merge"`: added into the base weights (exact only for
             a float32 base computed without autocast; a bf16 base rounds most of a small delta away).
         consolidate_frozen_parts (`bool`, defaults to `False`): With `"frozen"`, join each layer's frozen parts
-            into one at every reset, so later steps pay for one part (float32 rounding instead of bitwise resets).
+            into one at every reset, so later steps pay for one part (float32 rounding instead of bitwise resets),
+            with zero room for the planned resets, filled in place (the rollout engine keeps its graphs).
 
         > Overlong penalty
 
@@ -313,7 +314,8 @@ class ProRLConfig(GRPOConfig):
             "H100 step of a small model ~0.09 s slower). The delta is kept to float32 rounding, but such a reset is no "
             "longer bitwise a no-op (outputs move by float32 rounding; a bf16 model's by up to one bf16 step). Float32 "
             "adapters only: a bf16 (QLoRA) adapter's parts stay one per reset, since folding the scaling would round "
-            "them. Off: one part per reset, every reset exact to the bit."
+            "them. The joined part leaves zero rank for the resets the phases plan, which later resets fill in place, "
+            "so the rollout engine keeps its compiled graphs. Off: one part per reset, every reset exact to the bit."
         },
     )
     lora_reset_mode: str = field(

@@ -466,6 +466,37 @@ def test_recapture_decisions(tiny, monkeypatch):
     assert "parameter storage (shapes, dtypes or addresses)" in reasons(base)
 
 
+@pytest.mark.parametrize("joined", [True, False], ids=["joined-with-room", "separate"])
+def test_planned_resets_into_the_joined_parts_room_need_no_recapture(tiny, joined):
+    """Hard resets (frozen parts, fresh adapter in place): the first adds frozen parts (a new capture); with joined
+    parts and room for the next two, those write in place and the engine replays its graph; separate parts are new
+    buffers at every reset (a recapture, on CUDA a recompile of ~30 s at the study's shapes)."""
+    from peft import LoraConfig, get_peft_model
+
+    from prorl_trl.reset import freeze_lora_delta, reinit_adapter
+
+    _, tokenizer = tiny
+    model = get_peft_model(build_tiny(seed=0)[0], LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    input_ids, mask = left_padded(4, 8, tokenizer.pad_token_id)
+    engine, generation = RolloutEngine(steps_per_graph=4, prompt_budget=16), config(tokenizer, max_new_tokens=9)
+    storage = "parameter storage (shapes, dtypes or addresses)"
+
+    def reset_then_reasons(reset: int) -> list[str]:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(std=1e-2, generator=torch.Generator().manual_seed(reset))
+        freeze_lora_delta(model, consolidate=joined, room_for=(2 - reset) if joined else 0)
+        reinit_adapter(model, seed=reset)
+        engine.generate(model, input_ids, mask, generation, seed=0)
+        return [r for r in engine.stats.last["capture_reasons"] if r != "generation buffers moved"]
+
+    engine.generate(model, input_ids, mask, generation, seed=0)
+    assert storage in reset_then_reasons(0)
+    later = [reset_then_reasons(1), reset_then_reasons(2)]
+    assert later == [[], []] if joined else all(storage in reasons for reasons in later)
+
+
 def run_in_triton_interpreter(code: str) -> None:
     """Run `code` in a fresh interpreter with TRITON_INTERPRET=1 (kernels on the CPU); it must print 'ok'."""
     import subprocess

@@ -37,6 +37,13 @@ bitwise a no-op: it moves outputs by float32 rounding (a value rounded to bf16 f
 sat on a rounding boundary, and later layers carry the flip on: bf16 logits move by under one bf16 step of the
 largest logit, tests/test_frozen_consolidation.py).
 
+Room for later resets (`consolidate(room=...)`): a joined part whose rank grows at every reset gives the rollout
+engine new weight shapes at every reset, so it recompiles its decode step for training and for validation (~30 s
+each on an H100: the study's ProRL runs spent ~60 s per reset there). A joined part may therefore carry zero rank
+beyond what it holds (`used`: the rank holding factors; the rows of `down` and columns of `up` past it are zeros,
+which add exactly nothing); a later reset writes its part into that room in place, so shapes and storage stay
+what the engine captured and it replays its graphs. The trainer leaves room for the resets its phases plan.
+
 The factors are buffers of a module that keeps their dtype whatever the model is cast to (`FrozenDelta._apply`:
 DeepSpeed's bf16 engine calls `module.bfloat16()` at every phase) and out of the state dict (non-persistent): a run
 saves them itself (`frozen_state_dict`, `load_frozen_`) and merged saves fold them in (`save`, `gathered`).
@@ -79,17 +86,20 @@ class FrozenDelta(nn.Module):
     def __init__(self):
         super().__init__()
         self.scalings: list[float] = []
+        self.used: list[int] = []  # per part, the rank holding factors (the rest is zero room for later resets)
         self.register_buffer("bias", None, persistent=False)
         self.deferred = False  # the LoRA layer around the base layer rounds the sum (`round_lora_output`)
         self.round_each = False  # each part's output is cast to the base output's dtype first (PEFT's bnb layers)
         self._lora_layer = None  # weakref to the PEFT LoRA layer around the base layer (`compute_dtype`)
 
-    def append(self, down: torch.Tensor, up: torch.Tensor, scaling: float) -> None:
-        """One more part (copied; floating dtypes are kept, anything else becomes float32)."""
+    def append(self, down: torch.Tensor, up: torch.Tensor, scaling: float, used: int | None = None) -> None:
+        """One more part (copied; floating dtypes are kept, anything else becomes float32). `used`: its first `used`
+        ranks hold factors and the rest are zeros (default: all)."""
         index = len(self.scalings)
         self.register_buffer(f"down_{index}", _copy(down), persistent=False)
         self.register_buffer(f"up_{index}", _copy(up), persistent=False)
         self.scalings.append(float(scaling))
+        self.used.append(down.shape[0] if used is None else int(used))
 
     @property
     def parts(self) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
@@ -98,7 +108,8 @@ class FrozenDelta(nn.Module):
 
     @property
     def rank(self) -> int:
-        return sum(down.shape[0] for down, _, _ in self.parts)
+        """The rank holding factors (room left for later resets not counted)."""
+        return sum(self.used)
 
     def compute_dtype(self, down: torch.Tensor) -> torch.dtype:
         """The dtype the live adapter computes in right now (its A weight's, as the forward sees it: FSDP2's mixed
@@ -121,16 +132,40 @@ class FrozenDelta(nn.Module):
             output = output + (part.to(output.dtype) if self.round_each and not autocast else part)
         return output if self.bias is None else output + self.bias
 
-    def consolidate(self) -> bool:
+    def consolidate(self, room: int = 0) -> bool:
         """Join the parts into one of their total rank: downs stacked, ups side by side, each up times its scaling (in
         float32, exact to rounding), scaling 1. Only float32 parts (a bf16 QLoRA adapter's would round the scaled up
-        to bf16); returns whether it joined anything."""
+        to bf16); returns whether it joined anything.
+
+        `room`: zero rank to leave past the joined one, for later resets (capped at min(out, in)). Where the first
+        part is a joined one with room enough for the others, they are written into it in place (same tensors, same
+        shapes: the rollout engine keeps its graphs); the values are those a join without room gives."""
         parts = self.parts
-        if len(parts) < 2 or any(t.dtype != torch.float32 for down, up, _ in parts for t in (down, up)):
+        if any(t.dtype != torch.float32 for down, up, _ in parts for t in (down, up)):
             return False
-        down = torch.cat([down for down, _, _ in parts], dim=0)
-        up = torch.cat([up * scaling for _, up, scaling in parts], dim=1)
-        self._replace_parts(down, up)
+        if len(parts) < 2 and (room <= 0 or not parts):
+            return False
+        (first_down, first_up, first_scaling), rest = parts[0], list(zip(parts[1:], self.used[1:], strict=True))
+        start = self.used[0]
+        if rest and first_scaling == 1.0 and start + sum(used for _, used in rest) <= first_down.shape[0]:
+            for (down, up, scaling), used in rest:
+                first_down[start : start + used].copy_(down[:used])
+                first_up[:, start : start + used].copy_(up[:, :used] * scaling)
+                start += used
+            for index in range(1, len(self.scalings)):
+                delattr(self, f"down_{index}")
+                delattr(self, f"up_{index}")
+            self.scalings, self.used = self.scalings[:1], [start]
+            return True
+        used_parts = [(down[:used], up[:, :used], scaling) for (down, up, scaling), used in zip(parts, self.used)]
+        down = torch.cat([down for down, _, _ in used_parts], dim=0)
+        up = torch.cat([up * scaling for _, up, scaling in used_parts], dim=1)
+        rank = down.shape[0]
+        room = max(0, min(room, min(up.shape[0], down.shape[1]) - rank))
+        if room:
+            down = torch.cat([down, down.new_zeros(room, down.shape[1])], dim=0)
+            up = torch.cat([up, up.new_zeros(up.shape[0], room)], dim=1)
+        self._replace_parts(down, up, used=rank)
         return True
 
     def weight_delta(self) -> torch.Tensor:
@@ -143,13 +178,13 @@ class FrozenDelta(nn.Module):
         left, values, right = torch.linalg.svd(dense, full_matrices=False)
         self._replace_parts(right.float(), (left * values).float())
 
-    def _replace_parts(self, down: torch.Tensor, up: torch.Tensor) -> None:
+    def _replace_parts(self, down: torch.Tensor, up: torch.Tensor, used: int | None = None) -> None:
         """Every part replaced by the one part `(down, up)` with scaling 1."""
         for index in range(len(self.scalings)):
             delattr(self, f"down_{index}")
             delattr(self, f"up_{index}")
-        self.scalings = []
-        self.append(down, up, 1.0)
+        self.scalings, self.used = [], []
+        self.append(down, up, 1.0, used)
 
     def _apply(self, fn, recurse=True):
         """Move with the model (`.to(device)`, `.cuda()`) but keep each factor's dtype: a model-wide cast
@@ -226,19 +261,22 @@ def attach_frozen_delta(
     bias: torch.Tensor | None = None,
     lora_layer: nn.Module | None = None,
     consolidate: bool = False,
+    room_for: int = 0,
+    used: int | None = None,
 ) -> FrozenDelta:
     """Append a part (`down` r x in, `up` out x r, `scaling`; `bias`, unscaled, for a LoRA bias) to the base layer's
     frozen delta, creating it (and its hook) on first use; copied in their dtype onto the base layer's device.
     `lora_layer`: the PEFT LoRA layer that wraps `base_layer`: its output is then rounded once where the base layer is
     a plain `nn.Linear`, and each part's output is cast first where it is a bitsandbytes layer (as PEFT computes
-    those). `consolidate`: join the float32 parts into one (`FrozenDelta.consolidate`). Parts beyond min(in, out) in
-    total rank are refactored into one (`refactor`)."""
+    those). `consolidate`: join the float32 parts into one (`FrozenDelta.consolidate`), with zero room for `room_for`
+    more parts of this one's rank. `used`: the rank of this part that holds factors (a saved part with room). Parts
+    beyond min(in, out) in total rank are refactored into one (`refactor`)."""
     device = _device_of(base_layer)
     frozen = frozen_delta_of(base_layer)
     if frozen is None:
         frozen = FrozenDelta()
         base_layer.add_module(FROZEN_MODULE, frozen)
-    frozen.append(down.to(device), up.to(device), scaling)
+    frozen.append(down.to(device), up.to(device), scaling, used)
     if bias is not None:
         bias = bias.to(device=device, dtype=torch.float32) * scaling
         frozen.bias = bias if frozen.bias is None else frozen.bias + bias
@@ -246,7 +284,7 @@ def attach_frozen_delta(
     if len(frozen.scalings) > 1 and frozen.rank > min(out_features, in_features):
         frozen.refactor()
     elif consolidate:
-        frozen.consolidate()
+        frozen.consolidate(room=room_for * frozen.used[-1])
     if add_frozen_delta not in base_layer._forward_hooks.values():
         base_layer.register_forward_hook(add_frozen_delta)
     if lora_layer is not None and type(base_layer) is nn.Linear:
@@ -296,6 +334,7 @@ def freeze_lora_delta(
     engine: str | None = None,
     active_layers: frozenset[str] | None = None,
     consolidate: bool = False,
+    room_for: int = 0,
 ) -> FreezeReport:
     """Move the "default" adapter's delta into each layer's frozen factors; the base weights are not written.
 
@@ -305,7 +344,9 @@ def freeze_lora_delta(
     (a superset adapter's idle rank) are left out. Under every engine the factors are read whole (FSDP2: gathered from
     the shards; ZeRO-3: inside a read-only gather), so the call is collective there and every rank attaches the same
     factors. A layer PEFT holds merged (`merge_adapter` without `unmerge_adapter`) is unmerged first. `consolidate`:
-    each layer's float32 parts are joined into one (see the module docstring: one part's cost, float32 rounding).
+    each layer's float32 parts are joined into one (see the module docstring: one part's cost, float32 rounding),
+    with zero room for `room_for` later resets of the same rank, written in place then (the rollout engine's graphs
+    stay valid).
     """
     check_lora_supported(model)
     if engine == FSDP2:
@@ -325,7 +366,7 @@ def freeze_lora_delta(
                 continue
             frozen = attach_frozen_delta(
                 layer.get_base_layer(), down[keep], up[:, keep], layer.scaling[ADAPTER_NAME], bias, lora_layer=layer,
-                consolidate=consolidate,
+                consolidate=consolidate, room_for=room_for,
             )  # fmt: skip
         report.layers += 1
         report.rank_added += int(keep.sum())
@@ -352,14 +393,17 @@ def keep_out_of_ddp_broadcasts(model: nn.Module) -> list[str]:
 def frozen_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every frozen factor on the CPU, keyed `<layer>.prorl_frozen.<part>.<down|up|scaling>` (and
     `<layer>.prorl_frozen.bias`) with the layer's `from_pretrained` name: what `load_frozen_` reads back. `scaling` is
-    a one-element float64 tensor, so safetensors can hold it."""
+    a one-element float64 tensor, so safetensors can hold it. A part with room for later resets is saved with its
+    room (a resumed run computes with the same shapes) and its used rank as `<part>.rank`."""
     state = {}
     for name, _, frozen in frozen_layers(model):
         prefix = f"{name}.{FROZEN_MODULE}."
-        for index, (down, up, scaling) in enumerate(frozen.parts):
+        for index, ((down, up, scaling), used) in enumerate(zip(frozen.parts, frozen.used, strict=True)):
             state[f"{prefix}{index}.down"] = down.detach().cpu().contiguous()
             state[f"{prefix}{index}.up"] = up.detach().cpu().contiguous()
             state[f"{prefix}{index}.scaling"] = torch.tensor([scaling], dtype=torch.float64)
+            if used != down.shape[0]:
+                state[f"{prefix}{index}.rank"] = torch.tensor([used], dtype=torch.int64)
         if frozen.bias is not None:
             state[prefix + "bias"] = frozen.bias.detach().cpu().contiguous()
     return state
@@ -396,7 +440,11 @@ def load_frozen_(model: nn.Module, state: dict[str, torch.Tensor]) -> int:
                     f"does not fit its ({out_features}, {in_features}) weight: they were saved from another model."
                 )
             scaling = float(state[f"{prefix}{index}.scaling"].item())
-            frozen = attach_frozen_delta(base, down, up, scaling, lora_layer=wrapper)
+            used = state.get(f"{prefix}{index}.rank")
+            used = None if used is None else int(used.item())
+            if used is not None and not 0 <= used <= down.shape[0]:
+                raise ValueError(f"The saved frozen LoRA part {index} of {name!r} says rank {used} of {down.shape[0]}.")
+            frozen = attach_frozen_delta(base, down, up, scaling, lora_layer=wrapper, used=used)
             index += 1
         if prefix + "bias" in state:
             frozen.bias = state[prefix + "bias"].to(device=_device_of(base), dtype=torch.float32)

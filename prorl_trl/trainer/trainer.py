@@ -85,6 +85,7 @@ from ..rollout.vllm_sync import (
     shadowed_by_generation_kwargs,
     stream_policy_weights,
 )
+from .callbacks import HardResetCallback
 from .checks import check_before_init, check_launch, check_optimizer_hook, check_process_group, resets_possible
 from .dynamic_sampling import DynamicSamplingMixin
 from .early_stop import MinibatchEarlyStopMixin
@@ -699,6 +700,19 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, KLClampMixin, 
             num_training_steps = self._scheduler_horizon
         return super().create_scheduler(num_training_steps=num_training_steps, optimizer=optimizer)
 
+    def _frozen_room(self, target: ResolvedPhase) -> int:
+        """For how many later resets a joined frozen part leaves zero room (`consolidate_frozen_parts`): those the
+        phases after `target` plan and, where a `HardResetCallback` may add more, at least as many as there have been
+        (the room doubles when it runs out). Resets that fit write in place: the rollout engine keeps its graphs."""
+        planned = sum(
+            1
+            for previous, phase in zip(self.phases[target.index :], self.phases[target.index + 1 :])
+            if phase.hard_reset or phase.lora_shape != previous.lora_shape
+        )
+        if any(isinstance(callback, HardResetCallback) for callback in self.callback_handler.callbacks):
+            planned = max(planned, self.prorl_resets + 1)
+        return planned
+
     def request_hard_reset(self, reason: str = "requested") -> None:
         """Ask for a hard reset at the start of the next step (safe point: no pending gradients, before generation)."""
         self._pending_reset = reason
@@ -730,7 +744,9 @@ class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, KLClampMixin, 
             # in the engine's storage; idle parts of a superset adapter are zero and skipped
             active = self._active_lora["target_names"] if engine.sharded and self._active_lora else None
             if self.args.lora_reset_mode == "frozen":
-                kept = reset_ops.freeze_lora_delta(model, engine.kind, active, self.args.consolidate_frozen_parts)
+                joined = self.args.consolidate_frozen_parts
+                room_for = self._frozen_room(target) if joined else 0
+                kept = reset_ops.freeze_lora_delta(model, engine.kind, active, joined, room_for)
                 reset_ops.keep_out_of_ddp_broadcasts(self.model_wrapped)
             elif engine.sharded:
                 rounding = reset_ops.merge_lora_sharded(model, engine.kind, active)
