@@ -66,7 +66,11 @@ def test_a_nan_gradient_stops_before_the_update_and_names_the_last_good_checkpoi
     error = stopped.value
     assert error.global_step == 3 and not error.applied and not math.isfinite(error.norm)
     assert error.checkpoint is not None and error.checkpoint.name == "checkpoint-2"
-    assert "checkpoint-2" in str(error) and "not applied" in str(error) and "kl_clamp" in str(error)
+    assert "checkpoint-2" in str(error) and "not applied" in str(error)
+    lora_names = [name for name, p in trainer.model.named_parameters() if p.requires_grad]
+    assert error.gradients == len(lora_names) and sorted(error.nonfinite_names) == sorted(lora_names)
+    assert f"in {len(lora_names)} of this process's {len(lora_names)} gradients (all: the loss" in str(error)
+    assert "kl_clamp" not in str(error)  # beta 0: no KL term to bound
     now = {name: p.detach() for name, p in trainer.model.named_parameters() if p.requires_grad}
     assert set(now) == set(record.snapshots[2]) and 3 not in record.snapshots
     for name, value in now.items():  # the weights are those of step 2, the checkpoint's: the NaN update never landed
@@ -125,3 +129,20 @@ def test_trl_gives_padding_positions_log_prob_zero_so_the_kl_term_cannot_overflo
     with torch.no_grad():
         logps = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 4)[0]
     assert torch.equal(logps[1, 2:], torch.zeros(2)) and (logps[mask[:, -4:].bool()] < 0).all()
+
+
+def test_the_message_names_the_gradients_that_are_not_finite_and_suggests_kl_clamp_only_where_it_applies(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    model[1].weight.grad[0, 0] = float("nan")
+    guard, state, control = NonFiniteGuard(), TrainerState(), TrainerControl()
+    for beta, kl_clamp, suggested in [(0.001, False, True), (0.001, True, False), (0.0, False, False)]:
+        args = tiny_args(tmp_path, beta=beta, kl_clamp=kl_clamp)
+        with pytest.raises(NonFiniteUpdate) as stopped:
+            guard.on_pre_optimizer_step(args, state, control, optimizer=optimizer, model=model)
+        assert stopped.value.nonfinite_names == ["1.weight"] and stopped.value.gradients == 4
+        assert "in 1 of this process's 4 gradients (only these: one part of the model), first 1.weight" in str(
+            stopped.value
+        )
+        assert ("kl_clamp" in str(stopped.value)) is suggested

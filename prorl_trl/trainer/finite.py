@@ -11,6 +11,11 @@ the last good state. Every process takes the same decision (the flag is reduced 
 waiting in a collective. Where the gradients are not visible to callbacks (DeepSpeed keeps them in its own
 partitions), the logged `grad_norm` of the step is checked instead: that update was applied, and the message says
 so. Skipping the step instead would not restore anything: Adam's moments already hold the non-finite values.
+
+The message says where: how many of the gradients are not finite, and the first names (all of them: the loss itself
+was not finite; a few: one layer's computation), so a run that stops tells what to look at next. It suggests
+`kl_clamp` only where the KL term is on and unbounded: the prolonged study stopped 6 of 24 runs with it on
+(benchmarks/results/prolonged.md), so it is not the only cause.
 """
 
 from __future__ import annotations
@@ -29,9 +34,28 @@ class NonFiniteUpdate(RuntimeError):
     reached the weights (False: the weights are as after the previous step). `checkpoint`: the latest checkpoint
     written before it, or None."""
 
-    def __init__(self, global_step: int, norm: float, applied: bool, checkpoint: Path | None, phase: str | None):
+    def __init__(
+        self,
+        global_step: int,
+        norm: float,
+        applied: bool,
+        checkpoint: Path | None,
+        phase: str | None,
+        where: tuple[list[str], int] | None = None,
+        unbounded_kl: bool = True,
+    ):
         self.global_step, self.norm, self.applied, self.checkpoint = global_step, norm, applied, checkpoint
-        where = f"global step {global_step}" + (f" (phase {phase!r})" if phase else "")
+        self.nonfinite_names, self.gradients = where if where is not None else ([], 0)
+        step = f"global step {global_step}" + (f" (phase {phase!r})" if phase else "")
+        names = self.nonfinite_names
+        located = (
+            f" It is not finite in {len(names)} of this process's {self.gradients} gradients ("
+            + ("all: the loss itself was not finite" if len(names) == self.gradients else "only these: one part of the model")
+            + f"), first {', '.join(names[:3])}."
+            if names
+            else ""
+        )
+        kl = "TRL's KL term overflowing on one token (set `kl_clamp: true`, verl's bounded term), " if unbounded_kl else ""
         state = (
             "That update was applied (DeepSpeed keeps its gradients out of reach until the step): the weights in "
             "memory are corrupt"
@@ -44,11 +68,11 @@ class NonFiniteUpdate(RuntimeError):
             else "No checkpoint was written before it."
         )
         super().__init__(
-            f"Training stopped at {where}: the gradient norm is {norm} (not finite). {state}; nothing more was "
-            f"saved. {saved} Usual causes: TRL's KL term overflowing on one token (with beta > 0: set `kl_clamp: "
-            "true`, verl's bounded term), a learning rate too high for this model and dtype, or a reward that returned "
-            "NaN/inf. Change the setting (a resume needs `--allow-changes` for that) or fix the reward, then resume; "
-            "`stop_on_nonfinite: false` turns this check off."
+            f"Training stopped at {step}: the gradient norm is {norm} (not finite).{located} {state}; nothing more "
+            f"was saved. {saved} Usual causes: {kl}a learning rate too high for this model and dtype (bf16 "
+            "activations overflowing), or a reward that returned NaN/inf. Change the setting (a resume needs "
+            "`--allow-changes` for that) or fix the reward, then resume; `stop_on_nonfinite: false` turns this check "
+            "off."
         )
 
 
@@ -68,6 +92,22 @@ def local_gradient_norm(optimizer: Any) -> float:
     norms = [norm.float() for norm in torch._foreach_norm(wide)] if wide else []
     norms += [torch.linalg.vector_norm(grad, dtype=torch.float32) for grad in grads if grad.dtype == torch.float16]
     return float(torch.linalg.vector_norm(torch.stack([norm.to(norms[0].device) for norm in norms])).item())
+
+
+def nonfinite_gradients(model: Any, optimizer: Any) -> tuple[list[str], int]:
+    """The names (as `model.named_parameters()` gives them) of the optimizer's parameters whose local gradient holds a
+    NaN or inf, and how many gradients there are."""
+    names = {id(parameter): name for name, parameter in model.named_parameters()} if model is not None else {}
+    bad, total = [], 0
+    for group in getattr(optimizer, "param_groups", []):
+        for parameter in group["params"]:
+            if parameter.grad is None:
+                continue
+            total += 1
+            grad = parameter.grad.to_local() if hasattr(parameter.grad, "to_local") else parameter.grad
+            if not bool(torch.isfinite(grad).all()):
+                bad.append(names.get(id(parameter), f"parameter {tuple(parameter.shape)}"))
+    return bad, total
 
 
 def agreed_nonfinite(value: float, device: torch.device) -> bool:
@@ -103,7 +143,8 @@ class NonFiniteGuard(TrainerCallback):
         self._checked_before_step = True
         device = getattr(getattr(self.trainer, "accelerator", None), "device", torch.device("cpu"))
         if agreed_nonfinite(norm, device):
-            raise self._error(state, norm, applied=False, args=args)
+            where = nonfinite_gradients(kwargs.get("model") or getattr(self.trainer, "model", None), optimizer)
+            raise self._error(state, norm, applied=False, args=args, where=where)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         norm = (logs or {}).get("grad_norm")
@@ -112,7 +153,7 @@ class NonFiniteGuard(TrainerCallback):
         if not math.isfinite(float(norm)):
             raise self._error(state, float(norm), applied=True, args=args)
 
-    def _error(self, state, norm: float, applied: bool, args) -> NonFiniteUpdate:
+    def _error(self, state, norm: float, applied: bool, args, where=None) -> NonFiniteUpdate:
         """The error for the step being taken (before the update) or just taken (`applied`), counted over the whole
         run where the trainer counts across phases."""
         from ..reset.checkpoint import latest_checkpoint
@@ -120,4 +161,5 @@ class NonFiniteGuard(TrainerCallback):
         checkpoint = latest_checkpoint(args.output_dir) if args.output_dir else None
         step = getattr(self.trainer, "prorl_global_step", state.global_step) + (0 if applied else 1)
         phase = getattr(getattr(self.trainer, "current_phase", None), "name", None)
-        return NonFiniteUpdate(step, norm, applied, checkpoint, phase)
+        unbounded_kl = getattr(args, "beta", 0.0) > 0 and not getattr(args, "kl_clamp", False)
+        return NonFiniteUpdate(step, norm, applied, checkpoint, phase, where, unbounded_kl)
