@@ -50,12 +50,20 @@ class NonFiniteUpdate(RuntimeError):
         names = self.nonfinite_names
         located = (
             f" It is not finite in {len(names)} of this process's {self.gradients} gradients ("
-            + ("all: the loss itself was not finite" if len(names) == self.gradients else "only these: one part of the model")
+            + (
+                "all: the loss itself was not finite"
+                if len(names) == self.gradients
+                else "only these: one part of the model"
+            )
             + f"), first {', '.join(names[:3])}."
             if names
             else ""
         )
-        kl = "TRL's KL term overflowing on one token (set `kl_clamp: true`, verl's bounded term), " if unbounded_kl else ""
+        kl = (
+            "TRL's KL term overflowing on one token (set `kl_clamp: true`, verl's bounded term), "
+            if unbounded_kl
+            else ""
+        )
         state = (
             "That update was applied (DeepSpeed keeps its gradients out of reach until the step): the weights in "
             "memory are corrupt"
