@@ -49,6 +49,7 @@ class TrainableAfterEachStep(TrainerCallback):
 def run(tmp_path: Path, stop_on_nonfinite: bool, max_steps: int = 4) -> tuple[ProRLTrainer, TrainableAfterEachStep]:
     model, tokenizer = tiny_model()
     record, overflow = TrainableAfterEachStep(), OverflowAtStep(model, step=3)
+    record.overflow = overflow
     args = tiny_args(
         tmp_path, max_steps=max_steps, save_strategy="steps", save_steps=2, stop_on_nonfinite=stop_on_nonfinite
     )
@@ -146,3 +147,36 @@ def test_the_message_names_the_gradients_that_are_not_finite_and_suggests_kl_cla
             stopped.value
         )
         assert ("kl_clamp" in str(stopped.value)) is suggested
+
+
+def test_the_stopped_steps_batches_and_weights_are_kept_and_a_replay_finds_the_operation(tmp_path):
+    """The guard writes the step's micro-batches and pre-update weights; replaying them in the same trainer makes the
+    same NaN and names the first module whose output was not finite (the final norm the test overflows) and the first
+    backward operation that returned NaN; with the overflow gone the same batches give finite gradients."""
+    from prorl_trl.trainer.replay import replay_nonfinite
+
+    trainer, record = run(tmp_path, stop_on_nonfinite=True)
+    with pytest.raises(NonFiniteUpdate) as stopped:
+        trainer.train()
+    dump = Path(trainer.args.output_dir) / "nonfinite" / "step-3"
+    assert stopped.value.dump == dump and f"{dump}/" in str(stopped.value)
+    payload = torch.load(dump / "rank-0.pt", weights_only=True)
+    assert payload["step"] == 3 and len(payload["batches"]) >= 1 and payload["nonfinite"] == stopped.value.nonfinite_names
+    for name, value in payload["trainable"].items():  # the weights the NaN gradients were computed at: step 2's
+        assert torch.equal(value, record.snapshots[2][name]), name
+    with torch.no_grad():  # move the weights away: the replay must load the file's
+        for p in trainer.model.parameters():
+            if p.requires_grad:
+                p.add_(1.0)
+    record.overflow.active = True
+    replayed = replay_nonfinite(trainer, dump / "rank-0.pt")
+    assert len(replayed) == len(payload["batches"]) and not any(r["gradients_finite"] for r in replayed)
+    assert all(r["first_nonfinite_output"].endswith("model.norm") and not math.isfinite(r["loss"]) for r in replayed)
+    assert all("returned nan" in r["error"] and r["forward"] for r in replayed), replayed
+    record.overflow.active = False
+    replayed = replay_nonfinite(trainer, dump / "rank-0.pt")
+    assert all(r["gradients_finite"] and math.isfinite(r["loss"]) and "error" not in r for r in replayed), replayed
+    assert all(r["first_nonfinite_output"] is None for r in replayed)
+    for name, p in trainer.model.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p.detach(), record.snapshots[2][name]), name

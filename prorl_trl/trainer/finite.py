@@ -15,11 +15,13 @@ so. Skipping the step instead would not restore anything: Adam's moments already
 The message says where: how many of the gradients are not finite, and the first names (all of them: the loss itself
 was not finite; a few: one layer's computation), so a run that stops tells what to look at next. It suggests
 `kl_clamp` only where the KL term is on and unbounded: the prolonged study stopped 6 of 24 runs with it on
-(benchmarks/results/prolonged.md), so it is not the only cause.
+(benchmarks/results/prolonged.md), so it is not the only cause. Before the update is refused, the step's batches and
+weights are written for a replay (`replay.py`), since the next attempt samples other rollouts.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
+
+from .replay import write_nonfinite_dump
+
+logger = logging.getLogger("prorl_trl")
 
 
 class NonFiniteUpdate(RuntimeError):
@@ -43,9 +49,11 @@ class NonFiniteUpdate(RuntimeError):
         phase: str | None,
         where: tuple[list[str], int] | None = None,
         unbounded_kl: bool = True,
+        dump: Path | None = None,
     ):
         self.global_step, self.norm, self.applied, self.checkpoint = global_step, norm, applied, checkpoint
         self.nonfinite_names, self.gradients = where if where is not None else ([], 0)
+        self.dump = dump
         step = f"global step {global_step}" + (f" (phase {phase!r})" if phase else "")
         names = self.nonfinite_names
         located = (
@@ -64,6 +72,12 @@ class NonFiniteUpdate(RuntimeError):
             if unbounded_kl
             else ""
         )
+        kept = (
+            f" This step's batches and weights are in {dump}/: `prorl_trl.trainer.replay.replay_nonfinite` replays "
+            "them and names the operation that made the NaN."
+            if dump is not None
+            else ""
+        )
         state = (
             "That update was applied (DeepSpeed keeps its gradients out of reach until the step): the weights in "
             "memory are corrupt"
@@ -77,7 +91,7 @@ class NonFiniteUpdate(RuntimeError):
         )
         super().__init__(
             f"Training stopped at {step}: the gradient norm is {norm} (not finite).{located} {state}; nothing more "
-            f"was saved. {saved} Usual causes: {kl}a learning rate too high for this model and dtype (bf16 "
+            f"was saved. {saved}{kept} Usual causes: {kl}a learning rate too high for this model and dtype (bf16 "
             "activations overflowing), or a reward that returned NaN/inf. Change the setting (a resume needs "
             "`--allow-changes` for that) or fix the reward, then resume; `stop_on_nonfinite: false` turns this check "
             "off."
@@ -152,7 +166,7 @@ class NonFiniteGuard(TrainerCallback):
         device = getattr(getattr(self.trainer, "accelerator", None), "device", torch.device("cpu"))
         if agreed_nonfinite(norm, device):
             where = nonfinite_gradients(kwargs.get("model") or getattr(self.trainer, "model", None), optimizer)
-            raise self._error(state, norm, applied=False, args=args, where=where)
+            raise self._error(state, norm, applied=False, args=args, where=where, keep=True)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         norm = (logs or {}).get("grad_norm")
@@ -161,7 +175,7 @@ class NonFiniteGuard(TrainerCallback):
         if not math.isfinite(float(norm)):
             raise self._error(state, float(norm), applied=True, args=args)
 
-    def _error(self, state, norm: float, applied: bool, args, where=None) -> NonFiniteUpdate:
+    def _error(self, state, norm: float, applied: bool, args, where=None, keep: bool = False) -> NonFiniteUpdate:
         """The error for the step being taken (before the update) or just taken (`applied`), counted over the whole
         run where the trainer counts across phases."""
         from ..reset.checkpoint import latest_checkpoint
@@ -170,4 +184,10 @@ class NonFiniteGuard(TrainerCallback):
         step = getattr(self.trainer, "prorl_global_step", state.global_step) + (0 if applied else 1)
         phase = getattr(getattr(self.trainer, "current_phase", None), "name", None)
         unbounded_kl = getattr(args, "beta", 0.0) > 0 and not getattr(args, "kl_clamp", False)
-        return NonFiniteUpdate(step, norm, applied, checkpoint, phase, where, unbounded_kl)
+        dump = None
+        if keep:
+            try:  # the stop matters more than the record: a failed write (disk full, odd inputs) only loses the record
+                dump = write_nonfinite_dump(self.trainer, step, phase, where[0] if where else [])
+            except Exception as error:  # noqa: BLE001
+                logger.warning("Could not keep the non-finite step's batches for a replay: %s", error)
+        return NonFiniteUpdate(step, norm, applied, checkpoint, phase, where, unbounded_kl, dump)

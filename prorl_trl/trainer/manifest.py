@@ -28,7 +28,7 @@ MANIFEST_NAME = ".prorl_manifest.json"
 # Top-level files and folders every run may write (a folder ends in `/`); `phase-<i>/` are counted per run.
 CLI_FILES = ("recipe.yaml", "resume_history.yaml", "run_summary.json")  # written by `prorl-trl train` itself
 RUN_FILES = (*CLI_FILES, "prorl_log_history.json", "prorl_trackers.json", "README.md")
-RUN_FOLDERS = ("merged/", "frozen/", "final/")
+RUN_FOLDERS = ("merged/", "frozen/", "final/", "nonfinite/")  # nonfinite/: a stopped step kept for a replay
 PHASE_FOLDER = re.compile(r"phase-\d+")
 _LEFTOVER = re.compile(r"\.(?P<name>.+?)\.(tmp|tmp-.+|old-.+)")
 

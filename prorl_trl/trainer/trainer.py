@@ -96,6 +96,7 @@ from .manifest import record_outputs, trainer_outputs
 from .overlong import OverlongPenalty
 from .placement import fsdp2_model_init_kwargs, move_stray_tensors_
 from .progress import use_run_progress
+from .replay import StepBatchesMixin
 from .reset_probe import ResetProbe
 from .sampling import GENERATION_CONFIG_NAMES, SAMPLING_KEYS, patch_fused_log_prob_heads
 from .state import ProRLStateCallback, find_checkpoint, resume_state
@@ -104,7 +105,7 @@ from .trackers import TrackerSpan
 logger = logging.getLogger("prorl_trl")
 
 
-class ProRLTrainer(DynamicSamplingMixin, MinibatchEarlyStopMixin, KLClampMixin, GRPOTrainer):
+class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMixin, KLClampMixin, GRPOTrainer):
     """`GRPOTrainer` with ProRL phases, hard resets, a phase-aware overlong penalty, dynamic sampling and early stop.
 
     Takes `GRPOTrainer`'s arguments, in its order; `args` is a [`ProRLConfig`] (None: a default one named after the
