@@ -183,15 +183,12 @@ def device_name(args) -> str:
 
 
 def run_warm_start(args) -> None:
-    """`learning.warm_start` on this study's task mix, into `--warm-dir` (which must be named `warm_start`); or a copy
-    of `--warm-start` (one warm start shared by studies run in several calls, or made on another machine)."""
+    """`learning.warm_start` on this study's task mix, into `--warm-dir` (which must be named `warm_start`). A given
+    `--warm-start` is copied there by `main` instead (`copy_warm_start`), so this worker never runs for it."""
     from prorl_trl.tiny import build_tiny_tokenizer
 
     warm = Path(args.warm_dir)
     if (warm / "warm_start.json").is_file():
-        return
-    if args.warm_start:
-        copy_warm_start(args, warm)
         return
     settings = argparse.Namespace(seed=0, smoke=args.smoke, warm_start_accuracy=args.warm_start_accuracy,
                                   max_sft_steps=args.max_sft_steps)  # fmt: skip

@@ -73,8 +73,8 @@ class NonFiniteUpdate(RuntimeError):
             else ""
         )
         kept = (
-            f" This step's batches and weights are in {dump}/: `prorl_trl.trainer.replay.replay_nonfinite` replays "
-            "them and names the operation that made the NaN."
+            f" This step's batches (and, unless sharded, its weights) are in {dump}/: "
+            "`prorl_trl.trainer.replay.replay_nonfinite` replays them and names the operation that made the NaN."
             if dump is not None
             else ""
         )
@@ -98,16 +98,21 @@ class NonFiniteUpdate(RuntimeError):
         )
 
 
+def local_gradients(optimizer: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`(parameter, gradient)` for each of the optimizer's parameters that has one, the gradient as this process
+    holds it (a DTensor's local shard)."""
+    return [
+        (parameter, grad.to_local() if hasattr(grad, "to_local") else grad)
+        for group in getattr(optimizer, "param_groups", [])
+        for parameter in group["params"]
+        if (grad := parameter.grad) is not None
+    ]
+
+
 def local_gradient_norm(optimizer: Any) -> float:
     """The 2-norm of this process's share of the optimizer's gradients (a DTensor's local shard), 0.0 when it holds
     none; NaN or inf when any element is."""
-    grads = []
-    for group in getattr(optimizer, "param_groups", []):
-        for parameter in group["params"]:
-            grad = parameter.grad
-            if grad is None:
-                continue
-            grads.append(grad.to_local() if hasattr(grad, "to_local") else grad)
+    grads = [grad for _, grad in local_gradients(optimizer)]
     if not grads:
         return 0.0
     wide = [grad for grad in grads if grad.dtype != torch.float16]  # float16 norms overflow: summed in float32
@@ -120,16 +125,13 @@ def nonfinite_gradients(model: Any, optimizer: Any) -> tuple[list[str], int]:
     """The names (as `model.named_parameters()` gives them) of the optimizer's parameters whose local gradient holds a
     NaN or inf, and how many gradients there are."""
     names = {id(parameter): name for name, parameter in model.named_parameters()} if model is not None else {}
-    bad, total = [], 0
-    for group in getattr(optimizer, "param_groups", []):
-        for parameter in group["params"]:
-            if parameter.grad is None:
-                continue
-            total += 1
-            grad = parameter.grad.to_local() if hasattr(parameter.grad, "to_local") else parameter.grad
-            if not bool(torch.isfinite(grad).all()):
-                bad.append(names.get(id(parameter), f"parameter {tuple(parameter.shape)}"))
-    return bad, total
+    grads = local_gradients(optimizer)
+    bad = [
+        names.get(id(parameter), f"parameter {tuple(parameter.shape)}")
+        for parameter, grad in grads
+        if not bool(torch.isfinite(grad).all())
+    ]
+    return bad, len(grads)
 
 
 def agreed_nonfinite(value: float, device: torch.device) -> bool:

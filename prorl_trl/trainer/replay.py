@@ -11,7 +11,8 @@ settings and recomputes each micro-batch's loss and gradients: forward hooks nam
 not finite (a forward overflow), and `torch.autograd.detect_anomaly` names the backward operation that first returned
 NaN and where its forward ran (a NaN made only in the backward).
 
-Under FSDP2 and ZeRO the weights are sharded: only the batches are written there (the message says so).
+Under FSDP2 and ZeRO the weights are sharded: only the batches are written there, and `replay_nonfinite` refuses
+such a file.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class StepBatchesMixin:
 
     def _compute_loss(self, model, inputs):
         if getattr(self.args, "stop_on_nonfinite", False) and torch.is_grad_enabled():
-            if self._step_batches_of != self.state.global_step or self._step_batches is None:
+            if self._step_batches_of != self.state.global_step:
                 self._step_batches, self._step_batches_of = [], self.state.global_step
             self._step_batches.append(inputs)
         return super()._compute_loss(model, inputs)
