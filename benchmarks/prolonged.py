@@ -111,6 +111,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     rl.add_argument("--consolidate-frozen-parts", choices=("on", "off"), default="on",
                     help="join each layer's frozen parts at a reset (one part's step cost; float32-exact)")
     rl.add_argument("--kl-clamp", choices=("on", "off"), default="on", help="bound the KL term as verl's low_var_kl")
+    rl.add_argument("--cudnn-attention-guard", choices=("auto", "always", "off"), default="auto",
+                    help="ProRLConfig.cudnn_attention_guard: keep cuDNN's SDPA backward from making gradients NaN")
     rl.add_argument("--plateau-patience", type=int, help="arm (d): evaluations without improvement (default 3)")
     rl.add_argument("--plateau-min-delta", type=float, default=0.01, help="arm (d): smallest pass@1 improvement")
     val = p.add_argument_group("validation")
@@ -294,7 +296,7 @@ def _run_worker(args) -> int:
         num_generations=args.num_generations, max_completion_length=args.max_completion_length, temperature=1.0,
         top_p=0.7, beta=args.beta, loss_type="dapo", epsilon=0.2, epsilon_high=0.28, lora_reset_mode="frozen",
         consolidate_frozen_parts=args.consolidate_frozen_parts == "on", kl_clamp=args.kl_clamp == "on",
-        save_strategy="steps", save_steps=args.save_steps, save_total_limit=2, save_merged_on_reset=False,
+        cudnn_attention_guard=args.cudnn_attention_guard, save_strategy="steps", save_steps=args.save_steps, save_total_limit=2, save_merged_on_reset=False,
         rollout_engine=cuda and args.rollout_engine == "on", plateau_metric="eval_pass@1", report_to=[], logging_steps=1, disable_tqdm=True,
         seed=args.seed, model_init_kwargs={"dtype": "bfloat16" if cuda else "float32"}, **device_kwargs(args),
     )  # fmt: skip
@@ -660,6 +662,8 @@ def settings_text(args, warm: dict, cpu: bool, n: int) -> str:
     joined = getattr(args, "consolidate_frozen_parts", "off") == "on"  # round 2's settings predate the option
     parts = "each layer's parts joined at a reset" if joined else "one frozen part per reset"
     clamp = " (KL term bounded as verl's low_var_kl)" if getattr(args, "kl_clamp", "off") == "on" else ""
+    guard = getattr(args, "cudnn_attention_guard", "off")  # rounds 1-3 ran before the guard existed
+    guard_text = f"cuDNN attention guard {guard}" if guard != "off" else "no cuDNN attention guard"
     return (
         f"Warm start (the same for every arm and seed): {warm['parameters'] / 1e6:.1f}M-parameter Qwen2, greedy "
         f"accuracy {warm['greedy_accuracy']:.1%} after {warm['seconds']:.0f} s of SFT. Task: arithmetic, "
@@ -667,7 +671,7 @@ def settings_text(args, warm: dict, cpu: bool, n: int) -> str:
         f"{args.prompts_per_step} prompts x {args.num_generations} completions (at most {args.max_completion_length} "
         f"tokens); LoRA r{args.lora_rank} (alpha {2 * args.lora_rank}) on {args.lora_targets} over the "
         f"{'float32' if cpu else 'bf16'} warm start, exact (frozen) resets ({parts}); lr {args.learning_rate:g} (constant, "
-        f"{args.warmup_steps} warm-up steps per phase), beta {args.beta:g}{clamp}, DAPO loss, clip 0.2/0.28. (b), (c): "
+        f"{args.warmup_steps} warm-up steps per phase), beta {args.beta:g}{clamp}, DAPO loss, clip 0.2/0.28, {guard_text}. (b), (c): "
         f"phases of {args.steps // 4} steps, top_p 0.7 -> 0.9 -> 1.0 -> 1.0 with T 1.2 and twice the group (the "
         "prompts per generation batch kept: 2 optimizer steps per generation batch); (b) hard-resets (adapter, "
         f"optimizer, reference) at each boundary. (d): a reset after {args.plateau_patience} validations without a "

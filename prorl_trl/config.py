@@ -15,6 +15,8 @@ from typing import Any
 
 from trl import GRPOConfig
 
+from .attention import CUDNN_GUARD_MODES
+
 # PhaseConfig fields that mirror a GRPOConfig field of the same name (carried over from the base config).
 GRPO_PHASE_FIELDS = (
     "temperature",
@@ -267,6 +269,10 @@ class ProRLConfig(GRPOConfig):
 
         stop_on_nonfinite (`bool`, defaults to `True`): Stop before an optimizer step whose gradients are NaN or inf
             (`NonFiniteUpdate`), so the weights and the latest checkpoint stay good (`prorl_trl.trainer.finite`).
+        max_nonfinite_skips (`int`, defaults to `0`): With `stop_on_nonfinite`, how many such steps a run skips (the
+            update dropped, weights and optimizer state untouched, logged) before it stops; 0: stop at the first.
+        cudnn_attention_guard (`str`, defaults to `"auto"`): Keep cuDNN's SDPA backward from making training gradients
+            NaN on H100/H200 (`prorl_trl.attention`): `"auto"` (the lengths it gets wrong), `"always"`, `"off"`.
 
         > Resume
 
@@ -397,6 +403,26 @@ class ProRLConfig(GRPOConfig):
             "logged grad_norm is checked after the step."
         },
     )
+    max_nonfinite_skips: int = field(
+        default=0,
+        metadata={
+            "help": "With stop_on_nonfinite: how many optimizer steps with NaN/inf gradients a run skips before it "
+            "stops. A skipped step drops that update (the weights and optimizer state stay as before it, the LR "
+            "schedule moves on), is logged (prorl/nonfinite_skips) and kept for a replay in nonfinite/step-<N>/; one "
+            "more stops the run as with 0. For long unattended runs; not under DeepSpeed, whose update is applied "
+            "before the check can see it."
+        },
+    )
+    cudnn_attention_guard: str = field(
+        default="auto",
+        metadata={
+            "help": "Keep cuDNN's SDPA backward (H100/H200, torch >= 2.11) from returning NaN gradients at lengths of "
+            "64 mod 128 (PyTorch issue 196678): 'auto' runs training attention at the lengths a start-up probe finds "
+            "failing (always 64 mod 128) on another SDPA backend, 'always' at every length, 'off' never. Generation "
+            "keeps cuDNN. See prorl_trl.attention.",
+            "choices": list(CUDNN_GUARD_MODES),
+        },
+    )
     resume_from_checkpoint: str | None = field(
         default=None,
         metadata={
@@ -435,6 +461,19 @@ class ProRLConfig(GRPOConfig):
         if self.merged_save_dtype not in MERGED_SAVE_DTYPES:
             raise ValueError(
                 f"merged_save_dtype must be one of {list(MERGED_SAVE_DTYPES)}, got {self.merged_save_dtype!r}."
+            )
+        if self.cudnn_attention_guard not in CUDNN_GUARD_MODES:
+            raise ValueError(
+                f"cudnn_attention_guard must be one of {list(CUDNN_GUARD_MODES)}, got {self.cudnn_attention_guard!r}: "
+                "'auto' guards the lengths cuDNN's backward gets wrong, 'always' every length, 'off' none."
+            )
+        if self.max_nonfinite_skips < 0:
+            raise ValueError(f"max_nonfinite_skips must be >= 0, got {self.max_nonfinite_skips}.")
+        if self.max_nonfinite_skips > 0 and not self.stop_on_nonfinite:
+            raise ValueError(
+                f"max_nonfinite_skips={self.max_nonfinite_skips} needs stop_on_nonfinite: true (the check that finds a "
+                "non-finite step); without it every update is applied, NaN or not. Turn stop_on_nonfinite on, or set "
+                "max_nonfinite_skips: 0."
             )
         if self.plateau_mode not in ("max", "min"):
             raise ValueError(f"plateau_mode must be 'max' or 'min', got {self.plateau_mode!r}.")

@@ -249,6 +249,7 @@ def warm_start(
     from transformers.utils import logging as hf_logging
     from trl import SFTConfig, SFTTrainer
 
+    from .attention import install_cudnn_attention_guard
     from .data import build_dataset
     from .trainer.progress import use_run_progress
 
@@ -274,6 +275,7 @@ def warm_start(
     try:
         trainer = SFTTrainer(model=model, args=config, train_dataset=rows, processing_class=tokenizer)
         use_run_progress(trainer)  # a bar with rate and ETA, a short line per log
+        install_cudnn_attention_guard(trainer.accelerator.unwrap_model(trainer.model))  # a no-op off CUDA
         trainer.train()
     finally:
         hf_logging.set_verbosity(verbosity)

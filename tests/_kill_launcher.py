@@ -5,6 +5,9 @@ injected at an exact point, named by the environment (production code has no tes
     PRORL_TEST_TERM_AT=EVENT:PHASE:STEP    SIGTERM the parent process (the `accelerate launch` launcher) there
     PRORL_TEST_TERM_SELF_AT=EVENT:PHASE:STEP    SIGTERM this process there (as a scheduler would)
     PRORL_TEST_INT_AT=EVENT:PHASE:STEP     SIGINT the parent process (`prorl-trl launch`: Ctrl-C) there
+    PRORL_TEST_NAN_AT=PHASE:STEP[,PHASE:STEP...]    make that step's training forward overflow (the final norm's
+                                           output times inf, as a bf16 activation that overflows): loss and every
+                                           gradient NaN; generation and validation untouched
 
 `python tests/_kill_launcher.py launch [ACCELERATE OPTIONS] train RECIPE ...` is `prorl-trl launch` whose training
 processes run this file (with its faults) instead of `-m prorl_trl`.
@@ -57,6 +60,29 @@ class FaultAt(TrainerCallback):
         self._maybe_fire("on_train_end", state.global_step)
 
 
+class OverflowAt(TrainerCallback):
+    """Makes the training forward (gradients on) of the named steps overflow at the model's final norm."""
+
+    def __init__(self, steps):
+        self.steps, self.active, self.trainer = steps, False, None
+
+    def bind(self, trainer):
+        self.trainer = trainer
+        model = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
+        model.model.norm.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output):
+        import torch
+
+        return output * float("inf") if self.active and torch.is_grad_enabled() else output
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.active = (self.trainer.current_phase.index, state.global_step + 1) in self.steps
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.active = False
+
+
 def token_hash(completions, **kwargs):
     return [(sum(map(ord, str(text))) % 13) / 13 for text in completions]
 
@@ -91,12 +117,16 @@ def install() -> None:
         else:
             faults.append((event, phase, step, pid, signum))
 
+    overflow_steps = {
+        tuple(int(part) for part in item.split(":")) for item in os.environ.get("PRORL_TEST_NAN_AT", "").split(",") if item
+    }
     base = trainer_package.ProRLTrainer
 
     class FaultyTrainer(base):
         def __init__(self, *args, callbacks=None, **kwargs):
             # Passed at init, so they run before ProRL's own callback (its on_save commits the checkpoint).
             callbacks = list(callbacks or []) + [FaultAt(*fault) for fault in faults]
+            callbacks += [OverflowAt(overflow_steps)] if overflow_steps else []
             super().__init__(*args, callbacks=callbacks, **kwargs)
 
     trainer_package.ProRLTrainer = FaultyTrainer

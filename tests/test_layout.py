@@ -6,7 +6,7 @@ function, or under `if TYPE_CHECKING:`. Layers, top to bottom (a module may impo
     cli, __main__, demo, the `prorl_trl` facade
     recipe/, distill/, evaluation/
     trainer/
-    reset/, rollout/, config
+    reset/, rollout/, attention/, config
     data/, tiny, plots, console, model_card
     rewards/            (imports nothing from prorl_trl)
 """
@@ -33,6 +33,7 @@ LAYERS = {
     "prorl_trl.config": 2,
     "prorl_trl.reset": 2,
     "prorl_trl.rollout": 2,
+    "prorl_trl.attention": 2,
     "prorl_trl.trainer": 3,
     "prorl_trl.evaluation": 4,
     "prorl_trl.distill": 4,

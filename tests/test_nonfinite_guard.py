@@ -180,3 +180,103 @@ def test_the_stopped_steps_batches_and_weights_are_kept_and_a_replay_finds_the_o
     for name, p in trainer.model.named_parameters():
         if p.requires_grad:
             assert torch.equal(p.detach(), record.snapshots[2][name]), name
+
+
+# ---------------------------------------------------------------------------------------- skipping (recovery)
+def test_a_skipped_step_leaves_the_weights_and_optimizer_state_as_before_it_and_the_run_goes_on(tmp_path):
+    """`max_nonfinite_skips`: the NaN step's update is dropped (weights and Adam moments those of step 2), it is
+    recorded and kept for a replay, and the steps after it train as usual."""
+    trainer, record = run(tmp_path, stop_on_nonfinite=True)
+    trainer.args.max_nonfinite_skips = 1
+    moments = {}
+
+    class AdamMoments(TrainerCallback):
+        def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+            moments[state.global_step] = {id(p): s["exp_avg"].clone() for p, s in trainer.optimizer.state.items()}
+
+    trainer.add_callback(AdamMoments())
+    trainer.train()
+    assert trainer.state.global_step == 4 and [e["step"] for e in trainer.prorl_nonfinite_skips] == [3]
+    event = trainer.prorl_nonfinite_skips[0]
+    assert event["grad_norm"] == "nan" and event["nonfinite_gradients"] == event["gradients"] > 0
+    assert event["kept"] == "nonfinite/step-3" and (Path(trainer.args.output_dir) / event["kept"] / "rank-0.pt").is_file()
+    for name, value in record.snapshots[3].items():  # step 3 changed nothing
+        assert torch.equal(value, record.snapshots[2][name]), name
+    assert all(torch.equal(moments[3][key], moments[2][key]) for key in moments[2])
+    assert any(not torch.equal(record.snapshots[4][n], record.snapshots[3][n]) for n in record.snapshots[3])  # step 4 trains
+    assert all(torch.isfinite(v).all() for v in record.snapshots[4].values())
+    logged = [e.get("prorl/nonfinite_skips") for e in trainer.prorl_log_history if "loss" in e]
+    assert logged == [None, None, 1, 1]  # from the skipped step on; a clean run logs no such key
+
+
+def test_one_more_non_finite_step_than_the_bound_stops_the_run_and_names_the_skipped_ones(tmp_path):
+    trainer, record = run(tmp_path, stop_on_nonfinite=True, max_steps=6)
+    trainer.args.max_nonfinite_skips = 1
+    overflow = record.overflow
+    overflow.on_step_begin = lambda args, state, control, **kwargs: setattr(overflow, "active", state.global_step + 1 in (3, 5))
+    with pytest.raises(NonFiniteUpdate) as stopped:
+        trainer.train()
+    assert stopped.value.global_step == 5 and [e["step"] for e in trainer.prorl_nonfinite_skips] == [3]
+    assert "non-finite step 2 of this run: max_nonfinite_skips=1 skipped the earlier ones (global steps 3)" in str(stopped.value)
+    assert "checkpoint-4" in str(stopped.value)
+
+
+def test_skipping_is_refused_where_it_cannot_be_honoured(tmp_path):
+    from prorl_trl.reset import ZERO2, Engine
+    from prorl_trl.trainer.checks import check_launch
+
+    args = tiny_args(tmp_path, max_nonfinite_skips=2)
+    with pytest.raises(ValueError, match="cannot be honoured under .*DeepSpeed keeps the gradients"):
+        check_launch(args, Engine(kind=ZERO2, label="DeepSpeed ZeRO-2"), [], None, None, [])
+
+
+# ------------------------------------------------------------------------------ through `prorl-trl train` (CLI)
+REPO = Path(__file__).resolve().parent.parent
+SHAPE = [
+    "--rewards", "[token_hash]", "--training.save_strategy", "steps", "--training.save_steps", "1",
+    "--phases.0.max_steps", "3", "--phases.1.max_steps", "3", "--validation.eval_steps", "3",
+]  # fmt: skip
+
+
+def cli(out: Path, tiny_dir: Path, shared_data: Path, *extra: str, nan_at: str = "", kill_at: str = ""):
+    """`prorl-trl train` on the tiny GSM8K recipe (two phases of 3 steps) through tests/_kill_launcher.py, which makes
+    the training forward of the steps in `nan_at` overflow (`PRORL_TEST_NAN_AT`)."""
+    import os
+    import subprocess
+    import sys
+
+    command = [sys.executable, str(REPO / "tests" / "_kill_launcher.py"), "train", str(REPO / "tests" / "recipes" / "tiny_gsm8k.yaml"),
+               "--model.name_or_path", str(tiny_dir), "--training.output_dir", str(out), *SHAPE, *extra]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PRORL_SHARED_DATA": str(shared_data), "PRORL_TEST_NAN_AT": nan_at,
+           "PRORL_TEST_KILL_AT": kill_at}  # fmt: skip
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+
+
+def test_the_cli_skips_a_nan_step_within_the_bound_and_records_it(tiny_dir, shared_data, tmp_path):
+    import json
+
+    out = tmp_path / "run"
+    result = cli(out, tiny_dir, shared_data, "--training.max_nonfinite_skips", "1", nan_at="0:2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Skipped global step 2 (phase 'first'): its gradients are not finite" in result.stderr
+    assert "skipped (gradients not finite): global steps 2" in result.stdout
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["steps"] == 6 and summary["nonfinite_skips"] == 1
+    assert [event["step"] for event in summary["nonfinite_skipped_steps"]] == [2]
+    assert (out / "nonfinite" / "step-2" / "rank-0.pt").is_file()
+    assert summary["cudnn_attention_guard"]["mode"] == "auto" and "no CUDA device" in summary["cudnn_attention_guard"]["message"]
+    from prorl_trl.trainer.manifest import read_manifest
+
+    assert "nonfinite/" in read_manifest(out)  # the kept step is the run's: --overwrite deletes it too
+
+
+def test_the_cli_stops_past_the_bound_and_the_count_survives_a_resume(tiny_dir, shared_data, tmp_path):
+    out = tmp_path / "run"
+    bound = ["--training.max_nonfinite_skips", "1"]
+    result = cli(out, tiny_dir, shared_data, *bound, nan_at="0:1", kill_at="on_step_begin:0:3")
+    assert result.returncode == -9 and "Skipped global step 1" in result.stderr, result.stderr[-3000:]
+    result = cli(out, tiny_dir, shared_data, *bound, "--resume", nan_at="0:3")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Training stopped at global step 3 (phase 'first')" in result.stderr
+    assert "max_nonfinite_skips=1 skipped the earlier ones (global steps 1)" in result.stderr
+    assert "resume with:" in result.stderr and "Traceback" not in result.stderr

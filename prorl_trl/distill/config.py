@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..attention import CUDNN_GUARD_MODES
+
 
 @dataclass
 class DistillConfig:
@@ -35,6 +37,8 @@ class DistillConfig:
 
         num_train_epochs, learning_rate, per_device_train_batch_size, gradient_accumulation_steps, max_length,
         bf16, use_cpu, report_to, use_peft, lora_r, lora_alpha, lora_target_modules, sft_kwargs.
+        cudnn_attention_guard (`str`, defaults to `"auto"`): As `ProRLConfig.cudnn_attention_guard`: keep cuDNN's
+            SDPA backward from making the student's gradients NaN on H100/H200.
 
         > Output
 
@@ -103,6 +107,14 @@ class DistillConfig:
     sft_kwargs: dict[str, Any] = field(
         default_factory=dict, metadata={"help": "Other trl.SFTConfig fields (JSON/YAML mapping), e.g. warmup_ratio."}
     )
+    cudnn_attention_guard: str = field(
+        default="auto",
+        metadata={
+            "help": "Keep cuDNN's SDPA backward from returning NaN gradients (H100/H200, torch >= 2.11): 'auto', "
+            "'always' or 'off', as ProRLConfig.cudnn_attention_guard.",
+            "choices": list(CUDNN_GUARD_MODES),
+        },
+    )
 
     def __post_init__(self):
         problems = []
@@ -116,6 +128,8 @@ class DistillConfig:
             problems.append(f"`temperature` must be > 0 (rejection sampling needs sampling), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             problems.append(f"`top_p` must be in (0, 1], got {self.top_p}")
+        if self.cudnn_attention_guard not in CUDNN_GUARD_MODES:
+            problems.append(f"`cudnn_attention_guard` must be one of {list(CUDNN_GUARD_MODES)}, got {self.cudnn_attention_guard!r}")
         if self.min_kept < 0:
             problems.append(f"`min_kept` must be >= 0, got {self.min_kept}")
         if self.max_problems is not None and self.max_problems < 1:

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..attention import install_cudnn_attention_guard
+from ..console import announce
 from ..model_card import write_model_card
 from ..trainer.progress import use_run_progress
 from .config import DistillConfig
@@ -71,6 +73,9 @@ def train_student(config: DistillConfig, rows: Sequence[dict[str, Any]], student
         model=student, args=SFTConfig(**settings), train_dataset=dataset, eval_dataset=dataset, peft_config=peft_config
     )
     use_run_progress(trainer)  # a bar with rate and ETA and a short line per log, not HF's dict per log
+    guard = install_cudnn_attention_guard(trainer.accelerator.unwrap_model(trainer.model), config.cudnn_attention_guard)
+    if guard.active and trainer.accelerator.is_main_process:
+        announce(guard.message)
     if config.use_peft and (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):
         raise ValueError(
             "use_peft with DeepSpeed/FSDP cannot merge the adapter into sharded weights here; "

@@ -98,12 +98,14 @@ def _validation_callback(recipe: Recipe, eval_dataset: Any, args: Any) -> Any:
 
 
 def summarize_log(log_history: list[dict[str, Any]]) -> dict[str, Any]:
-    """Final validation metrics (last logged `eval_*`) and per-reward means over all logged training steps."""
+    """Final validation metrics (last logged `eval_*`), per-reward means over all logged training steps, and how many
+    non-finite steps were skipped (`max_nonfinite_skips`)."""
     final_eval: dict[str, float] = {}
     reward_values: dict[str, list[float]] = {}
-    steps = 0
+    steps = skips = 0
     for entry in log_history:
         steps = max(steps, int(entry.get("prorl/global_step", entry.get("step", 0)) or 0))
+        skips = max(skips, int(entry.get("prorl/nonfinite_skips", 0) or 0))
         for key, value in entry.items():
             if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
                 continue
@@ -112,7 +114,7 @@ def summarize_log(log_history: list[dict[str, Any]]) -> dict[str, Any]:
             elif key.startswith("rewards/") and key.endswith("/mean"):
                 reward_values.setdefault(key[len("rewards/") : -len("/mean")], []).append(float(value))
     reward_means = {name: sum(values) / len(values) for name, values in reward_values.items()}
-    return {"steps": steps, "final_eval": final_eval, "reward_means": reward_means}
+    return {"steps": steps, "final_eval": final_eval, "reward_means": reward_means, "nonfinite_skips": skips}
 
 
 def write_final_card(final: Path, recipe: Recipe, base_model: str, summary: dict[str, Any]) -> None:
@@ -330,14 +332,14 @@ def leave_process_group() -> None:
 
 def _write_run_files(
     log_history: list[dict[str, Any]], recipe: Recipe, recipe_path: str, overrides: list[str], base_model: str,
-    output_dir: Path, seconds: float | None,
+    output_dir: Path, seconds: float | None, safety: dict[str, Any] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """`run_summary.json` (the summary and the whole log) and `final/README.md` (the final model's card, when
-    `final/` holds a model); returns the summary."""
+    """`run_summary.json` (the summary, `safety`: what guarded the run, and the whole log) and `final/README.md` (the
+    final model's card, when `final/` holds a model); returns the summary."""
     from ..reset.checkpoint import write_text_atomically
 
     summary = summarize_log(log_history)
-    summary.update(recipe=str(recipe_path), overrides=list(overrides), seconds=seconds)
+    summary.update(recipe=str(recipe_path), overrides=list(overrides), seconds=seconds, **(safety or {}))
     write_text_atomically(
         output_dir / "run_summary.json", json.dumps({**summary, "log_history": log_history}, indent=1, default=str)
     )
@@ -370,9 +372,16 @@ def _report(
     """Main process: write `run_summary.json` and the final model's card, print where the outputs are."""
     log_history = trainer.prorl_log_history  # the whole run, also across a resume
     seconds = round(time.time() - started, 1)
-    summary = _write_run_files(log_history, recipe, recipe_path, overrides, base_model, output_dir, seconds)
+    safety = {
+        "cudnn_attention_guard": trainer.cudnn_attention_guard.as_dict(),
+        "nonfinite_skipped_steps": trainer.prorl_nonfinite_skips,
+    }
+    summary = _write_run_files(log_history, recipe, recipe_path, overrides, base_model, output_dir, seconds, safety)
     final = output_dir / "final"
     print(f"\ndone in {summary['seconds']:.0f}s, {summary['steps']} steps.", file=sys.stdout)
+    if trainer.prorl_nonfinite_skips:
+        steps = ", ".join(str(event["step"]) for event in trainer.prorl_nonfinite_skips)
+        print(f"  skipped (gradients not finite): global steps {steps}; batches kept in {output_dir / 'nonfinite'}/")
     for key, value in sorted(summary["final_eval"].items()):
         print(f"  {key}: {value:.4g}")
     print(f"outputs:  {output_dir}/")

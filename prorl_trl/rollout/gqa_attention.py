@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ..attention import GUARDED_SDPA, guarded_sdpa_attention_forward
+
 GQA_DECODE_ATTENTION = "sdpa_gqa_decode"
 
 
@@ -34,9 +36,9 @@ def sdpa_gqa_decode_forward(
     every layer, every token: for Qwen2-0.5B (14 query / 2 KV heads) 7x the cache's bytes per step. One query token per
     head lets the group's query heads stand in the query-length axis instead: `(batch, kv_heads, groups, dim)` against
     `(batch, kv_heads, cache, dim)`, the same arithmetic with no copy. Anything else (prefill, training forwards,
-    dropout, position biases, per-head masks) goes to transformers' own `sdpa_attention_forward` unchanged.
+    dropout, position biases, per-head masks) goes to transformers' own `sdpa_attention_forward` unchanged, through
+    the cuDNN attention guard (`prorl_trl.attention`), which only acts on training calls.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
     batch, heads, query_length, dim = query.shape
@@ -50,7 +52,7 @@ def sdpa_gqa_decode_forward(
         or kwargs.get("softcap") is not None
         or key.shape[-1] != dim
     ):
-        return sdpa_attention_forward(
+        return guarded_sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     if attention_mask is not None:
@@ -66,7 +68,8 @@ def _text_config(config: Any) -> Any:
 
 
 def use_gqa_decode_attention(model: Any) -> bool:
-    """Switch `model` (a transformers model, or a PEFT model around one) from "sdpa" to `sdpa_gqa_decode_forward`.
+    """Switch `model` (a transformers model, or a PEFT model around one) from "sdpa" (or its cuDNN-guarded variant)
+    to `sdpa_gqa_decode_forward`.
 
     Only for models on SDPA with grouped-query attention (fewer key/value heads than query heads); returns whether it
     switched. Results are the same (the training forward is transformers' own SDPA); decode steps copy no KV heads.
@@ -79,7 +82,7 @@ def use_gqa_decode_attention(model: Any) -> bool:
     implementation = getattr(config, "_attn_implementation", None)
     if implementation == GQA_DECODE_ATTENTION:
         return True
-    if implementation != "sdpa" or not hasattr(base, "set_attn_implementation"):
+    if implementation not in ("sdpa", GUARDED_SDPA) or not hasattr(base, "set_attn_implementation"):
         return False
     text_config = _text_config(config)
     heads = getattr(text_config, "num_attention_heads", None)

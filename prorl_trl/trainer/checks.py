@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from ..config import ProRLConfig, ResolvedPhase, peft_lora_shape
-from ..reset import FSDP2, ZERO3, Engine, ResetNotSupportedError, check_engine_support
+from ..reset import FSDP2, ZERO2, ZERO3, Engine, ResetNotSupportedError, check_engine_support
 from ..rollout.vllm_sync import shadowed_by_generation_kwargs
 from .callbacks import HardResetCallback, SamplingScheduleCallback
 from .sampling import SAMPLING_KEYS
@@ -83,6 +83,13 @@ def check_launch(args: ProRLConfig, engine: Engine, phases: list[ResolvedPhase],
     """
     if resets_possible(phases, callbacks):
         check_engine_support(engine)
+    if args.max_nonfinite_skips > 0 and engine.kind in (ZERO2, ZERO3):
+        raise ValueError(
+            f"max_nonfinite_skips={args.max_nonfinite_skips} cannot be honoured under {engine.label}: DeepSpeed keeps "
+            "the gradients in its own partitions and applies the update before a callback can see it, so a "
+            "non-finite step can only be noticed afterwards (the run then stops). Set max_nonfinite_skips: 0, or run "
+            "under DDP or FSDP2, where a bad step is skipped before it reaches the weights."
+        )
     if args.compiled_generation and engine.kind in (ZERO3, FSDP2):
         raise ValueError(
             f"compiled_generation is not supported under {engine.label}: its CUDA graphs read the weights at fixed "

@@ -17,6 +17,15 @@ was not finite; a few: one layer's computation), so a run that stops tells what 
 `kl_clamp` only where the KL term is on and unbounded: the prolonged study stopped 6 of 24 runs with it on
 (benchmarks/results/prolonged.md), so it is not the only cause. Before the update is refused, the step's batches and
 weights are written for a replay (`replay.py`), since the next attempt samples other rollouts.
+
+A run of days needs to go on without a person: with `max_nonfinite_skips: N` the guard skips up to N such steps per
+run (the gradients are dropped before the optimizer sees them, so the weights and Adam's moments stay exactly as
+after the previous step; the LR schedule moves on), logs each one (`prorl/nonfinite_skips`, a warning, the run
+summary), keeps its batches for a replay, and stops as above at the next one. Skipping beats rolling back to the last
+checkpoint: the update never landed, so there is nothing to undo, and a rollback would redraw the same rollouts (a
+resume is exact), the same NaN with them. Many skips mean a cause that does not go away (a learning rate too high),
+which only a person can fix: hence the bound. Under DeepSpeed the update lands before the check, so skipping is
+refused there (`checks.check_launch`).
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from ..console import announce
 from .replay import write_nonfinite_dump
 
 logger = logging.getLogger("prorl_trl")
@@ -50,6 +60,7 @@ class NonFiniteUpdate(RuntimeError):
         where: tuple[list[str], int] | None = None,
         unbounded_kl: bool = True,
         dump: Path | None = None,
+        skipped: list[dict[str, Any]] | None = None,
     ):
         self.global_step, self.norm, self.applied, self.checkpoint = global_step, norm, applied, checkpoint
         self.nonfinite_names, self.gradients = where if where is not None else ([], 0)
@@ -89,8 +100,15 @@ class NonFiniteUpdate(RuntimeError):
             if checkpoint is not None
             else "No checkpoint was written before it."
         )
+        earlier = (
+            f" It is non-finite step {len(skipped) + 1} of this run: max_nonfinite_skips={len(skipped)} skipped the "
+            f"earlier ones (global steps {', '.join(str(event['step']) for event in skipped)}), and a cause that "
+            "comes back is not chance."
+            if skipped
+            else ""
+        )
         super().__init__(
-            f"Training stopped at {step}: the gradient norm is {norm} (not finite).{located} {state}; nothing more "
+            f"Training stopped at {step}: the gradient norm is {norm} (not finite).{located}{earlier} {state}; nothing more "
             f"was saved. {saved}{kept} Usual causes: {kl}a learning rate too high for this model and dtype (bf16 "
             "activations overflowing), or a reward that returned NaN/inf. Change the setting (a resume needs "
             "`--allow-changes` for that) or fix the reward, then resume; `stop_on_nonfinite: false` turns this check "
@@ -168,7 +186,30 @@ class NonFiniteGuard(TrainerCallback):
         device = getattr(getattr(self.trainer, "accelerator", None), "device", torch.device("cpu"))
         if agreed_nonfinite(norm, device):
             where = nonfinite_gradients(kwargs.get("model") or getattr(self.trainer, "model", None), optimizer)
+            skipped = getattr(self.trainer, "prorl_nonfinite_skips", None)
+            if skipped is not None and len(skipped) < getattr(args, "max_nonfinite_skips", 0):
+                self._skip(state, norm, args, where, optimizer, skipped)
+                return
             raise self._error(state, norm, applied=False, args=args, where=where, keep=True)
+
+    def _skip(self, state, norm: float, args, where: tuple[list[str], int], optimizer: Any, skipped: list) -> None:
+        """Drop this step's gradients (every rank: the decision was agreed) and record the skip."""
+        for parameter, _ in local_gradients(optimizer):
+            parameter.grad = None  # the optimizer skips a parameter without a gradient: no update, no moment change
+        step, phase = self._step_and_phase(state, applied=False)
+        dump = self._keep(step, phase, where)
+        event = {"step": step, "phase": phase, "grad_norm": str(norm), "nonfinite_gradients": len(where[0]),
+                 "gradients": where[1], "kept": str(dump.relative_to(args.output_dir)) if dump else None}  # fmt: skip
+        skipped.append(event)
+        message = (
+            f"Skipped global step {step}{f' (phase {phase!r})' if phase else ''}: its gradients are not finite (norm "
+            f"{norm}; {len(where[0])} of {where[1]} gradients), so the update was dropped and the weights and optimizer "
+            f"state are those of the step before. Skip {len(skipped)} of max_nonfinite_skips={args.max_nonfinite_skips}"
+            + (f"; its batches are in {dump}/ for a replay." if dump else ".")
+        )
+        logger.warning(message)
+        if getattr(getattr(self.trainer, "accelerator", None), "is_main_process", True):
+            announce(message)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         norm = (logs or {}).get("grad_norm")
@@ -177,19 +218,28 @@ class NonFiniteGuard(TrainerCallback):
         if not math.isfinite(float(norm)):
             raise self._error(state, float(norm), applied=True, args=args)
 
+    def _step_and_phase(self, state, applied: bool) -> tuple[int, str | None]:
+        """The step being taken (before the update) or just taken (`applied`), counted over the whole run where the
+        trainer counts across phases, and its phase's name."""
+        step = getattr(self.trainer, "prorl_global_step", state.global_step) + (0 if applied else 1)
+        return step, getattr(getattr(self.trainer, "current_phase", None), "name", None)
+
+    def _keep(self, step: int, phase: str | None, where) -> Path | None:
+        """The step's batches written for a replay, or None; a failed write (disk full, odd inputs) only loses the
+        record, never the stop or the skip."""
+        try:
+            return write_nonfinite_dump(self.trainer, step, phase, where[0] if where else [])
+        except Exception as error:  # noqa: BLE001
+            logger.warning("Could not keep the non-finite step's batches for a replay: %s", error)
+            return None
+
     def _error(self, state, norm: float, applied: bool, args, where=None, keep: bool = False) -> NonFiniteUpdate:
-        """The error for the step being taken (before the update) or just taken (`applied`), counted over the whole
-        run where the trainer counts across phases."""
+        """The error for the step being taken (before the update) or just taken (`applied`)."""
         from ..reset.checkpoint import latest_checkpoint
 
         checkpoint = latest_checkpoint(args.output_dir) if args.output_dir else None
-        step = getattr(self.trainer, "prorl_global_step", state.global_step) + (0 if applied else 1)
-        phase = getattr(getattr(self.trainer, "current_phase", None), "name", None)
+        step, phase = self._step_and_phase(state, applied)
         unbounded_kl = getattr(args, "beta", 0.0) > 0 and not getattr(args, "kl_clamp", False)
-        dump = None
-        if keep:
-            try:  # the stop matters more than the record: a failed write (disk full, odd inputs) only loses the record
-                dump = write_nonfinite_dump(self.trainer, step, phase, where[0] if where else [])
-            except Exception as error:  # noqa: BLE001
-                logger.warning("Could not keep the non-finite step's batches for a replay: %s", error)
-        return NonFiniteUpdate(step, norm, applied, checkpoint, phase, where, unbounded_kl, dump)
+        dump = self._keep(step, phase, where) if keep else None
+        skipped = getattr(self.trainer, "prorl_nonfinite_skips", None)
+        return NonFiniteUpdate(step, norm, applied, checkpoint, phase, where, unbounded_kl, dump, skipped)

@@ -53,6 +53,7 @@ from trl.trainer.utils import get_config_model_id
 import rewards
 
 from .. import reset as reset_ops
+from ..attention import install_cudnn_attention_guard
 from ..console import announce, quiet_console
 from ..config import ProRLConfig, ResolvedPhase, resolve_phases
 from ..reset.checkpoint import (
@@ -202,6 +203,7 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         self._resumed_loss_sum: float | None = None  # the resumed phase's loss sum up to its checkpoint
         self._active_lora: dict[str, Any] | None = None  # the live part of a superset adapter (sharded engines)
         self._zero_carry: dict[str, Any] | None = None  # DeepSpeed optimizer carried into the next phase's engine
+        self.prorl_nonfinite_skips: list[dict[str, Any]] = []  # steps skipped under `max_nonfinite_skips`
 
         super().__init__(
             model=model,
@@ -227,6 +229,14 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         )  # fmt: skip
 
         self._check_after_init()
+        # Before any training forward: cuDNN's SDPA backward returns NaN at some lengths (prorl_trl.attention).
+        self.cudnn_attention_guard = install_cudnn_attention_guard(
+            reset_ops.unwrap_model(self.model), args.cudnn_attention_guard
+        )
+        if self.cudnn_attention_guard.active or self.accelerator.device.type == "cuda":
+            self.announce(self.cudnn_attention_guard.message)
+        else:  # a CPU run: nothing to guard, nothing to show
+            logger.info(self.cudnn_attention_guard.message)
         if self._engine.kind == reset_ops.FSDP2 and self.ref_model is not None:
             moved = move_stray_tensors_(self.ref_model, self.accelerator.device)
             if moved:
@@ -470,6 +480,7 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         self.prorl_merged_path = self._recorded_merged_path(state.get("merged_base"), checkpoint)
         self._restore_reset_deltas(state, checkpoint)
         self.prorl_resets = state["resets"]
+        self.prorl_nonfinite_skips = list(state.get("nonfinite_skips") or [])
         self.prorl_reset_hashes = dict(state.get("reset_files_sha256") or {})
         self._global_step_offset = state["global_step_offset"]
         self._resumed_phase_step = state["phase_global_step"]
@@ -993,6 +1004,8 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         logs["prorl/phase"] = self.current_phase.index
         logs["prorl/resets"] = self.prorl_resets
         logs["prorl/global_step"] = self.prorl_global_step
+        if self.prorl_nonfinite_skips:  # only once a step was skipped: a clean run logs exactly as before
+            logs["prorl/nonfinite_skips"] = len(self.prorl_nonfinite_skips)
 
     def _keep_last_log_entry(self) -> None:
         """Keep HF's last entry in the run's history with the run's continuous step as `step` (HF's restarts every

@@ -1,0 +1,112 @@
+"""The cuDNN attention guard on the CPU: what it decides, that the guarded attention computes exactly transformers'
+SDPA, and that a run shows and records it. Its effect on cuDNN itself is tested on a GPU (test_cudnn_guard_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prorl_trl.attention import GUARDED_SDPA, install_cudnn_attention_guard, probe_cudnn_backward
+from prorl_trl.attention.cudnn_guard import (
+    ROUTED_THROUGH_GUARD,
+    guarded_length,
+    left_padded_causal_mask,
+    set_guard,
+    use_guarded_sdpa,
+)
+from prorl_trl.config import ProRLConfig
+from prorl_trl.rollout.gqa_attention import GQA_DECODE_ATTENTION, use_gqa_decode_attention
+from prorl_trl.tiny import build_tiny
+from tests._prorl_helpers import lora, prompts_dataset, tiny_args, tiny_model
+
+
+@pytest.fixture(autouse=True)
+def unguarded():
+    yield
+    set_guard(False)  # the guard is per process: leave it as the next test expects
+
+
+def test_the_length_rule_covers_the_guarded_remainders_of_either_length_or_every_length():
+    set_guard(False, {64})
+    assert [guarded_length(n, n) for n in (64, 192, 4160, 63, 65, 128, 4096)] == [True] * 3 + [False] * 4
+    assert guarded_length(1, 192) and not guarded_length(1, 191)  # a query shorter than the keys: either counts
+    set_guard(True)
+    assert guarded_length(65, 65)
+    set_guard(False)
+    assert not guarded_length(64, 64)
+
+
+def test_on_the_cpu_nothing_is_probed_or_switched_and_the_report_says_why():
+    model, _ = build_tiny(seed=0)
+    assert model.config._attn_implementation == "sdpa"
+    report = install_cudnn_attention_guard(model, "auto")
+    assert not report.active and report.probe_failing is None and "no CUDA device" in report.message
+    assert model.config._attn_implementation == "sdpa"
+    assert probe_cudnn_backward(torch.device("cpu"), torch.bfloat16, 14, 64) is None
+    eager, _ = build_tiny(seed=0)
+    eager.set_attn_implementation("eager")
+    assert "'eager', not SDPA" in install_cudnn_attention_guard(eager, "auto").message
+    with pytest.raises(ValueError, match="one of \\['auto', 'always', 'off'\\]"):
+        install_cudnn_attention_guard(model, "sometimes")
+
+
+def test_the_guarded_attention_is_transformers_sdpa_bit_for_bit_forward_and_backward_with_checkpointing():
+    """On the CPU the guard never steers (no cuDNN), so a model switched to it must compute exactly what "sdpa"
+    computes, left padding and gradient checkpointing's recomputation included."""
+    results = []
+    for guarded in (False, True):
+        model, _ = build_tiny(seed=0)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        if guarded:
+            set_guard(True)  # every length: the CPU still keeps transformers' own call
+            assert use_guarded_sdpa(model) and model.config._attn_implementation == GUARDED_SDPA
+        ids = torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(0))
+        mask = torch.ones_like(ids)
+        mask[0, :7] = 0  # left padding: the first rows of sequence 0 see no key
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        logits.float().square().mean().backward()
+        results.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (want_logits, want_grads), (got_logits, got_grads) = results
+    assert torch.equal(want_logits, got_logits)
+    assert want_grads.keys() == got_grads.keys() and all(torch.equal(want_grads[n], got_grads[n]) for n in want_grads)
+
+
+def test_the_guard_composes_with_grouped_query_decode_attention_and_off_switches_back():
+    assert GQA_DECODE_ATTENTION in ROUTED_THROUGH_GUARD  # its training path calls the guarded forward
+    model, _ = build_tiny(seed=0)
+    assert use_guarded_sdpa(model)
+    assert use_gqa_decode_attention(model) and model.config._attn_implementation == GQA_DECODE_ATTENTION
+    assert use_guarded_sdpa(model)  # already routed through the guard: left as it is
+    guarded, _ = build_tiny(seed=0)
+    use_guarded_sdpa(guarded)
+    report = install_cudnn_attention_guard(guarded, "off")
+    assert guarded.config._attn_implementation == "sdpa" and not report.active and "off" in report.message
+
+
+def test_the_probe_mask_is_the_one_transformers_builds_for_left_padding():
+    from transformers.masking_utils import sdpa_mask
+
+    padding = torch.ones(2, 10, dtype=torch.long)
+    padding[0, :5] = 0
+    import inspect
+
+    query = {"q_length": 10} if "q_length" in inspect.signature(sdpa_mask).parameters else {"cache_position": torch.arange(10)}
+    want = sdpa_mask(batch_size=2, kv_length=10, attention_mask=padding, allow_is_causal_skip=False, **query)
+    assert torch.equal(left_padded_causal_mask(10, 5, torch.device("cpu")), want)
+
+
+def test_settings_are_checked_and_a_trainer_keeps_its_report(tmp_path):
+    with pytest.raises(ValueError, match="cudnn_attention_guard must be one of"):
+        ProRLConfig(output_dir=str(tmp_path), cudnn_attention_guard="yes", use_cpu=True)
+    with pytest.raises(ValueError, match="needs stop_on_nonfinite: true"):
+        ProRLConfig(output_dir=str(tmp_path), stop_on_nonfinite=False, max_nonfinite_skips=2, use_cpu=True)
+    from prorl_trl.trainer import ProRLTrainer
+
+    model, tokenizer = tiny_model()
+    trainer = ProRLTrainer(
+        model=model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)], args=tiny_args(tmp_path),
+        train_dataset=prompts_dataset(), processing_class=tokenizer, peft_config=lora(),
+    )  # fmt: skip
+    assert trainer.args.cudnn_attention_guard == "auto" and not trainer.cudnn_attention_guard.active
+    assert trainer.cudnn_attention_guard.as_dict()["message"].startswith("cuDNN attention guard not needed")
