@@ -37,17 +37,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch  # noqa: E402
+from memory import DEFAULT_RECIPE, load_settings, prompt_dataset  # noqa: E402
+from step_time import hard_reset_timed, timed_calls  # noqa: E402
+from trainer_gpu import StepTimer, build_model, token_hash_reward  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from memory import DEFAULT_RECIPE, load_settings, prompt_dataset  # noqa: E402
 from prorl_trl.attention import install_cudnn_attention_guard, probe_cudnn_backward  # noqa: E402
 from prorl_trl.attention.cudnn_guard import guarded_sdpa_attention_forward, left_padded_causal_mask  # noqa: E402
 from prorl_trl.config import ProRLConfig, resolve_phases  # noqa: E402
 from prorl_trl.reset import unwrap_model  # noqa: E402
 from prorl_trl.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 from prorl_trl.trainer import ProRLTrainer  # noqa: E402
-from step_time import hard_reset_timed, timed_calls  # noqa: E402
-from trainer_gpu import StepTimer, build_model, token_hash_reward  # noqa: E402
 
 MODES = ("off", "auto", "always")
 SHAPES = ("initial", "reset4", "study")
@@ -72,7 +72,8 @@ def reproduction(device: torch.device, dtype: torch.dtype, tokenizer) -> list[di
         inputs = [torch.randn(2, 14, length, 64, device=device, dtype=dtype, generator=generator) for _ in range(3)]
         mask = left_padded_causal_mask(length, padding=5, device=device)
         row = {"length": length}
-        for label, backends in (("cudnn", [SDPBackend.CUDNN_ATTENTION]), ("efficient", [SDPBackend.EFFICIENT_ATTENTION]),
+        forced = (("cudnn", [SDPBackend.CUDNN_ATTENTION]), ("efficient", [SDPBackend.EFFICIENT_ATTENTION]))
+        for label, backends in (*forced,
                                 ("guarded", None)):  # fmt: skip
             q, k, v = (tensor.clone().requires_grad_() for tensor in inputs)
             try:
@@ -136,7 +137,8 @@ def study_trainer(prompt_tokens: int, options, device, tokenizer, workdir: str, 
     )  # fmt: skip
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     return ProRLTrainer(
-        model=model, reward_funcs=[token_hash_reward], args=config, train_dataset=prompt_dataset(tokenizer, prompt_tokens),
+        model=model, reward_funcs=[token_hash_reward], args=config,
+        train_dataset=prompt_dataset(tokenizer, prompt_tokens),
         processing_class=tokenizer, peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=targets),
         callbacks=callbacks,
     )  # fmt: skip
@@ -146,7 +148,9 @@ def cap_and_cycle(shape: str, options, workdir: str) -> tuple[int, int]:
     """The completion cap and the optimizer steps one generation batch feeds at `shape`."""
     if shape == "study":
         return 48, 1
-    recipe, kwargs = load_settings(options.recipe, [], options.smoke, 1, workdir, first_phase=4 if shape == "reset4" else 0)
+    recipe, kwargs = load_settings(
+        options.recipe, [], options.smoke, 1, workdir, first_phase=4 if shape == "reset4" else 0
+    )
     args = ProRLConfig(**kwargs)
     phase = resolve_phases(args, recipe.peft_config())[0]
     steps_per_generation = args.steps_per_generation or args.gradient_accumulation_steps
@@ -194,7 +198,9 @@ def cost_rows(result: dict) -> list[str]:
     steps, generations = result["step_seconds"], result["generate_seconds"]
     for batch in range(1, min(len(steps) // cycle, len(generations))):  # batch 0 warmed up
         seconds = sum(steps[batch * cycle : (batch + 1) * cycle])  # a generation batch's steps, per step below
-        by_mode.setdefault(result["modes"][batch * cycle], []).append((seconds / cycle, (seconds - generations[batch]) / cycle))
+        by_mode.setdefault(result["modes"][batch * cycle], []).append(
+            (seconds / cycle, (seconds - generations[batch]) / cycle)
+        )
     if "off" not in by_mode:
         return rows
     base_step = statistics.median(s for s, _ in by_mode["off"])
@@ -233,7 +239,8 @@ def main(argv: list[str] | None = None) -> dict:
     meta = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke)",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "torch": torch.__version__, "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "torch": torch.__version__,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
     }  # fmt: skip
     tokenizer = build_tiny_tokenizer()
     repro = reproduction(device, torch.bfloat16, tokenizer) if device.type == "cuda" else []
@@ -255,7 +262,10 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"[cudnn_guard] {shape} FAILED: {results[-1]['error']}", flush=True)
     lines = [f"Device: {meta['device']} | {meta['date']} | torch {meta['torch']} | cuDNN {meta['cudnn']}", ""]
     if repro:
-        lines += ["| length | cuDNN forced: finite grads | memory-efficient forced | guarded (auto) |", "|---|---|---|---|"]
+        lines += [
+            "| length | cuDNN forced: finite grads | memory-efficient forced | guarded (auto) |",
+            "|---|---|---|---|",
+        ]
         lines += [f"| {r['length']} | {r['cudnn']} | {r['efficient']} | {r['guarded']} |" for r in repro]
         lines.append("")
     lines += ["| head shape | probe: failing remainders (mod 128) | probe time (s) |", "|---|---|---:|"]
@@ -263,10 +273,19 @@ def main(argv: list[str] | None = None) -> dict:
     lines += ["", "| shape | padded length | guard | steps | step (s, median) | training half (s) | step vs off | "
               "training half vs off |", "|---|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for result in results:
-        lines += [f"| {result['shape']} | failed: {result['error']} |" + " |" * 6] if "error" in result else cost_rows(result)
+        lines += (
+            [f"| {result['shape']} | failed: {result['error']} |" + " |" * 6]
+            if "error" in result
+            else cost_rows(result)
+        )
     report = "\n".join(lines)
     print(report, flush=True)
-    payload = {"meta": meta, "reproduction": repro, "probes": {k: list(v) for k, v in probes.items()}, "results": results}
+    payload = {
+        "meta": meta,
+        "reproduction": repro,
+        "probes": {k: list(v) for k, v in probes.items()},
+        "results": results,
+    }
     if options.json:
         options.json.write_text(json.dumps(payload, indent=1, default=str))
     if options.out:

@@ -66,7 +66,9 @@ def test_the_guarded_attention_is_transformers_sdpa_bit_for_bit_forward_and_back
         mask[0, :7] = 0  # left padding: the first rows of sequence 0 see no key
         logits = model(input_ids=ids, attention_mask=mask).logits
         logits.float().square().mean().backward()
-        results.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        results.append(
+            (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        )
     (want_logits, want_grads), (got_logits, got_grads) = results
     assert torch.equal(want_logits, got_logits)
     assert want_grads.keys() == got_grads.keys() and all(torch.equal(want_grads[n], got_grads[n]) for n in want_grads)
@@ -91,7 +93,11 @@ def test_the_probe_mask_is_the_one_transformers_builds_for_left_padding():
     padding[0, :5] = 0
     import inspect
 
-    query = {"q_length": 10} if "q_length" in inspect.signature(sdpa_mask).parameters else {"cache_position": torch.arange(10)}
+    query = (
+        {"q_length": 10}
+        if "q_length" in inspect.signature(sdpa_mask).parameters
+        else {"cache_position": torch.arange(10)}
+    )
     want = sdpa_mask(batch_size=2, kv_length=10, attention_mask=padding, allow_is_causal_skip=False, **query)
     assert torch.equal(left_padded_causal_mask(10, 5, torch.device("cpu")), want)
 

@@ -31,7 +31,10 @@ class Layer(torch.nn.Module):
 
 def attention_inputs(length: int, seed: int = 0) -> list[torch.Tensor]:
     generator = torch.Generator(device="cuda").manual_seed(seed)
-    return [torch.randn(2, HEADS, length, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=generator) for _ in range(3)]
+    return [
+        torch.randn(2, HEADS, length, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=generator)
+        for _ in range(3)
+    ]
 
 
 def gradients(inputs: list[torch.Tensor], attend) -> list[torch.Tensor]:
@@ -44,7 +47,9 @@ def cudnn_forced(q, k, v):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=left_padded_causal_mask(q.shape[2], 5, q.device))
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=left_padded_causal_mask(q.shape[2], 5, q.device)
+        )
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +61,8 @@ def bug_present():
         pytest.skip(f"cuDNN's SDPA does not run here: {error}")
     if all(bool(torch.isfinite(grad).all()) for grad in grads):
         pytest.skip(
-            f"torch {torch.__version__} with cuDNN {torch.backends.cudnn.version()} gives finite gradients at length 192: "
+            f"torch {torch.__version__} with cuDNN {torch.backends.cudnn.version()} gives finite gradients at length "
+            "192: "
             "this stack does not have PyTorch issue 196678, nothing to guard"
         )
     return True
@@ -77,8 +83,8 @@ def test_the_guarded_attention_gives_the_reference_gradients_on_the_same_inputs(
     inputs = attention_inputs(192)
     mask = left_padded_causal_mask(192, 5, torch.device("cuda"))
     guarded = gradients(inputs, lambda q, k, v: guarded_sdpa_attention_forward(Layer(), q, k, v, mask)[0])
-    reference = gradients([t.double() for t in inputs], lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask))  # fmt: skip
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    reference = gradients([t.double() for t in inputs], lambda q, k, v: sdpa(q, k, v, attn_mask=mask))
     for got, want in zip(guarded, reference):
         assert torch.isfinite(got).all()
         assert (got.double() - want).norm() / want.norm() < 2e-2  # bf16 operands
@@ -125,7 +131,13 @@ def left_padded_run(tmp_path, guard: str):
 
 def test_the_training_path_trains_where_cudnn_makes_the_gradients_nan(bug_present, tmp_path):
     trainer, lengths, stop = left_padded_run(tmp_path, "off")
-    assert stop is not None and stop.global_step == 1 and lengths and all(n % 128 == 64 for n in lengths), (lengths, stop)
+    assert stop is not None and stop.global_step == 1 and lengths and all(n % 128 == 64 for n in lengths), (
+        lengths,
+        stop,
+    )
     trainer, lengths, stop = left_padded_run(tmp_path, "auto")
     assert stop is None and trainer.state.global_step == 2 and lengths and all(n % 128 == 64 for n in lengths)
-    assert trainer.cudnn_attention_guard.active and trainer.model.get_base_model().config._attn_implementation == "sdpa_cudnn_guard"
+    assert (
+        trainer.cudnn_attention_guard.active
+        and trainer.model.get_base_model().config._attn_implementation == "sdpa_cudnn_guard"
+    )

@@ -229,7 +229,9 @@ def install_cudnn_attention_guard(model: Any, mode: str = "auto") -> CudnnGuardR
     if device.type != "cuda":
         return report(False, False, why="cuDNN attention guard not needed: no CUDA device.")
     if not torch.backends.cuda.cudnn_sdp_enabled():
-        return report(False, False, why="cuDNN attention guard not needed: cuDNN's SDPA backend is off in this process.")
+        return report(
+            False, False, why="cuDNN attention guard not needed: cuDNN's SDPA backend is off in this process."
+        )
     if mode == "always":
         use_guarded_sdpa(base)
         set_guard(True)

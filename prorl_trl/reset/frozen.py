@@ -29,9 +29,9 @@ Cost: each part is one more pair of small float32 products per adapted layer, as
 parts reach min(in, out) in total rank they are refactored exactly into one (float64 SVD), so long runs stop growing.
 The rollout engine folds the parts' A weights into its stacked GEMMs (`prorl_trl.rollout.lora_decode`). On a small,
 launch-bound model the per-part products dominate: each reset made every later step ~0.09 s slower (+23 %) on an
-H100 (benchmarks/results/prolonged.md). `consolidate=True` (`ProRLConfig.consolidate_frozen_parts`) therefore joins a
-layer's float32 parts into one at each reset (`FrozenDelta.consolidate`: the ranks stacked, each part's scaling folded
-into its `up` in float32), so the forward pays for one part however many resets came before. The delta is kept to
+H100 (benchmarks/results/prolonged_runs/round3.md). `consolidate=True` (`ProRLConfig.consolidate_frozen_parts`)
+therefore joins a layer's float32 parts into one at each reset (`FrozenDelta.consolidate`: the ranks stacked, each
+part's scaling folded into its `up` in float32), so the forward pays for one part however many resets came before. The delta is kept to
 float32 rounding, but the joined product sums in another order than the parts did, so such a reset is no longer
 bitwise a no-op: it moves outputs by float32 rounding (a value rounded to bf16 flips one step where the float32 sum
 sat on a rounding boundary, and later layers carry the flip on: bf16 logits move by under one bf16 step of the

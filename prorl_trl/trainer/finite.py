@@ -14,8 +14,9 @@ so. Skipping the step instead would not restore anything: Adam's moments already
 
 The message says where: how many of the gradients are not finite, and the first names (all of them: the loss itself
 was not finite; a few: one layer's computation), so a run that stops tells what to look at next. It suggests
-`kl_clamp` only where the KL term is on and unbounded: the prolonged study stopped 6 of 24 runs with it on
-(benchmarks/results/prolonged.md), so it is not the only cause. Before the update is refused, the step's batches and
+`kl_clamp` only where the KL term is on and unbounded: round 3 of the prolonged study stopped 6 of 24 runs with it
+on (benchmarks/results/prolonged_runs/round3.md); their cause was cuDNN's attention backward, which
+`prorl_trl.attention` now guards against. Before the update is refused, the step's batches and
 weights are written for a replay (`replay.py`), since the next attempt samples other rollouts.
 
 A run of days needs to go on without a person: with `max_nonfinite_skips: N` the guard skips up to N such steps per
@@ -108,7 +109,8 @@ class NonFiniteUpdate(RuntimeError):
             else ""
         )
         super().__init__(
-            f"Training stopped at {step}: the gradient norm is {norm} (not finite).{located}{earlier} {state}; nothing more "
+            f"Training stopped at {step}: the gradient norm is {norm} (not finite).{located}{earlier} {state}; "
+            "nothing more "
             f"was saved. {saved}{kept} Usual causes: {kl}a learning rate too high for this model and dtype (bf16 "
             "activations overflowing), or a reward that returned NaN/inf. Change the setting (a resume needs "
             "`--allow-changes` for that) or fix the reward, then resume; `stop_on_nonfinite: false` turns this check "
@@ -203,8 +205,9 @@ class NonFiniteGuard(TrainerCallback):
         skipped.append(event)
         message = (
             f"Skipped global step {step}{f' (phase {phase!r})' if phase else ''}: its gradients are not finite (norm "
-            f"{norm}; {len(where[0])} of {where[1]} gradients), so the update was dropped and the weights and optimizer "
-            f"state are those of the step before. Skip {len(skipped)} of max_nonfinite_skips={args.max_nonfinite_skips}"
+            f"{norm}; {len(where[0])} of {where[1]} gradients), so the update was dropped and the weights and "
+            f"optimizer state are those of the step before. Skip {len(skipped)} of "
+            f"max_nonfinite_skips={args.max_nonfinite_skips}"
             + (f"; its batches are in {dump}/ for a replay." if dump else ".")
         )
         logger.warning(message)
