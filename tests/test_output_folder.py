@@ -122,6 +122,22 @@ def test_overwrite_of_a_run_from_before_manifests_deletes_its_exact_names(tmp_pa
     assert [p.name for p in (tmp_path / "runs").iterdir()] == ["other-run"]
 
 
+def test_a_trackers_file_naming_runs_dot_dot_never_empties_the_run_folder(tmp_path):
+    """Audit finding: a run without a manifest whose `prorl_trackers.json` said `"tensorboard": "runs/.."` made
+    `--overwrite --allow-other-files` delete the whole run folder, user files included, then crash."""
+    fake_run(tmp_path, finished=True)
+    (tmp_path / "prorl_trackers.json").write_text(json.dumps({"tensorboard": "runs/.."}))
+    plan = plan_start(tmp_path, overwrite=True, allow_other_files=True)
+    assert not any(".." in name for name in plan.state.outputs)
+    deleted, kept = delete_run_outputs(plan.state)
+    assert "runs/../" not in deleted and (tmp_path / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "runs" / "May01_host").is_dir()  # no longer named by the trackers file: not the run's
+    state = inspect_output_folder(tmp_path)  # whoever names `..` or the folder itself, nothing above is deleted
+    state.outputs[:] = ["runs/../", "../", "./"]
+    deleted, kept = delete_run_outputs(state)
+    assert deleted == [] and sorted(kept) == ["../", "./", "runs/../"] and (tmp_path / "notes.txt").is_file()
+
+
 def test_overwrite_deletes_the_manifest_paths_and_never_through_a_symlink(tmp_path):
     """`runs/` linked into a shared TensorBoard folder: the run's own event folder there is kept, other people's
     runs are untouched; user files named like outputs (never recorded: they existed first) survive."""

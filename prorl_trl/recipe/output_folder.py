@@ -258,7 +258,9 @@ def delete_run_outputs(state: FolderState) -> tuple[list[str], list[str]]:
     deleted, kept = [], []
     for name in state.outputs + state.leftovers:
         target = state.path / name.rstrip("/")
-        if not target.parent.resolve().is_relative_to(root):
+        clean = not Path(name).is_absolute() and ".." not in Path(name).parts
+        inside = clean and target.parent.resolve().is_relative_to(root)
+        if not inside or target.resolve() == root:  # `..` or the run folder itself: never deleted, whoever named it
             kept.append(name)
             continue
         if target.is_dir() and not target.is_symlink():
