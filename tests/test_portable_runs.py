@@ -216,3 +216,28 @@ def test_changed_resume_is_refused_unless_allowed_and_recorded(tiny_dir, shared_
     ]
     assert history[1]["checkpoint"].endswith("checkpoint-1") and history[1]["global_step"] == 1
     assert "--allow-changes" in history[1]["command"]
+
+
+def test_a_deleted_or_damaged_run_recipe_is_refused_not_ignored(tiny_dir, shared_data, tmp_path):
+    """Audit findings (issue 37): with the run's `recipe.yaml` deleted, `--resume --training.learning_rate 1e-3`
+    went on without `--allow-changes`; a `recipe.yaml` or `resume_history.yaml` that is not the YAML the run wrote
+    ended in a traceback (exit 1). Each is now exit 2 with a message naming the file, before anything loads."""
+    out = tmp_path / "run"
+    killed = cli(out, tiny_dir, shared_data, *SHORT, env={"PRORL_TEST_KILL_AT": "on_step_begin:0:2"})
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    recipe = (out / "recipe.yaml").read_bytes()
+    for name, content in [("recipe.yaml", b"\x00\xff\xfe binary"), ("recipe.yaml", b"- a list\n"),
+                          ("recipe.yaml", b"key: [unclosed\n"), (RESUME_HISTORY_NAME, b"just a string\n"),
+                          (RESUME_HISTORY_NAME, b"- 5\n"), (RESUME_HISTORY_NAME, b"{a: [\n")]:  # fmt: skip
+        (out / name).write_bytes(content)
+        damaged = cli(out, tiny_dir, shared_data, *SHORT, "--resume")
+        assert damaged.returncode == 2 and "Traceback" not in damaged.stderr, (name, content, damaged.stderr[-2000:])
+        assert f"{out / name}" in damaged.stderr and "is damaged" in damaged.stderr, damaged.stderr[-2000:]
+        (out / "recipe.yaml").write_bytes(recipe)
+        (out / RESUME_HISTORY_NAME).unlink(missing_ok=True)
+    (out / "recipe.yaml").unlink()
+    refused = cli(out, tiny_dir, shared_data, *SHORT, "--training.learning_rate", "1e-3", "--resume")
+    assert refused.returncode == 2 and "recipe.yaml is missing" in refused.stderr, refused.stderr[-3000:]
+    allowed = cli(out, tiny_dir, shared_data, *SHORT, "--training.learning_rate", "1e-3", "--resume", "--allow-changes")
+    assert allowed.returncode == 0, allowed.stderr[-3000:]
+    assert yaml.safe_load((out / "recipe.yaml").read_text())["training"]["learning_rate"] == 1e-3  # now the record

@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from ..trainer.manifest import read_manifest
 from .schema import RecipeError
 
 RECORDED_RECIPE_NAME = "recipe.yaml"
@@ -128,9 +129,35 @@ def _changes(old: dict[str, Any], current: dict[str, Any]) -> list[Change]:
     ]
 
 
+def _read_run_yaml(path: Path, kind: type, what: str) -> Any:
+    """A YAML file the run wrote, parsed as `kind` (an empty file: an empty one); a file that is not valid YAML, is
+    not text or holds another type is refused with `ChangedRecipeError` (exit 2) naming it, never a traceback."""
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError) as error:
+        problem = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+        raise ChangedRecipeError(_unreadable(path, what, f"it cannot be read as YAML ({problem})")) from None
+    loaded = kind() if loaded is None else loaded
+    if not isinstance(loaded, kind):
+        raise ChangedRecipeError(_unreadable(path, what, f"it holds a {type(loaded).__name__}, not a {kind.__name__}"))
+    return loaded
+
+
+def _unreadable(path: Path, what: str, problem: str) -> str:
+    return (
+        f"--resume: {path} ({what}) is damaged: {problem}. Nothing was loaded or changed. Restore the file (from a "
+        "backup or a copy of the run), or start a new run; a resume cannot tell what the run was trained with without it."
+    )
+
+
 def read_history(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / RESUME_HISTORY_NAME
-    return (yaml.safe_load(path.read_text()) or []) if path.is_file() else []
+    if not path.is_file():
+        return []
+    history = _read_run_yaml(path, list, "the changes earlier resumes went on with")
+    if not all(isinstance(entry, dict) and isinstance(entry.get("changes") or [], list) for entry in history):
+        raise ChangedRecipeError(_unreadable(path, "the changes earlier resumes went on with", "an entry is malformed"))
+    return history
 
 
 def recorded_recipe(run_dir: Path) -> dict[str, Any] | None:
@@ -139,7 +166,7 @@ def recorded_recipe(run_dir: Path) -> dict[str, Any] | None:
     path = run_dir / RECORDED_RECIPE_NAME
     if not path.is_file():
         return None
-    flat = flatten(yaml.safe_load(path.read_text()) or {})
+    flat = flatten(_read_run_yaml(path, dict, "the recipe the run was started with"))
     for entry in read_history(run_dir):
         for change in entry.get("changes") or []:
             if "new" in change:
@@ -169,7 +196,14 @@ class ChangedRecipeError(RecipeError):
 def check_resume_changes(run_dir: Path, current: dict[str, Any], allow_changes: bool) -> list[Change]:
     """The changes a resume into `run_dir` makes; raises `ChangedRecipeError` for training-altering ones unless
     `allow_changes`. Returns every change (an empty list when the recipe is the recorded one)."""
-    changes = changes_since_recorded(run_dir, current) or []
+    recorded = changes_since_recorded(run_dir, current)
+    if recorded is None and RECORDED_RECIPE_NAME in (read_manifest(run_dir) or []) and not allow_changes:
+        raise ChangedRecipeError(
+            f"--resume: {run_dir / RECORDED_RECIPE_NAME} is missing, so this resume cannot tell whether the recipe "
+            "changes training (the run wrote that file when it started). Nothing was loaded or changed. Restore it, "
+            "or pass --allow-changes to continue with this recipe as given (it is then recorded as the run's recipe)."
+        )
+    changes = recorded or []
     altering = [change for change in changes if change.alters_training]
     if altering and not allow_changes:
         listed = "\n".join(f"  {change.describe()}" for change in altering)
