@@ -270,6 +270,7 @@ def _add_ablate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_validate(args: argparse.Namespace) -> int:
+    from .data.fingerprint import split_fingerprints
     from .recipe.changes import resume_changes
     from .recipe.checks import other_machine_hint
     from .recipe.output_folder import plan_start, run_writes
@@ -291,7 +292,8 @@ def _run_validate(args: argparse.Namespace) -> int:
         recipe.output_dir, args.resume, args.overwrite, allow_other_files=args.allow_other_files,
         writes=run_writes(recipe),
     )  # fmt: skip
-    for change in resume_changes(plan.resume, recipe.output_dir, recipe.raw, args.allow_changes):  # exit 2, as train
+    data_now = split_fingerprints(recipe.data)
+    for change in resume_changes(plan.resume, recipe.output_dir, recipe.raw, args.allow_changes, data_now):  # as train
         print(f"note: resuming changes {change.describe()}", file=sys.stderr)
     if plan.note or plan.finished or plan.overwrite:
         will = "the run is finished: `train --resume` says so and changes nothing" if plan.finished else (

@@ -241,3 +241,45 @@ def test_a_deleted_or_damaged_run_recipe_is_refused_not_ignored(tiny_dir, shared
     allowed = cli(out, tiny_dir, shared_data, *SHORT, "--training.learning_rate", "1e-3", "--resume", "--allow-changes")
     assert allowed.returncode == 0, allowed.stderr[-3000:]
     assert yaml.safe_load((out / "recipe.yaml").read_text())["training"]["learning_rate"] == 1e-3  # now the record
+
+
+def test_a_data_file_rewritten_under_the_same_name_is_noticed_on_resume(tiny_dir, shared_data, tmp_path):
+    """Audit finding (issue 37): a jsonl rewritten in place between a stop and `--resume` went unnoticed. The run
+    records what its local data files held (`data_files.json`); a resume with other bytes is refused (exit 2) naming
+    the file, unless `--allow-changes`, which records the change and the new content."""
+    from prorl_trl.data.fingerprint import file_fingerprint
+
+    data = tmp_path / "gsm8k"
+    shutil.copytree(shared_data / "gsm8k", data)
+    source = ["--data.source", str(data)]
+    out = tmp_path / "run"
+    killed = cli(out, tiny_dir, shared_data, *SHORT, *source, env={"PRORL_TEST_KILL_AT": "on_step_begin:0:2"})
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    recorded = json.loads((out / "data_files.json").read_text())
+    train = Path(recorded["train"]["file"])
+    assert train.parent == data and recorded["train"]["fingerprint"] == file_fingerprint(train)
+    lines = train.read_text().splitlines(keepends=True)
+    train.write_text("".join(reversed(lines)))  # the same rows, the same size, in another order
+    refused = cli(out, tiny_dir, shared_data, *SHORT, *source, "--resume")
+    assert refused.returncode == 2 and f"data file (train) {train}" in refused.stderr, refused.stderr[-3000:]
+    assert "--allow-changes" in refused.stderr and "Traceback" not in refused.stderr
+    allowed = cli(out, tiny_dir, shared_data, *SHORT, *source, "--resume", "--allow-changes")
+    assert allowed.returncode == 0, allowed.stderr[-3000:]
+    history = yaml.safe_load((out / RESUME_HISTORY_NAME).read_text())
+    assert [change["key"] for change in history[-1]["changes"]] == [f"data file (train) {train}"]
+    assert json.loads((out / "data_files.json").read_text())["train"]["fingerprint"] == file_fingerprint(train)
+
+
+def test_large_files_are_fingerprinted_from_samples_and_small_ones_whole(tmp_path):
+    from prorl_trl.data import fingerprint
+
+    small, large = tmp_path / "small.jsonl", tmp_path / "large.bin"
+    small.write_bytes(b"x" * 1000)
+    assert fingerprint.file_fingerprint(small).startswith("size:1000;sha256:")
+    large.write_bytes(bytes(range(256)) * (fingerprint.FULL_HASH_LIMIT // 256 + 4096))
+    first = fingerprint.file_fingerprint(large)
+    assert "sampled-sha256" in first
+    with large.open("r+b") as file:  # a byte inside the first block changes the fingerprint
+        file.seek(10)
+        file.write(b"\xff")
+    assert fingerprint.file_fingerprint(large) != first

@@ -26,6 +26,7 @@ from .schema import RecipeError
 
 RECORDED_RECIPE_NAME = "recipe.yaml"
 RESUME_HISTORY_NAME = "resume_history.yaml"
+DATA_FILES_NAME = "data_files.json"  # what the local data files held (`prorl_trl.data.fingerprint`)
 
 # Keys (flattened, `section.key`; patterns as `fnmatch`) whose change leaves the trained weights as they were: where
 # metrics go, how often they are written and how the run is named, how checkpoints are kept and where the run folder
@@ -193,9 +194,34 @@ class ChangedRecipeError(RecipeError):
         return self.message
 
 
-def check_resume_changes(run_dir: Path, current: dict[str, Any], allow_changes: bool) -> list[Change]:
-    """The changes a resume into `run_dir` makes; raises `ChangedRecipeError` for training-altering ones unless
-    `allow_changes`. Returns every change (an empty list when the recipe is the recorded one)."""
+def data_file_changes(run_dir: Path, data_now: dict[str, dict[str, str]]) -> list[Change]:
+    """A change per split whose local data file holds other bytes than the run recorded (`data_files.json`), or whose
+    recorded file is gone from the recipe; none for a run that recorded no data files."""
+    path = run_dir / DATA_FILES_NAME
+    if not path.is_file():
+        return []
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise ChangedRecipeError(_unreadable(path, "what the run's data files held", str(error)[:200])) from None
+    if not isinstance(recorded, dict) or not all(isinstance(v, dict) for v in recorded.values()):
+        raise ChangedRecipeError(_unreadable(path, "what the run's data files held", "it is not a mapping of splits"))
+    changes = []
+    for split in sorted(recorded.keys() | data_now.keys()):
+        old, new = recorded.get(split, {}), data_now.get(split, {})
+        if old.get("fingerprint") != new.get("fingerprint"):
+            where = new.get("file") or old.get("file")
+            changes.append(Change(f"data file ({split}) {where}", old.get("fingerprint", _UNSET),
+                                  new.get("fingerprint", _UNSET), alters_training=True))  # fmt: skip
+    return changes
+
+
+def check_resume_changes(
+    run_dir: Path, current: dict[str, Any], allow_changes: bool, data_now: dict[str, dict[str, str]] | None = None
+) -> list[Change]:
+    """The changes a resume into `run_dir` makes (recipe keys, and the content of local data files when `data_now`,
+    `split_fingerprints` of the current recipe, is given); raises `ChangedRecipeError` for training-altering ones
+    unless `allow_changes`. Returns every change (an empty list when nothing differs)."""
     recorded = changes_since_recorded(run_dir, current)
     if recorded is None and RECORDED_RECIPE_NAME in (read_manifest(run_dir) or []) and not allow_changes:
         raise ChangedRecipeError(
@@ -203,7 +229,7 @@ def check_resume_changes(run_dir: Path, current: dict[str, Any], allow_changes: 
             "changes training (the run wrote that file when it started). Nothing was loaded or changed. Restore it, "
             "or pass --allow-changes to continue with this recipe as given (it is then recorded as the run's recipe)."
         )
-    changes = recorded or []
+    changes = (recorded or []) + (data_file_changes(run_dir, data_now) if data_now is not None else [])
     altering = [change for change in changes if change.alters_training]
     if altering and not allow_changes:
         listed = "\n".join(f"  {change.describe()}" for change in altering)
@@ -245,18 +271,30 @@ def _recorded_in(output_dir: Path, checkpoint: Path) -> Path:
 
 
 def resume_changes(
-    checkpoint: str | None, output_dir: str | Path, current: dict[str, Any], allow_changes: bool
-) -> list[Change]:
+    checkpoint: str | None, output_dir: str | Path, current: dict[str, Any], allow_changes: bool,
+    data_now: dict[str, dict[str, str]] | None = None,
+) -> list[Change]:  # fmt: skip
     """`train`/`validate`: the changes a resume from `checkpoint` (None: a start, nothing to compare) makes to the
-    run's recorded recipe; raises `ChangedRecipeError` (exit 2) for training-altering ones without `allow_changes`."""
+    run's recorded recipe and data files; raises `ChangedRecipeError` (exit 2) for training-altering ones without
+    `allow_changes`."""
     if checkpoint is None:
         return []
-    return check_resume_changes(_recorded_in(Path(output_dir), Path(checkpoint)), current, allow_changes)
+    return check_resume_changes(_recorded_in(Path(output_dir), Path(checkpoint)), current, allow_changes, data_now)
 
 
-def write_run_recipe(output_dir: Path, recipe_yaml: str, checkpoint: str | None, changes: list[Change]) -> None:
+def write_run_recipe(
+    output_dir: Path, recipe_yaml: str, checkpoint: str | None, changes: list[Change],
+    data_now: dict[str, dict[str, str]] | None = None,
+) -> None:  # fmt: skip
     """Main process, before training: a start writes `recipe.yaml` (and drops the history of an earlier attempt that
-    left no checkpoint); a resume never rewrites it, and appends the changes it went on with to the history."""
+    left no checkpoint); a resume never rewrites it, and appends the changes it went on with to the history.
+    `data_files.json` holds what the local data files held at the start, or at the last resume that accepted a
+    change to them."""
+    from ..reset.checkpoint import write_json
+
+    if data_now is not None and (checkpoint is None or not (output_dir / DATA_FILES_NAME).is_file() or any(
+            change.key.startswith("data file (") for change in changes)):  # fmt: skip
+        write_json(output_dir / DATA_FILES_NAME, data_now)
     from ..reset.checkpoint import (
         PRORL_STATE_NAME,
         read_prorl_state,

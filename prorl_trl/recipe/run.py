@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..data.fingerprint import split_fingerprints
 from ..trainer.manifest import CLI_FILES, record_outputs
 from .changes import RESUME_HISTORY_NAME, resume_changes, write_run_recipe
 from .output_folder import (
@@ -224,7 +225,8 @@ def _train(
                 print(f"{plan.state.describe()}: nothing to do; nothing was changed.")
         leave_process_group()  # every process read the same finished folder
         return 0
-    changes = resume_changes(plan.resume, recipe.output_dir, recipe.raw, allow_changes)  # exit 2, nothing loaded
+    data_now = split_fingerprints(recipe.data)  # what the local data files hold now (a resume compares)
+    changes = resume_changes(plan.resume, recipe.output_dir, recipe.raw, allow_changes, data_now)  # exit 2, nothing loaded
     if main and changes:
         print(f"note: resuming with changes to the recorded recipe (kept in {RESUME_HISTORY_NAME}):", flush=True)
         print("\n".join(f"  {change.describe()}" for change in changes), flush=True)
@@ -288,7 +290,7 @@ def _train(
     try:
         if main:
             output_dir.mkdir(parents=True, exist_ok=True)
-            write_run_recipe(output_dir, recipe.to_yaml(), plan.resume, changes)  # a resume keeps the original
+            write_run_recipe(output_dir, recipe.to_yaml(), plan.resume, changes, data_now)  # a resume keeps the original
         trainer.train(resume_from_checkpoint=plan.resume)
     except RunInterrupted as stop:
         if main:

@@ -26,7 +26,7 @@ from typing import Any
 
 MANIFEST_NAME = ".prorl_manifest.json"
 # Top-level files and folders every run may write (a folder ends in `/`); `phase-<i>/` are counted per run.
-CLI_FILES = ("recipe.yaml", "resume_history.yaml", "run_summary.json")  # written by `prorl-trl train` itself
+CLI_FILES = ("recipe.yaml", "resume_history.yaml", "data_files.json", "run_summary.json")  # by `prorl-trl train`
 RUN_FILES = (*CLI_FILES, "prorl_log_history.json", "prorl_trackers.json", "README.md")
 RUN_FOLDERS = ("merged/", "frozen/", "final/", "nonfinite/")  # nonfinite/: a stopped step kept for a replay
 PHASE_FOLDER = re.compile(r"phase-\d+")
