@@ -283,3 +283,27 @@ def test_large_files_are_fingerprinted_from_samples_and_small_ones_whole(tmp_pat
         file.seek(10)
         file.write(b"\xff")
     assert fingerprint.file_fingerprint(large) != first
+
+
+def test_a_resume_with_a_new_learning_rate_trains_at_it_from_the_recorded_step(tiny_dir, shared_data, tmp_path):
+    """Audit finding (issue 37): `--resume --training.learning_rate 1e-3 --allow-changes` went on at the old rate
+    (the checkpoint's scheduler state carries it) while resume_history.yaml said the change held. Now the rates from
+    the resumed step on are, bit for bit, those of a run that had the new rate from the start."""
+
+    def rates(folder: Path) -> dict[int, float]:
+        entries = json.loads((folder / "run_summary.json").read_text())["log_history"]
+        return {entry["prorl/global_step"]: entry["learning_rate"] for entry in entries if "learning_rate" in entry}
+
+    fresh = cli(tmp_path / "fresh", tiny_dir, shared_data, *SHORT, "--training.learning_rate", "1e-3")
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    out = tmp_path / "run"
+    killed = cli(out, tiny_dir, shared_data, *SHORT, env={"PRORL_TEST_KILL_AT": "on_step_begin:0:2"})
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    resumed = cli(out, tiny_dir, shared_data, *SHORT, "--training.learning_rate", "1e-3", "--resume", "--allow-changes")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    want, got = rates(tmp_path / "fresh"), rates(out)
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+    assert got[1] != want[1]  # step 1 trained before the change, at the old rate
+    assert all(got[step] == want[step] for step in (2, 3, 4)), (got, want)
+    history = yaml.safe_load((out / RESUME_HISTORY_NAME).read_text())
+    assert history[-1]["global_step"] == 1 and history[-1]["changes"][0]["key"] == "training.learning_rate"

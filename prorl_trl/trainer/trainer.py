@@ -24,6 +24,8 @@ tests/test_trainer_internals.py):
 * `_get_output_dir`: checkpoints go to `<output_dir>/phase-<i>/` because HF names them by the per-call step.
 * `_save_checkpoint`: un-commits a checkpoint folder before HF rewrites it in place (see `reset.checkpoint`).
 * `create_scheduler`: keeps the LR-schedule horizon of an in-loop reset across a resume.
+* `_load_optimizer_and_scheduler` (HF): a resume with a changed learning rate goes on at the new rate (the loaded
+  states carry the old one in `base_lrs` / `initial_lr`).
 * `_calculate_rewards` / `_generate_and_score_completions`: dynamic sampling (`DynamicSamplingMixin`; no hook exists
   in TRL).
 * `_compute_loss` / `_get_per_token_logps_and_entropies`: minibatch early stop (`MinibatchEarlyStopMixin`) needs the
@@ -711,6 +713,30 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         if self._scheduler_horizon is not None:
             num_training_steps = self._scheduler_horizon
         return super().create_scheduler(num_training_steps=num_training_steps, optimizer=optimizer)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """HF's, then the learning rate of this run's settings: the checkpoint's optimizer and scheduler states carry
+        the rate the run had when it saved (param groups' `initial_lr`, LambdaLR's `base_lrs`), so a resume that
+        changed `learning_rate` (`--allow-changes`) would go on at the old one. The schedule goes on from the
+        checkpoint's step at the new rate: the rate a fresh run with the new settings has at that step. Unchanged
+        rates leave everything as loaded (bitwise resumes)."""
+        fresh = list(getattr(self.lr_scheduler, "base_lrs", None) or [])  # built from this run's settings
+        super()._load_optimizer_and_scheduler(checkpoint)
+        scheduler = self.lr_scheduler
+        if checkpoint is None or not fresh or list(getattr(scheduler, "base_lrs", None) or []) == fresh:
+            return
+        lambdas = getattr(scheduler, "lr_lambdas", None)
+        if lambdas is None or len(lambdas) != len(fresh):
+            logger.warning(
+                "The learning rate differs from the checkpoint's, but the scheduler %s cannot be moved to it: the new "
+                "rate takes effect at the next phase.", type(scheduler).__name__
+            )
+            return
+        scheduler.base_lrs = fresh
+        rates = [base * schedule(scheduler.last_epoch) for base, schedule in zip(fresh, lambdas)]
+        for group, base, rate in zip(self.optimizer.param_groups, fresh, rates):
+            group["initial_lr"], group["lr"] = base, rate
+        scheduler._last_lr = rates
 
     def _frozen_room(self, target: ResolvedPhase) -> int:
         """For how many later resets a joined frozen part leaves zero room (`consolidate_frozen_parts`): those the
