@@ -104,6 +104,19 @@ def test_generate_single_turn_contract_the_rollout_engine_reproduces():
     assert list(inspect.signature(GenerationMixin._prepare_generation_config).parameters)[:2] == ["self", "generation_config"]
 
 
+def test_hf_resume_loads_optimizer_and_scheduler_after_building_them_from_the_settings():
+    """`ProRLTrainer._load_optimizer_and_scheduler` reads the freshly built scheduler's `base_lrs` (this run's rate)
+    before HF's load overwrites them, and moves a LambdaLR (`lr_lambdas`) to it; HF's default schedules are LambdaLR."""
+    from transformers.optimization import get_scheduler
+
+    assert list(inspect.signature(Trainer._load_optimizer_and_scheduler).parameters) == ["self", "checkpoint"]
+    prepare = inspect.getsource(Trainer._prepare_for_training)
+    assert prepare.index("self.create_scheduler(") < prepare.index("self._load_optimizer_and_scheduler(")
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=1, num_training_steps=4)
+    assert scheduler.base_lrs == [1e-3] and len(scheduler.lr_lambdas) == 1 and scheduler.lr_lambdas[0](2) > 0
+
+
 def test_hf_loop_reads_optimizer_and_scheduler_from_self_each_step():
     source = inspect.getsource(Trainer._run_epoch)
     assert "self.optimizer.step()" in source and "self.lr_scheduler.step()" in source
