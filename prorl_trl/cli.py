@@ -292,7 +292,7 @@ def _run_validate(args: argparse.Namespace) -> int:
         recipe.output_dir, args.resume, args.overwrite, allow_other_files=args.allow_other_files,
         writes=run_writes(recipe),
     )  # fmt: skip
-    data_now = split_fingerprints(recipe.data)
+    data_now = split_fingerprints(recipe.data) if plan.resume else None  # only a resume compares them
     for change in resume_changes(plan.resume, recipe.output_dir, recipe.raw, args.allow_changes, data_now):  # as train
         print(f"note: resuming changes {change.describe()}", file=sys.stderr)
     if plan.note or plan.finished or plan.overwrite:

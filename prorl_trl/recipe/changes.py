@@ -27,6 +27,7 @@ from .schema import RecipeError
 RECORDED_RECIPE_NAME = "recipe.yaml"
 RESUME_HISTORY_NAME = "resume_history.yaml"
 DATA_FILES_NAME = "data_files.json"  # what the local data files held (`prorl_trl.data.fingerprint`)
+DATA_FILE_KEY = "data file"  # how a changed data file is named among the changes (`data file (train) <path>`)
 
 # Keys (flattened, `section.key`; patterns as `fnmatch`) whose change leaves the trained weights as they were: where
 # metrics go, how often they are written and how the run is named, how checkpoints are kept and where the run folder
@@ -211,7 +212,7 @@ def data_file_changes(run_dir: Path, data_now: dict[str, dict[str, str]]) -> lis
         old, new = recorded.get(split, {}), data_now.get(split, {})
         if old.get("fingerprint") != new.get("fingerprint"):
             where = new.get("file") or old.get("file")
-            changes.append(Change(f"data file ({split}) {where}", old.get("fingerprint", _UNSET),
+            changes.append(Change(f"{DATA_FILE_KEY} ({split}) {where}", old.get("fingerprint", _UNSET),
                                   new.get("fingerprint", _UNSET), alters_training=True))  # fmt: skip
     return changes
 
@@ -292,8 +293,8 @@ def write_run_recipe(
     change to them."""
     from ..reset.checkpoint import write_json
 
-    if data_now is not None and (checkpoint is None or not (output_dir / DATA_FILES_NAME).is_file() or any(
-            change.key.startswith("data file (") for change in changes)):  # fmt: skip
+    data_changed = any(change.key.startswith(f"{DATA_FILE_KEY} (") for change in changes)
+    if data_now is not None and (checkpoint is None or data_changed or not (output_dir / DATA_FILES_NAME).is_file()):
         write_json(output_dir / DATA_FILES_NAME, data_now)
     from ..reset.checkpoint import (
         PRORL_STATE_NAME,

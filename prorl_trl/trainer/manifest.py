@@ -154,7 +154,7 @@ def _tensorboard_folder(run_dir: Path) -> str | None:
     except (OSError, ValueError, AttributeError):
         return None
     parts = Path(str(logged or "")).parts
-    if len(parts) < 2 or parts[-2] != "runs" or parts[-1] in ("..", ".", os.sep):  # `runs/..` is the run folder
+    if len(parts) < 2 or parts[-2] != "runs" or parts[-1] in ("..", "."):  # `runs/..` is the run folder
         return None
     folder = run_dir / "runs" / parts[-1]
     if folder.is_dir() and not folder.is_symlink() and not (run_dir / "runs").is_symlink():
