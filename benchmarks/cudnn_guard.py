@@ -2,6 +2,8 @@
 
     python benchmarks/cudnn_guard.py --out benchmarks/results/cudnn_guard.md            # one GPU, every shape
     python benchmarks/cudnn_guard.py --shapes reset4 --json r4.json                     # one shape (another GPU)
+    python benchmarks/cudnn_guard.py --shapes reset4 --lengths guarded --json g.json    # one length per GPU, then
+    python benchmarks/cudnn_guard.py --report g.json u.json --out table.md              # their tables as one
     python benchmarks/cudnn_guard.py --smoke                                            # CPU: the script runs
 
 1. Reproduction, torch only: q/k/v (bf16, the GSM8K model's 14 heads of 64) with a left-padded causal mask as
@@ -152,9 +154,9 @@ def cap_and_cycle(shape: str, options, workdir: str) -> tuple[int, int]:
         options.recipe, [], options.smoke, 1, workdir, first_phase=4 if shape == "reset4" else 0
     )
     args = ProRLConfig(**kwargs)
-    phase = resolve_phases(args, recipe.peft_config())[0]
-    steps_per_generation = args.steps_per_generation or args.gradient_accumulation_steps
-    return phase.max_completion_length, max(1, steps_per_generation // args.gradient_accumulation_steps)
+    phase = resolve_phases(args, recipe.peft_config())[0]  # the phase's own generation batch, as the trainer sets it
+    micro_steps = phase.generation_batch_size // args.per_device_train_batch_size  # one process
+    return phase.max_completion_length, max(1, micro_steps // args.gradient_accumulation_steps)
 
 
 def run_shape(shape: str, guarded_length: bool, options, device, tokenizer) -> dict:
@@ -224,13 +226,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--recipe", type=Path, default=DEFAULT_RECIPE)
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma separated, from {SHAPES}")
     parser.add_argument("--rounds", type=int, default=2, help="timed steps per mode (after one warm-up step)")
+    parser.add_argument("--lengths", default="guarded,unguarded",
+                        help="comma separated: 'guarded' (padded length 64 mod 128) and/or 'unguarded' (one token more)")
     parser.add_argument("--probe-all", action="store_true", help="also probe all 128 remainders (slow: ~20 s a shape)")
+    parser.add_argument("--report", type=Path, nargs="+", default=None,
+                        help="JSON files of earlier runs (--json): print their tables together, run nothing")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None)
     options = parser.parse_args(argv)
     shapes = [s for s in options.shapes.split(",") if s]
     if set(shapes) - set(SHAPES):
         parser.error(f"--shapes: unknown {sorted(set(shapes) - set(SHAPES))}; choose from {SHAPES}")
+    lengths = [length for length in options.lengths.split(",") if length]
+    if not lengths or set(lengths) - {"guarded", "unguarded"}:
+        parser.error(f"--lengths {options.lengths!r}: choose 'guarded', 'unguarded' or both")
+    if options.report:
+        return report_of(options.report, options.out)
     if not options.smoke and not torch.cuda.is_available():
         parser.error("no CUDA device: run on a GPU, or pass --smoke")
     if options.smoke:
@@ -254,12 +265,30 @@ def main(argv: list[str] | None = None) -> dict:
             probes[label + ", lengths 384-511"] = (every, time.perf_counter() - started)
     results = []
     for shape in shapes:
-        for guarded_length in (True, False):
+        for guarded_length in [length == "guarded" for length in lengths]:
             try:
                 results.append(run_shape(shape, guarded_length, options, device, tokenizer))
             except Exception as error:  # one failing shape must not hide the others' numbers
                 results.append({"shape": shape, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"})
                 print(f"[cudnn_guard] {shape} FAILED: {results[-1]['error']}", flush=True)
+    payload = {
+        "meta": meta,
+        "reproduction": repro,
+        "probes": {k: list(v) for k, v in probes.items()},
+        "results": results,
+    }
+    report = render(payload)
+    print(report, flush=True)
+    if options.json:
+        options.json.write_text(json.dumps(payload, indent=1, default=str))
+    if options.out:
+        options.out.write_text(report + "\n")
+    return payload
+
+
+def render(payload: dict) -> str:
+    """One run's tables: reproduction, probe, cost."""
+    meta, repro = payload["meta"], payload["reproduction"]
     lines = [f"Device: {meta['device']} | {meta['date']} | torch {meta['torch']} | cuDNN {meta['cudnn']}", ""]
     if repro:
         lines += [
@@ -269,28 +298,34 @@ def main(argv: list[str] | None = None) -> dict:
         lines += [f"| {r['length']} | {r['cudnn']} | {r['efficient']} | {r['guarded']} |" for r in repro]
         lines.append("")
     lines += ["| head shape | probe: failing remainders (mod 128) | probe time (s) |", "|---|---|---:|"]
-    lines += [f"| {label} | {failing} | {seconds:.2f} |" for label, (failing, seconds) in probes.items()]
-    lines += ["", "| shape | padded length | guard | steps | step (s, median) | training half (s) | step vs off | "
-              "training half vs off |", "|---|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines += [f"| {label} | {failing} | {seconds:.2f} |" for label, (failing, seconds) in payload["probes"].items()]
+    lines += [cost_header(), *cost_lines(payload["results"])]
+    return "\n".join(lines)
+
+
+def cost_header() -> str:
+    return ("\n| shape | padded length | guard | steps | step (s, median) | training half (s) | step vs off | "
+            "training half vs off |\n|---|---|---|---:|---:|---:|---:|---:|")
+
+
+def cost_lines(results: list[dict]) -> list[str]:
+    lines = []
     for result in results:
-        lines += (
-            [f"| {result['shape']} | failed: {result['error']} |" + " |" * 6]
-            if "error" in result
-            else cost_rows(result)
-        )
+        lines += [f"| {result['shape']} | failed: {result['error']} |" + " |" * 6] if "error" in result else cost_rows(result)
+    return lines
+
+
+def report_of(paths: list[Path], out: Path | None) -> dict:
+    """The cost tables of runs made apart (one length per GPU, say) as one table, each run's device named."""
+    payloads = [json.loads(path.read_text()) for path in paths]
+    lines = [f"- {path.name}: {p['meta']['device']}, {p['meta']['date']}, torch {p['meta']['torch']}, cuDNN "
+             f"{p['meta']['cudnn']}" for path, p in zip(paths, payloads)]  # fmt: skip
+    lines += [cost_header(), *cost_lines([result for payload in payloads for result in payload["results"]])]
     report = "\n".join(lines)
     print(report, flush=True)
-    payload = {
-        "meta": meta,
-        "reproduction": repro,
-        "probes": {k: list(v) for k, v in probes.items()},
-        "results": results,
-    }
-    if options.json:
-        options.json.write_text(json.dumps(payload, indent=1, default=str))
-    if options.out:
-        options.out.write_text(report + "\n")
-    return payload
+    if out:
+        out.write_text(report + "\n")
+    return {"payloads": payloads}
 
 
 if __name__ == "__main__":

@@ -472,7 +472,8 @@ def run_pilot(args, argv: list[str], out: Path, deadline: float) -> dict:
         warms[warm] = (f"warm_start-{warm.parent.name}", worker_argv(argv, "warm_start", 0, None, warm, extra))
         run_dir = out / "pilot" / name
         settings.append((name, setting, run_dir))
-        if not (args.resume and (run_dir / "done.json").is_file()):
+        ended = (run_dir / "done.json").is_file() or (run_dir / "stopped.json").is_file()
+        if not (args.resume and ended):  # a stopped run (NaN) is an outcome: a resume does not run it again
             runs.append((name, worker_argv(argv, "one_phase", args.seeds[0], run_dir, warm, extra)))
     if not args.report_only:
         run_jobs(args, [job for warm, job in warms.items() if not (warm / "warm_start.json").is_file()], deadline)

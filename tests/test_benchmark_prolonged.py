@@ -89,6 +89,12 @@ def test_pilot_runs_arm_a_per_grid_point_with_one_warm_start_per_task(tmp_path):
     rows = [line for line in (tmp_path / "pilot.md").read_text().splitlines() if line.startswith("| task_steps")]
     assert len(rows) == 2 and all("| 0:" in row and ("| yes |" in row or "| no |" in row) for row in rows)
     assert (tmp_path / "pilot.png").is_file()
+    stopped = tmp_path / "pilot" / "task_steps-1-2_learning_rate-3e-5"  # as a NaN stop leaves it: kept on --resume
+    (stopped / "done.json").unlink()
+    (stopped / "stopped.json").write_text(json.dumps({"step": 3}))
+    prolonged.main(["--smoke", "--out", str(tmp_path), "--pilot", "--pilot-grid", grid, "--steps", "4", "--resume"])
+    assert len(prolonged.read_jsonl(stopped / "attempts.jsonl")) == 1 and not (stopped / "done.json").exists()
+    assert "learning_rate-3e-5 (stopped before step 3: NaN/inf) |" in (tmp_path / "pilot.md").read_text()
 
 
 def test_arms_split_over_calls_share_one_warm_start_and_gather_into_one_report(tmp_path, capsys):
