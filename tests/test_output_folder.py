@@ -168,6 +168,21 @@ def test_overwrite_deletes_the_manifest_paths_and_never_through_a_symlink(tmp_pa
     assert (run / "runs").is_symlink() and (shared / "other-experiment" / "events.out.tfevents.1.a").exists()
 
 
+def test_overwrite_reports_a_recorded_path_that_became_a_symlink_as_unlinked_not_deleted(tmp_path):
+    """Audit finding (issue 37): a recorded output replaced by a symlink lost only the link, but the message listed it
+    as deleted. The link goes, its target and everything in it stays, and the message says which happened."""
+    run, elsewhere = tmp_path / "run", tmp_path / "archive"
+    (elsewhere / "checkpoint-9").mkdir(parents=True)
+    (elsewhere / "checkpoint-9" / "weights").write_text("kept")
+    run.mkdir()
+    record_outputs(run, ["phase-0/", "recipe.yaml"])
+    (run / "phase-0").symlink_to(elsewhere, target_is_directory=True)
+    (run / "recipe.yaml").write_text("x: 1\n")
+    deleted, kept = delete_run_outputs(plan_start(run, overwrite=True).state)
+    assert sorted(deleted) == ["phase-0/ (a symlink: the link removed, its target kept)", "recipe.yaml"] and not kept
+    assert not (run / "phase-0").exists() and (elsewhere / "checkpoint-9" / "weights").read_text() == "kept"
+
+
 def test_a_manifest_never_names_anything_outside_the_run_folder(tmp_path):
     outside = tmp_path / "precious.txt"
     outside.write_text("keep")

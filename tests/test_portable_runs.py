@@ -65,6 +65,23 @@ def test_recipe_changes_lists_each_key_and_says_which_alter_training():
     }
 
 
+def test_equivalent_spellings_are_not_changes():
+    """Audit finding (issue 37): an explicit default (`weight: 1.0`), reordered `target_modules` and the `model:`
+    shorthand were refused as changes. Values equal in effect compare equal; a real difference still shows."""
+    recorded = {"model": "org/m", "rewards": ["accuracy"], "peft": {"r": 8, "target_modules": ["q_proj", "v_proj"]},
+                "phases": [{"max_steps": 2}, {"lora_target_modules": ["up_proj", "k_proj"]}]}  # fmt: skip
+    spelled = {"model": {"name_or_path": "org/m"}, "rewards": [{"name": "accuracy", "weight": 1.0, "params": {}}],
+               "peft": {"r": 8, "target_modules": ["v_proj", "q_proj", "v_proj"], "lora_dropout": 0.0},
+               "phases": [{"max_steps": 2}, {"lora_target_modules": ["k_proj", "up_proj"]}]}  # fmt: skip
+    assert recipe_changes(recorded, spelled) == []
+    weighted = {**spelled, "rewards": [{"name": "accuracy", "weight": 2.0}]}
+    assert [change.describe() for change in recipe_changes(recorded, weighted)] == ["rewards.0.weight: 1.0 -> 2.0"]
+    fewer = {**spelled, "peft": {"r": 8, "target_modules": ["q_proj"]}}
+    assert [change.key for change in recipe_changes(recorded, fewer)] == ["peft.target_modules"]
+    # `training` keys compare as written: their effective values are resolved from other keys later
+    assert [change.key for change in recipe_changes({"training": {}}, {"training": {"beta": 0.0}})] == ["training.beta"]
+
+
 def test_pass_list():
     for key in ("logging.report_to", "training.run_name", "training.output_dir", "training.save_steps", "description"):
         assert not alters_training(key), key
@@ -143,6 +160,28 @@ def test_moved_run_resumes_to_the_uninterrupted_weights(tiny_dir, shared_data, t
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout and not old.exists()
     assert_same_weights(new, reference)
+
+
+def test_the_same_values_spelled_otherwise_resume_without_allow_changes(tiny_dir, shared_data, tmp_path):
+    """Audit finding (issue 37): the same model folder at a new path, an explicit `weight: 1.0` and reordered
+    `target_modules` were refused as changes. They resume without `--allow-changes` and record no change; a model
+    folder at the new path holding other weights is still refused (exit 2) before anything loads."""
+    out = tmp_path / "run"
+    killed = cli(out, tiny_dir, shared_data, *SHORT, env={"PRORL_TEST_KILL_AT": "on_step_begin:0:2"})
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    other = tmp_path / "other-model"
+    shutil.copytree(tiny_dir, other)
+    weights = load_file(other / "model.safetensors")
+    save_file({k: v * 2 for k, v in weights.items()}, other / "model.safetensors", metadata={"format": "pt"})
+    refused = cli(out, tiny_dir, shared_data, *SHORT, "--model.name_or_path", str(other), "--resume")
+    assert refused.returncode == 2 and f"model.name_or_path: {tiny_dir} -> {other}" in refused.stderr, refused.stderr
+    moved = tmp_path / "moved-model"
+    shutil.copytree(tiny_dir, moved)
+    spelled = ["--model.name_or_path", str(moved), "--rewards", "[{name: token_hash, weight: 1.0}]",
+               "--peft.target_modules", "[v_proj, q_proj]"]  # fmt: skip
+    resumed = cli(out, tiny_dir, shared_data, *SHORT, *spelled, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming with changes" not in resumed.stdout and not (out / RESUME_HISTORY_NAME).exists()
 
 
 def test_merge_mode_never_loads_another_runs_merged_base(tiny_dir, shared_data, tmp_path):

@@ -10,6 +10,7 @@ or how the run is named (`LOGGING_ONLY`) pass. Every change a resume went on wit
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import fnmatch
 import json
@@ -22,7 +23,7 @@ from typing import Any
 import yaml
 
 from ..trainer.manifest import read_manifest
-from .schema import RecipeError
+from .schema import SECTIONS, RecipeError, RewardSpec
 
 RECORDED_RECIPE_NAME = "recipe.yaml"
 RESUME_HISTORY_NAME = "resume_history.yaml"
@@ -117,13 +118,60 @@ def alters_training(key: str, recipe: dict[str, Any] | None = None) -> bool:
     return not any(fnmatch.fnmatchcase(key, pattern) for pattern in LOGGING_ONLY)
 
 
+def _defaults(cls: type) -> dict[str, Any]:
+    """A schema dataclass's field defaults (fields without one left out)."""
+    defaults = {}
+    for spec in dataclasses.fields(cls):
+        if spec.default is not dataclasses.MISSING:
+            defaults[spec.name] = spec.default
+        elif spec.default_factory is not dataclasses.MISSING:
+            defaults[spec.name] = spec.default_factory()
+    return defaults
+
+
+def _same_set(value: Any) -> Any:
+    """A module list PEFT reads as a set (`LoraConfig.target_modules`), in one order; other values as they are."""
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return sorted(set(value))
+    return value
+
+
+def canonical(raw: Any) -> Any:
+    """A recipe with every spelling of one setting made one: the schema sections' and rewards' defaults written out
+    (`weight: 1.0` is the weight an entry without one has), `model: NAME` as `model: {name_or_path: NAME}`, a reward
+    given by name as `{name: NAME}`, and LoRA target module lists sorted (PEFT keeps them as a set). `training` and
+    `phases` keys are compared as written: their effective values are resolved later, from other keys."""
+    if not isinstance(raw, dict):
+        return raw
+    raw = dict(raw)
+    if isinstance(raw.get("model"), str):
+        raw["model"] = {"name_or_path": raw["model"]}
+    for name, cls in SECTIONS.items():
+        if isinstance(raw.get(name), dict):
+            raw[name] = {**_defaults(cls), **raw[name]}
+    if isinstance(raw.get("peft"), dict):
+        raw["peft"]["target_modules"] = _same_set(raw["peft"].get("target_modules"))
+    if isinstance(raw.get("rewards"), list):
+        entries = [{"name": entry} if isinstance(entry, str) else entry for entry in raw["rewards"]]
+        raw["rewards"] = [{**_defaults(RewardSpec), **entry} if isinstance(entry, dict) else entry for entry in entries]
+    if isinstance(raw.get("phases"), list):
+        raw["phases"] = [
+            {**phase, "lora_target_modules": _same_set(phase["lora_target_modules"])}
+            if isinstance(phase, dict) and "lora_target_modules" in phase
+            else phase
+            for phase in raw["phases"]
+        ]
+    return raw
+
+
 def recipe_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[Change]:
-    """Every key whose value differs between the recorded recipe and the current one (both as `Recipe.raw`)."""
-    return _changes(flatten(recorded), current)
+    """Every key whose value differs between the recorded recipe and the current one (both as `Recipe.raw`; values
+    spelled differently but equal in effect, `canonical`, are not changes)."""
+    return _changes(flatten(canonical(recorded)), current)
 
 
 def _changes(old: dict[str, Any], current: dict[str, Any]) -> list[Change]:
-    new = flatten(current)
+    new = flatten(canonical(current))
     return [
         Change(key, old.get(key, _UNSET), new.get(key, _UNSET), alters_training(key, current))
         for key in sorted(old.keys() | new.keys())
@@ -168,7 +216,7 @@ def recorded_recipe(run_dir: Path) -> dict[str, Any] | None:
     path = run_dir / RECORDED_RECIPE_NAME
     if not path.is_file():
         return None
-    flat = flatten(_read_run_yaml(path, dict, "the recipe the run was started with"))
+    flat = flatten(canonical(_read_run_yaml(path, dict, "the recipe the run was started with")))
     for entry in read_history(run_dir):
         for change in entry.get("changes") or []:
             if "new" in change:
@@ -217,13 +265,35 @@ def data_file_changes(run_dir: Path, data_now: dict[str, dict[str, str]]) -> lis
     return changes
 
 
+def same_base_model_folder(change: Change, checkpoint: Path | None) -> bool:
+    """Whether a `model.name_or_path` change names a local folder holding the very weights the checkpoint's deltas
+    sit on (the model folder moved or copied): the same model, so not a change. The trainer compares the same
+    fingerprint again when it loads (`base_model_difference`)."""
+    if change.key != "model.name_or_path" or checkpoint is None or not isinstance(change.new, str):
+        return False
+    from ..reset.checkpoint import PRORL_STATE_NAME
+    from ..reset.provenance import folder_fingerprint
+
+    folder = Path(change.new).expanduser()
+    try:
+        state = json.loads((checkpoint / PRORL_STATE_NAME).read_text())
+        recorded = (state.get("base_model") or {}).get("fingerprint")
+        return folder.is_dir() and bool(recorded) and recorded == folder_fingerprint(folder)
+    except (OSError, ValueError, RecursionError, AttributeError):  # unreadable: not shown to be the same
+        return False
+
+
 def check_resume_changes(
-    run_dir: Path, current: dict[str, Any], allow_changes: bool, data_now: dict[str, dict[str, str]] | None = None
-) -> list[Change]:
+    run_dir: Path, current: dict[str, Any], allow_changes: bool, data_now: dict[str, dict[str, str]] | None = None,
+    checkpoint: Path | None = None,
+) -> list[Change]:  # fmt: skip
     """The changes a resume into `run_dir` makes (recipe keys, and the content of local data files when `data_now`,
     `split_fingerprints` of the current recipe, is given); raises `ChangedRecipeError` for training-altering ones
-    unless `allow_changes`. Returns every change (an empty list when nothing differs)."""
+    unless `allow_changes`. Returns every change (an empty list when nothing differs). With the `checkpoint` resumed
+    from, a model path that names the same weights in another place is not a change (`same_base_model_folder`)."""
     recorded = changes_since_recorded(run_dir, current)
+    if recorded is not None:
+        recorded = [change for change in recorded if not same_base_model_folder(change, checkpoint)]
     if recorded is None and RECORDED_RECIPE_NAME in (read_manifest(run_dir) or []) and not allow_changes:
         raise ChangedRecipeError(
             f"--resume: {run_dir / RECORDED_RECIPE_NAME} is missing, so this resume cannot tell whether the recipe "
@@ -280,7 +350,8 @@ def resume_changes(
     `allow_changes`."""
     if checkpoint is None:
         return []
-    return check_resume_changes(_recorded_in(Path(output_dir), Path(checkpoint)), current, allow_changes, data_now)
+    recorded_in = _recorded_in(Path(output_dir), Path(checkpoint))
+    return check_resume_changes(recorded_in, current, allow_changes, data_now, checkpoint=Path(checkpoint))
 
 
 def write_run_recipe(

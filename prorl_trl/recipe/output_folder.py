@@ -263,7 +263,11 @@ def delete_run_outputs(state: FolderState) -> tuple[list[str], list[str]]:
         if not inside or target.resolve() == root:  # `..` or the run folder itself: never deleted, whoever named it
             kept.append(name)
             continue
-        if target.is_dir() and not target.is_symlink():
+        if target.is_symlink():  # the link goes; what it points to is not the run's to delete, and the message says so
+            target.unlink()
+            deleted.append(f"{name} (a symlink: the link removed, its target kept)")
+            continue
+        if target.is_dir():
             shutil.rmtree(target)
         else:
             target.unlink(missing_ok=True)
