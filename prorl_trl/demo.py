@@ -18,6 +18,7 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -109,6 +110,15 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         "share ran the demo 7x slower)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed of the tiny model and the SFT")
+    parser.add_argument(
+        "--overwrite", action="store_true",
+        help="run again into an --out that holds a demo: its own outputs are deleted first (nothing else)",
+    )  # fmt: skip
+
+
+# What the demo writes into --out; `--overwrite` deletes these names and nothing else (`run/` through the run's own
+# manifest, as `prorl-trl train --overwrite` does).
+DEMO_OUTPUTS = ("warm_start", "sft", "plots", "recipe.yaml", "summary.json", "report.md")
 
 
 def _check_arguments(args: argparse.Namespace) -> list[str]:
@@ -122,9 +132,14 @@ def _check_arguments(args: argparse.Namespace) -> list[str]:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         problems.append(f"--out {out} exists and is not a folder")
+    elif out.is_dir() and any(out.iterdir()) and not args.overwrite and not (out / "summary.json").is_file():
+        problems.append(
+            f"--out {out} is not empty and holds no finished demo (an interrupted one, or other files): nothing was "
+            "changed. Pass --overwrite to delete the demo's own outputs there and run it again, or choose another --out"
+        )
     if importlib.util.find_spec("matplotlib") is None:
         problems.append(
-            "the demo's plots need matplotlib: `pip install prorl-trl[plots]` (or `pip install matplotlib`)"
+            "the demo's plots need matplotlib: `pip install -e '.[plots]'` (or `pip install matplotlib`)"
         )
     return problems
 
@@ -136,14 +151,35 @@ def run_demo(args: argparse.Namespace) -> int:
         for problem in problems:
             print(f"error: {problem}", file=sys.stderr)
         return 2
+    out = Path(args.out)
+    if (out / "summary.json").is_file() and not args.overwrite:  # a finished demo: say what it gave, change nothing
+        try:
+            done = json.loads((out / "summary.json").read_text())
+            before, after = float(done["val_accuracy_before"]), float(done["val_accuracy_after"])
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            print(f"error: {out / 'summary.json'} cannot be read ({error}); pass --overwrite to run the demo again",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        print(f"{out} holds a finished demo (nothing was run or changed; --overwrite runs it again):")
+        print(f"validation pass@1: {before:.1%} before RL -> {after:.1%} after. Report: {out / 'report.md'}")
+        return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("WANDB_MODE", "disabled")
     import torch
 
+    if args.overwrite and out.is_dir():
+        for name in DEMO_OUTPUTS:
+            path = out / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+
     torch.set_num_threads(args.threads)
     summary = run_demo_pipeline(
-        Path(args.out),
+        out,
+        overwrite=args.overwrite,
         smoke=args.smoke,
         sft_steps=args.sft_steps if args.sft_steps is not None else (5 if args.smoke else 100),
         sft_learning_rate=args.sft_learning_rate,
@@ -170,7 +206,7 @@ def demo_recipe(out: Path, smoke: bool) -> dict[str, Any]:
 
 
 def run_demo_pipeline(
-    out: Path, smoke: bool, sft_steps: int, sft_learning_rate: float, seed: int = 0
+    out: Path, smoke: bool, sft_steps: int, sft_learning_rate: float, seed: int = 0, overwrite: bool = False
 ) -> dict[str, Any]:
     """Warm start, RL (the recipe, via `prorl-trl train`'s code), plots and report. Returns the summary."""
     from .recipe.load import recipe_from_dict
@@ -197,7 +233,7 @@ def run_demo_pipeline(
 
     print(f"[demo] ProRL: {len(raw['phases'])} phases, recipe {recipe_path}")
     rl_started = time.time()
-    status = run_train(str(recipe_path), [])
+    status = run_train(str(recipe_path), [], overwrite=overwrite and (out / "run").exists())
     if status != 0:
         raise RuntimeError(f"the demo's training run failed with status {status}")
     rl_seconds = time.time() - rl_started

@@ -3,7 +3,7 @@
 A ProRL run's interesting events are at phase boundaries (a hard reset, a new temperature or context cap), so every
 figure draws them as vertical lines. The input is a plain list of log dicts (`trainer.state.log_history`, or the
 accumulated history of a `ProRLTrainer` across phases), so the demo, the GPU benchmark and `prorl-trl train` share
-one function. matplotlib is an optional dependency (`pip install prorl-trl[plots]`) and is imported only here.
+one function. matplotlib is an optional dependency (`pip install -e '.[plots]'`) and is imported only here.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _matplotlib():
         import matplotlib
     except ImportError as error:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "Plots need matplotlib: `pip install 'prorl-trl[plots]'` (or `pip install matplotlib`)."
+            "Plots need matplotlib: `pip install -e '.[plots]'` (or `pip install matplotlib`)."
         ) from error
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

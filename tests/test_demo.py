@@ -52,6 +52,27 @@ def test_smoke_demo_end_to_end(tmp_path, capsys):
     assert (out / "warm_start" / "config.json").is_file() and (out / "run" / "final").is_dir()
 
 
+def test_a_second_demo_into_the_same_folder_changes_nothing_unless_overwrite(tmp_path, capsys):
+    """Audit finding (issue 39): a second `prorl-trl demo` retrained and overwrote `warm_start/`, then exited 2 asking
+    for a flag `demo` did not take. A finished demo's folder is now reported and left as it is; an interrupted one
+    (or a folder of other files) is refused before anything changes; `--overwrite` runs the demo again."""
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), "--smoke", "--threads", "1"]) == 0
+    first = json.loads((out / "summary.json").read_text())
+    stamps = {path: path.stat().st_mtime_ns for path in out.rglob("*")}
+    capsys.readouterr()
+    assert main(["demo", "--out", str(out), "--smoke", "--threads", "1"]) == 0
+    assert "holds a finished demo" in capsys.readouterr().out
+    assert {path: path.stat().st_mtime_ns for path in out.rglob("*")} == stamps
+    (out / "summary.json").unlink()  # as an interrupted demo leaves it
+    (out / "mine.txt").write_text("mine")
+    assert main(["demo", "--out", str(out), "--smoke", "--threads", "1"]) == 2
+    assert "--overwrite" in capsys.readouterr().err and not (out / "summary.json").exists()
+    assert main(["demo", "--out", str(out), "--smoke", "--threads", "1", "--overwrite"]) == 0
+    again = json.loads((out / "summary.json").read_text())
+    assert again["val_accuracy_curve"] == first["val_accuracy_curve"] and (out / "mine.txt").read_text() == "mine"
+
+
 @pytest.mark.parametrize("flag", [["--sft-steps", "-1"], ["--threads", "0"], ["--sft-learning-rate", "0"]])
 def test_bad_arguments_exit_2_before_any_work(tmp_path, flag, capsys):
     out = tmp_path / "never"

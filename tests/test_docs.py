@@ -20,6 +20,7 @@ import io
 import os
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -181,6 +182,21 @@ def test_cli_lines_parse(page, tmp_path, monkeypatch):
         checked += 1
     if not checked:
         pytest.skip("no CLI line")
+
+
+def test_the_trl_grpo_line_trains(tiny_dir, tmp_path):
+    """docs/rewards.md's `trl grpo` block runs as written (its dataset line, then TRL's own CLI with our rewards),
+    with the tiny model in place of the hub one and a one-step budget: a line that only parses let a dataset without
+    a `prompt` column through."""
+    (start, code, _), *_ = [block for block in blocks(REPO / "docs" / "rewards.md", "bash") if "trl grpo" in block[1]]
+    quick = (f" --model_name_or_path {tiny_dir} --max_steps 1 --per_device_train_batch_size 4 --num_generations 4"
+             " --max_completion_length 8 --use_cpu --report_to none --save_strategy no")  # fmt: skip
+    script = "\n".join(line + quick if line.startswith("trl grpo") else line for line in code.splitlines())
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, capture_output=True, text=True, env=environment,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, f"docs/rewards.md:{start}:\n{done.stderr[-3000:]}"
+    assert "rewards/math_equivalence/mean" in done.stdout + done.stderr
 
 
 # --- links -------------------------------------------------------------------------------------------------------

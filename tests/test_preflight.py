@@ -265,7 +265,7 @@ def test_missing_extras_are_named_with_the_install_command(capsys, tmp_path, ext
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(with_changes(**extra)))
     assert main(["validate", str(path)]) == 2
-    assert f"needs `{module}`, which is not installed: pip install 'prorl-trl[" in capsys.readouterr().err
+    assert f"needs `{module}`, which is not installed: pip install -e '.[" in capsys.readouterr().err
 
 
 def test_overrides_are_read_by_the_key_type(tmp_path):

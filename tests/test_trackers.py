@@ -164,7 +164,7 @@ def test_missing_tracker_names_the_extra(monkeypatch, tmp_path, capsys):
     assert missing_trackers(["tensorboard", "trackio"]) == [] and missing_trackers("all") == []
     monkeypatch.setitem(sys.modules, "trackio", None)  # importlib's "not installed"
     [problem] = check_trackers(["tensorboard", "trackio"])
-    assert problem.path == "logging.report_to" and "pip install 'prorl-trl[trackers]'" in problem.message
+    assert problem.path == "logging.report_to" and "pip install -e '.[trackers]'" in problem.message
     recipe = "tests/recipes/tiny_gsm8k.yaml"
     assert main(["validate", recipe, "--training.report_to", "[trackio]"]) == 2
     err = capsys.readouterr().err

@@ -99,7 +99,7 @@ def evaluate(
             plot_paths = [plot_passk(passk, out, group_by) for group_by in [OVERALL, *breakdown]]
             plot_paths += [plot_pass1_histogram(per_problem, spec.name, out) for spec in models]
         except ImportError:
-            print("prorl-trl eval: plots skipped: they need matplotlib (pip install 'prorl-trl[plots]').")
+            print("prorl-trl eval: plots skipped: they need matplotlib (pip install -e '.[plots]').")
     per_problem.to_csv(out / "per_problem.csv", index=False)
     run_settings = {
         "dataset": dataset, "models": {m.name: m.path for m in models}, "num_problems": len(rows),
@@ -125,7 +125,7 @@ def _regressions(per_problem, k: int, features: Sequence[str]) -> dict[str, Any]
         except ValueError as error:
             print(f"prorl-trl eval: regression for {model} skipped: {error}")
         except ImportError:
-            print("prorl-trl eval: regression table skipped: it needs scipy (pip install 'prorl-trl[plots]').")
+            print("prorl-trl eval: regression table skipped: it needs scipy (pip install -e '.[plots]').")
             return {}
     return tables
 

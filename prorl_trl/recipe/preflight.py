@@ -38,8 +38,8 @@ from .trackers import check_recipe_trackers
 
 # Optional packages: import name -> how to install it.
 EXTRAS = {
-    "vllm": "pip install 'prorl-trl[vllm]'",
-    "bitsandbytes": "pip install 'prorl-trl[quant]'",
+    "vllm": "pip install -e '.[vllm]' (in the prorl-trl clone)",
+    "bitsandbytes": "pip install -e '.[quant]' (in the prorl-trl clone)",
     "deepspeed": "pip install deepspeed",
     "liger_kernel": "pip install liger-kernel",
     "flash_attn": "pip install flash-attn --no-build-isolation",

@@ -56,7 +56,7 @@ def check_trackers(report_to: Any, key_path: str = "logging.report_to") -> list[
     """One problem per tracker that is not installed, naming what to install."""
     problems = []
     for name, package, in_extra in missing_trackers(report_to):
-        fix = f"pip install 'prorl-trl[{TRACKERS_EXTRA}]' (or just {package})" if in_extra else f"pip install {package}"
+        fix = f"pip install -e '.[{TRACKERS_EXTRA}]' (or just {package})" if in_extra else f"pip install {package}"
         problems.append(RecipeProblem(key_path, f"reports to `{name}`, which is not installed: {fix}", name))
     return problems
 
