@@ -88,9 +88,12 @@ def test_samples_are_graded_and_the_second_model_only_sampled_the_subset(run):
 def test_rerun_resumes_without_sampling_and_more_samples_only_draw_the_new_ones(run, two_models, shared_data):
     out, _ = run
     before = (out / "samples" / "first.jsonl").read_text()
+    drawn = json.loads((out / "summary.json").read_text())["throughput"]["first"]
     assert cli_main(_args(two_models, shared_data, out, "--subset", "always-wrong:first", "--no-plots")) == 0
     assert (out / "samples" / "first.jsonl").read_text() == before
-    assert json.loads((out / "summary.json").read_text())["throughput"]["first"]["completions"] == 0
+    # every sample read back: the report keeps the rate they were drawn at, marked as an earlier run's (issue 39)
+    assert json.loads((out / "summary.json").read_text())["throughput"]["first"] == {**drawn, "earlier_run": True}
+    assert "| first | transformers (an earlier run into this folder) | 24 |" in (out / "report.md").read_text()
 
     more = _args(two_models, shared_data, out, "--no-plots")
     more[more.index("--n") + 1] = "5"
@@ -102,6 +105,22 @@ def test_rerun_resumes_without_sampling_and_more_samples_only_draw_the_new_ones(
     changed = _args(two_models, shared_data, out, "--no-plots")
     changed[changed.index("--max-new-tokens") + 1] = "9"
     assert cli_main(changed) == 2  # other sampling settings than the stored samples: refused up front
+
+
+def test_the_demos_generated_task_evaluates_and_the_report_path_is_printed(two_models, tmp_path, capsys):
+    """Issue 39: `eval` could not evaluate the demo's own synthetic task, and never said where its report went."""
+    first, _ = two_models
+    out = tmp_path / "synthetic"
+    status = cli_main([
+        "eval", "--model", f"first={first}", "--dataset", "synthetic_arithmetic", "--split", "validation",
+        "--data-option", "num_validation=5", "--data-option", "num_steps=1", "--prompt-format", "plain", "--n", "2",
+        "--k", "1,2", "--max-new-tokens", "6", "--out", str(out), "--no-progress", "--no-plots", "--device", "cpu",
+        "--num-resamples", "50",
+    ])  # fmt: skip
+    assert status == 0
+    assert f"prorl-trl eval: report {out / 'report.md'}" in capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["settings"]["reward"] == "boxed_answer" and summary["settings"]["num_problems"] == 5
 
 
 @pytest.mark.parametrize(

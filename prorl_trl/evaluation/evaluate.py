@@ -64,6 +64,7 @@ def evaluate(
     evaluated, hard = rows, None
     records_by_model: dict[str, list[dict[str, Any]]] = {}
     throughput: dict[str, dict[str, Any]] = {}
+    earlier = _earlier_throughput(out)
     for spec in order:
         records, stats = sample_model(spec, evaluated, settings, out, backend, device, dtype, trust_remote_code, progress)
         grade_records(records, by_id, reward, progress, desc=f"grading {spec.name}")
@@ -73,6 +74,8 @@ def evaluate(
             **stats, "completions_per_s": stats["completions"] / seconds if seconds else None,
             "tokens_per_s": stats["completion_tokens"] / seconds if seconds else None,
         }
+        if not stats["completions"] and (earlier.get(spec.name) or {}).get("completions"):
+            throughput[spec.name] = {**earlier[spec.name], "earlier_run": True}  # every sample read back: keep its rate
         if spec.name == reference:
             solved = {r["problem_id"] for r in records if r["correct"]}
             evaluated = [row for row in rows if row["problem_id"] not in solved]
@@ -110,7 +113,18 @@ def evaluate(
     paths = write_outputs(out, run_settings, passk, ks, breakdown, throughput, always_wrong, problems, regressions,
                           plot_paths)
     _print_summary(passk, ks, throughput)
+    print(f"prorl-trl eval: report {paths['md']} (summary.json, per_problem.csv and samples beside it)")
     return {"paths": paths, "plots": plot_paths, "pass_at_k": passk, "per_problem": per_problem}
+
+
+def _earlier_throughput(out: Path) -> dict[str, dict[str, Any]]:
+    """The throughput an earlier evaluation into `out` recorded (its `summary.json`), per model; {} if none or
+    unreadable. A re-run that reads every sample back reports that, not "0 completions"."""
+    try:
+        recorded = json.loads((out / "summary.json").read_text()).get("throughput") or {}
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return {}
+    return {name: stats for name, stats in recorded.items() if isinstance(stats, dict)} if isinstance(recorded, dict) else {}
 
 
 def _regressions(per_problem, k: int, features: Sequence[str]) -> dict[str, Any]:

@@ -15,7 +15,10 @@ from typing import Any
 from .sampling import completion_for_reward
 
 # Which reward grades which dataset when --reward is not given.
-DEFAULT_REWARDS = {"gsm8k": "boxed_answer", "math500": "math_equivalence", "kk": "kk_logic", "jsonl": "math_equivalence"}
+DEFAULT_REWARDS = {
+    "gsm8k": "boxed_answer", "math500": "math_equivalence", "kk": "kk_logic", "jsonl": "math_equivalence",
+    "synthetic_arithmetic": "boxed_answer", "synthetic_kk": "kk_logic",
+}  # fmt: skip
 
 # Columns TRL never forwards to reward functions (it passes them as `prompts`/`completions`/`completion_ids`).
 _RESERVED = {"prompt", "completion", "completion_ids"}

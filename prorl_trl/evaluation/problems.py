@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-DATASETS = ("gsm8k", "math500", "kk", "jsonl")
+DATASETS = ("gsm8k", "math500", "kk", "jsonl", "synthetic_arithmetic", "synthetic_kk")  # the last two: generated
 
 
 def load_rows(

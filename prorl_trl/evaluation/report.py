@@ -216,7 +216,8 @@ def write_outputs(
         ), ""]
     lines += ["## Throughput", "", markdown_table(
         ["model", "backend", "new completions", "seconds", "completions/s", "tokens/s"],
-        [[m, t.get("backend"), t.get("completions"), _fmt(t.get("seconds"), 1), _fmt(t.get("completions_per_s"), 2),
+        [[m, f"{t.get('backend')} (an earlier run into this folder)" if t.get("earlier_run") else t.get("backend"),
+          t.get("completions"), _fmt(t.get("seconds"), 1), _fmt(t.get("completions_per_s"), 2),
           _fmt(t.get("tokens_per_s"), 1)] for m, t in throughput.items()],
     ), ""]
     if plots:
