@@ -229,6 +229,8 @@ def test_missing_local_paths_stop_validate_and_train(capsys, tmp_path, key, valu
         code = main([command, str(path)])
         err = capsys.readouterr().err
         assert code == 2 and f"{key} = '{value}': local file or folder not found" in err and "Traceback" not in err
+        relative = "relative paths are read from the current folder" in err  # where a relative one was looked for
+        assert relative == (not value.startswith("/")), err
     assert not (tmp_path / "out").exists()
     # A recipe meant for another machine: `--no-machine-checks` checks the recipe alone.
     code, out, err = run_validate(capsys, path, "--no-machine-checks")
@@ -298,6 +300,17 @@ def test_overrides_set_nested_keys_and_parse_yaml_scalars(tmp_path):
     assert recipe.resolved_phases[2].temperature == 1.4 and recipe.resolved_phases[1].temperature == 1.0
     assert recipe.peft.target_modules == ["q_proj", "k_proj"]
     assert recipe.raw["phases"][2]["temperature"] == 1.4  # the effective recipe is what gets saved with the run
+
+
+def test_an_override_of_a_logging_key_goes_where_the_recipe_sets_it(tmp_path):
+    """Issue 39: `--training.disable_tqdm true` on a recipe with `logging.disable_tqdm` was refused as set twice."""
+    recipe = {**copy.deepcopy(BASE), "logging": {"disable_tqdm": False}}
+    recipe = load_recipe(write(tmp_path, recipe), ["--training.disable_tqdm", "true", "--disable_tqdm", "true"])
+    assert recipe.raw["logging"]["disable_tqdm"] is True and "disable_tqdm" not in recipe.raw["training"]
+    assert recipe.training["disable_tqdm"] is True
+    recipe = changed("training.logging_steps", 3)
+    other_way = load_recipe(write(tmp_path, recipe), ["--logging.logging_steps", "7"])
+    assert other_way.raw["training"]["logging_steps"] == 7 and "logging_steps" not in (other_way.raw.get("logging") or {})
 
 
 def test_override_can_remove_a_section(tmp_path):

@@ -185,7 +185,7 @@ def path_problems(recipe: Recipe) -> list[RecipeProblem]:
     for key in ("source", "validation_source"):
         value = getattr(recipe.data, key, None)
         if value and is_local(value) and not Path(value).expanduser().exists():
-            problems.append(RecipeProblem(f"data.{key}", "local file or folder not found", value))
+            problems.append(RecipeProblem(f"data.{key}", _not_found(value), value))
         elif value and not is_local(value):
             recipe.warnings.append(f"data.{key} = {value!r} is a hub dataset id: not checked here (no network use)")
     if recipe.readable("training.output_dir"):
@@ -219,6 +219,15 @@ def output_dir_problems(recipe: Recipe) -> list[RecipeProblem]:
     return []
 
 
+def _not_found(value: str) -> str:
+    """"Not found", and for a relative path where it was looked for: recipes name paths relative to the folder a
+    command runs in (the demo's `./prorl-demo/warm_start` exists only beside the demo's output)."""
+    if Path(value).expanduser().is_absolute():
+        return "local file or folder not found"
+    return (f"local file or folder not found: relative paths are read from the current folder ({Path.cwd()}); run "
+            "from the folder they are written for, or override the key with an absolute path")  # fmt: skip
+
+
 def _model_folder(key: str, value: str, recipe: Recipe, files: tuple[str, ...], what: str) -> list[RecipeProblem]:
     if not is_local(value):
         note = f"{key} = {value!r} is a hub id: not checked here (no network use)"
@@ -227,7 +236,7 @@ def _model_folder(key: str, value: str, recipe: Recipe, files: tuple[str, ...], 
         return []
     path = Path(value).expanduser()
     if not path.exists():
-        return [RecipeProblem(key, "local file or folder not found", value)]
+        return [RecipeProblem(key, _not_found(value), value)]
     if path.is_file():
         return [RecipeProblem(key, f"is a file; {what} is a folder written by `save_pretrained`, or a hub id", value)]
     if not any((path / name).is_file() for name in files):

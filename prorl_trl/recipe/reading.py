@@ -9,6 +9,7 @@ a section means `training.` (`--learning_rate 1e-6`); one that looks like a miss
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from .schema import TOP_LEVEL_KEYS, RecipeError, RecipeProblem, coerce
+from .schema import TOP_LEVEL_KEYS, LoggingSection, RecipeError, RecipeProblem, coerce
 
 
 class CommandLineText(str):
@@ -113,6 +114,19 @@ def read_override_tokens(tokens: list[str]) -> list[tuple[str, CommandLineText]]
     return overrides
 
 
+def _where_the_recipe_sets_it(raw: dict[str, Any], parts: list[str]) -> list[str]:
+    """A logging key may sit under `training` or `logging` (one of the two); an override of it goes where the recipe
+    already sets it, so `--training.disable_tqdm true` on a recipe with `logging.disable_tqdm` changes that value
+    instead of setting it twice (which the recipe check refuses)."""
+    if len(parts) != 2 or parts[0] not in ("training", "logging"):
+        return parts
+    other = "logging" if parts[0] == "training" else "training"
+    logging_keys = {spec.name for spec in dataclasses.fields(LoggingSection)}
+    if parts[1] in logging_keys and isinstance(raw.get(other), dict) and parts[1] in raw[other]:
+        return [other, parts[1]]
+    return parts
+
+
 def apply_overrides(
     raw: dict[str, Any],
     overrides: list[tuple[str, Any]],
@@ -129,6 +143,7 @@ def apply_overrides(
                 problems.append(RecipeProblem(parts[0], f"unknown section in override `--{key}`; did you mean `{close[0]}`?"))
                 continue
             parts = ["training"] + parts
+        parts = _where_the_recipe_sets_it(raw, parts)
         if isinstance(value, CommandLineText):
             value = read_override_value(value, annotation_of(raw, parts) if annotation_of else None)
         node: Any = raw
