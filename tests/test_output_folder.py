@@ -310,6 +310,7 @@ def test_audit_cases_through_the_cli(tiny_dir, shared_data, tmp_path):
     run = home / "run"
     assert (run / "final" / "config.json").is_file() and not (repo / "~").exists()
     (tensorboard,) = [p for p in read_manifest(run) if p.startswith("runs/")]
+    assert f"TensorBoard:  {run / tensorboard.rstrip('/')}/" in first.stdout  # where the events are (issue 39)
     assert (run / tensorboard).is_dir()
     before = files(run)
     second = train()

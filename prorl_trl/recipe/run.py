@@ -390,6 +390,20 @@ def _report(
     print(f"  final model:  {final}/" + ("" if final.exists() else " (not written)"))
     print(f"  recipe:       {output_dir / 'recipe.yaml'}")
     print(f"  summary:      {output_dir / 'run_summary.json'}")
+    tensorboard = _tensorboard_logs(output_dir)
+    if tensorboard is not None:
+        print(f"  TensorBoard:  {tensorboard}/  (tensorboard --logdir {tensorboard})")
+
+
+def _tensorboard_logs(output_dir: Path) -> Path | None:
+    """The TensorBoard folder the run logged to (`prorl_trackers.json`), None without one or when unreadable."""
+    try:
+        folder = json.loads((output_dir / "prorl_trackers.json").read_text()).get("tensorboard")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+    if not isinstance(folder, str) or not folder:
+        return None
+    return Path(folder) if Path(folder).is_absolute() else output_dir / folder
 
 
 def _disk_full_message(output_dir: Path, error: BaseException, command: str) -> str:
