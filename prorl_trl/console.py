@@ -33,7 +33,26 @@ SHORT_NAMES = {"completions/mean_length": "length", "completions/clipped_ratio":
 
 @contextlib.contextmanager
 def each_warning_once() -> Iterator[None]:
-    """Show every distinct warning (category + text) once while inside, however often it is raised."""
+    """Show every distinct warning (category + text) once while inside, however often it is raised, and none of
+    `LIBRARY_NOISE`."""
+    with warnings.catch_warnings():
+        for category, message in LIBRARY_NOISE:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        with _once():
+            yield
+
+
+# Warnings the libraries we extend raise about their own calls, which no setting of a recipe changes: transformers
+# 5's rename of gradient checkpointing to activation checkpointing (TRL 1.16 and PEFT call the old names, at every
+# start and reset), and the DataLoader's pin_memory on a machine without an accelerator.
+LIBRARY_NOISE = (
+    (FutureWarning, r"`(is_)?gradient_checkpointing\w*` is deprecated"),
+    (UserWarning, r"'pin_memory' argument is set as true but no accelerator is found"),
+)
+
+
+@contextlib.contextmanager
+def _once() -> Iterator[None]:
     shown: set[tuple[type, str]] = set()
     previous = warnings.showwarning
 

@@ -341,6 +341,7 @@ def test_a_resume_with_a_new_learning_rate_trains_at_it_from_the_recorded_step(t
 
     fresh = cli(tmp_path / "fresh", tiny_dir, shared_data, *SHORT, "--training.learning_rate", "1e-3")
     assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert "FutureWarning" not in fresh.stderr  # the libraries' own deprecations are not the user's (LIBRARY_NOISE)
     out = tmp_path / "run"
     killed = cli(out, tiny_dir, shared_data, *SHORT, env={"PRORL_TEST_KILL_AT": "on_step_begin:0:2"})
     assert killed.returncode == -9, killed.stderr[-2000:]
