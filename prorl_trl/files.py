@@ -119,7 +119,7 @@ def read_yaml(path: str | os.PathLike, kind: type | tuple[type, ...] | None = di
 
 
 def _type_name(kind: type) -> str:
-    return {dict: "mapping", list: "list", str: "text"}.get(kind, kind.__name__)
+    return {dict: "mapping", list: "list", str: "string"}.get(kind, kind.__name__)
 
 
 def _a(value: Any) -> str:

@@ -520,13 +520,12 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
     def _recorded_merged_path(self, recorded: str | None, checkpoint: Path) -> str | None:
         """The last merged save of a resumed run, for its log entries (loaded, when it is, by `_restore_reset_deltas`):
         relative paths belong to the checkpoint's run folder; an old absolute one is kept only inside it."""
-        if not recorded:
+        if not recorded or not isinstance(recorded, str):
             return None
         run_dir = self._run_dir_of(checkpoint)
         path = Path(recorded)
-        if not path.is_absolute():
-            return str(run_dir / path)
-        return recorded if path.resolve().is_relative_to(run_dir.resolve()) else None
+        path = path if path.is_absolute() else run_dir / path
+        return str(path) if path.resolve().is_relative_to(run_dir.resolve()) else None
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """HF's, keeping each trainable parameter's dtype. GRPOTrainer casts a QLoRA adapter to bf16 at init; PEFT's
