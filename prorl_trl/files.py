@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ RECIPE_MAX_BYTES = 1 * MiB  # a recipe, a grid, a config to convert: a few KB in
 RUN_YAML_MAX_BYTES = 16 * MiB  # recipe.yaml and resume_history.yaml of a run
 RUN_JSON_MAX_BYTES = 1024 * MiB  # prorl_state.json holds the run's log history: json reads ~100 MB/s
 MAX_DEPTH = 100  # recipes nest 4 levels, run files 5: deeper is not a file this package wrote or reads
+_BRACKETS = re.compile(r"[\[\]{}]")
 
 
 class UnreadableFileError(ValueError):
@@ -58,6 +60,16 @@ def read_text(path: str | os.PathLike, max_bytes: int, fix: str = "") -> str:
             path, f"is not text (byte {data[error.start]:#04x} at offset {error.start} is not UTF-8): a binary or "
             "damaged file", fix,
         ) from None  # fmt: skip
+
+
+def flow_depth(text: str) -> int:
+    """The deepest nesting of `[`/`{` in `text`, counted in one pass (quotes ignored: an overestimate only for text
+    holding more than `MAX_DEPTH` unclosed brackets)."""
+    depth = deepest = 0
+    for bracket in _BRACKETS.findall(text):
+        depth = depth + 1 if bracket in "[{" else max(depth - 1, 0)
+        deepest = max(deepest, depth)
+    return deepest
 
 
 def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
@@ -103,6 +115,8 @@ def read_yaml(path: str | os.PathLike, kind: type | tuple[type, ...] | None = di
     import yaml
 
     text = read_text(path, max_bytes, fix)
+    if flow_depth(text) > MAX_DEPTH:  # PyYAML takes ~1 ms per level of `[[[...` before it gives up
+        raise UnreadableFileError(path, f"nests deeper than {MAX_DEPTH} levels", fix)
     try:
         value = yaml.load(text, Loader=loader or yaml.SafeLoader)
     except yaml.MarkedYAMLError as error:
