@@ -75,14 +75,14 @@ def read_tracker_ids(run_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def tensorboard_folder_in(run_dir: str | os.PathLike, recorded: str | None) -> Path | None:
-    """The TensorBoard folder recorded in `prorl_trackers.json`, when it lies inside the run folder (symlinks
-    resolved); None otherwise: a resume never writes events into a folder of another run (`../other/runs/x`)."""
+    """The TensorBoard folder recorded in `prorl_trackers.json`, when its path lies inside the run folder; None
+    otherwise: a resume never writes events into another run's folder (`../other/runs/x`, the old absolute place of
+    a moved run). Checked on the path, so a `runs/` the user linked into a shared folder is followed."""
     if not recorded:
         return None
-    run_dir = Path(run_dir)
-    path = Path(recorded) if os.path.isabs(recorded) else run_dir / recorded
-    inside = path.resolve().is_relative_to(run_dir.resolve()) and path.resolve() != run_dir.resolve()
-    return path if inside else None
+    run_dir = Path(os.path.normpath(Path(run_dir).absolute()))
+    path = Path(os.path.normpath(run_dir / recorded))  # an absolute `recorded` stays itself
+    return path if path.is_relative_to(run_dir) and path != run_dir else None
 
 
 def owned_outputs(run_dir: str | os.PathLike) -> tuple[list[str], bool]:
