@@ -41,7 +41,6 @@ tests/test_trainer_internals.py):
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 from pathlib import Path
@@ -57,6 +56,7 @@ import rewards
 from .. import reset as reset_ops
 from ..attention import install_cudnn_attention_guard
 from ..console import announce, quiet_console
+from ..files import read_json
 from ..config import ProRLConfig, ResolvedPhase, resolve_phases
 from ..reset.checkpoint import (
     FINAL_DIR_NAME,
@@ -503,8 +503,9 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
             step = self._global_step_offset + self._resumed_phase_step
             self.prorl_log_history = [
                 entry
-                for entry in json.loads(history.read_text())
-                if (entry.get("prorl/phase", 0), entry.get("prorl/global_step", 0)) <= (phase.index, step)
+                for entry in read_json(history, list, "It is the run's log history, which a resume continues.")
+                if isinstance(entry, dict)
+                and (entry.get("prorl/phase", 0), entry.get("prorl/global_step", 0)) <= (phase.index, step)
             ]
         self._trackers.resumed_at = self._global_step_offset + self._resumed_phase_step
         self._announce_phase(phase)
