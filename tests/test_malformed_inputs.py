@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_resume_cli import LAUNCHER, RECIPE, SHAPE, cli
+from test_resume_cli import RECIPE, SHAPE, cli
 
 from prorl_trl.cli import main
 from prorl_trl.files import MAX_DEPTH, RECIPE_MAX_BYTES
