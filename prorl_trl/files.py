@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +41,12 @@ def read_text(path: str | os.PathLike, max_bytes: int, fix: str = "") -> str:
     folder, an unreadable one, one over `max_bytes` or one that is not text."""
     path = Path(path)
     try:
-        size = path.stat().st_size
+        status = path.stat()
+        size = status.st_size
         if path.is_dir():
             raise UnreadableFileError(path, "is a folder, not a file", fix)
+        if not stat.S_ISREG(status.st_mode):  # a pipe or a device (/dev/zero) would be read without end
+            raise UnreadableFileError(path, "is not a regular file (a pipe or a device)", fix)
         if size > max_bytes:
             raise UnreadableFileError(path, f"is {size / MiB:.1f} MiB, more than the {max_bytes / MiB:g} MiB such a "
                                       "file can be (refused unread)", fix)  # fmt: skip
