@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..files import UnreadableFileError
 from ..trainer.manifest import (
     MANIFEST_NAME,
     PHASE_FOLDER,
@@ -33,7 +34,6 @@ from ..trainer.manifest import (
     owned_outputs,
     read_tracker_ids,
 )
-from ..files import UnreadableFileError
 from .schema import RecipeError
 
 # Flags of one start, not of a resume (`--allow-changes` confirms one resume's changes; they are recorded then).

@@ -26,7 +26,7 @@ from typing import Any
 
 from transformers.integrations import INTEGRATION_TO_CALLBACK
 
-from .manifest import TRACKER_IDS_NAME
+from .manifest import TRACKER_IDS_NAME, read_tracker_ids, tensorboard_folder_in
 
 _TRACKER_CLASSES = tuple(INTEGRATION_TO_CALLBACK.values())
 
@@ -87,8 +87,6 @@ class TrackerSpan:
         return Path(args.output_dir) / TRACKER_IDS_NAME
 
     def _saved_ids(self, args: Any) -> dict[str, Any]:
-        from .manifest import read_tracker_ids
-
         return read_tracker_ids(args.output_dir) if self.resumed_at is not None else {}
 
     @contextlib.contextmanager
@@ -97,8 +95,6 @@ class TrackerSpan:
         saved = self._saved_ids(args)
         env: dict[str, str] = {}
         if name == "TensorBoardCallback" and self.resumed_at is not None:
-            from .manifest import tensorboard_folder_in
-
             folder = tensorboard_folder_in(args.output_dir, saved.get("tensorboard"))  # outside: the recipe's own
             _reopen_tensorboard(callback, args, folder and str(folder), purge_step=self.resumed_at + 1)
         elif name == "WandbCallback" and saved.get("wandb"):
@@ -143,8 +139,6 @@ class TrackerSpan:
             record_outputs(args.output_dir, [folder + "/"], created=True)  # outside the run folder: not recorded
         if ids:
             from ..reset.checkpoint import write_json
-
-            from .manifest import read_tracker_ids
 
             write_json(self._ids_file(args), {**read_tracker_ids(args.output_dir), **ids})
 
