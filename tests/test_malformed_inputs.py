@@ -13,8 +13,8 @@ what is wrong and how to go on, with exit 2, never a traceback (exit 1).
   `resume_history.yaml`, `recipe.yaml` and `data_files.json`: random bytes, wrong YAML/JSON types, deep nesting and
   damaged copies of the real files. Each case runs through `prorl_trl.cli.main` (what `python -m prorl_trl` calls) in
   this process and must exit 0 or 2 within its time bound; a few run as real CLI processes too.
-Cost: one training run killed at its second step, 5 CLI processes, ~100 in-process cases (~145 s on 2 shared
-cores at load 4, a quarter of it the killed run and ~15 s the first import of TRL).
+Cost: one training run killed at its second step, 5 CLI processes, ~100 in-process cases: ~100 s on 2 shared
+cores at load 1.5 (~145 s at load 4), a quarter of it the killed run and ~15 s the first import of TRL.
 """
 
 from __future__ import annotations
