@@ -100,11 +100,48 @@ def split_launch_argv(tokens: list[str], parser: Any) -> tuple[list[str], list[s
     return options, rest
 
 
+def _check_inputs(options: list[str], train: list[str]) -> None:
+    """Refuse, before accelerate starts anything, a `--config_file` that is not a readable file and a recipe that
+    cannot be read (`train` reports every other problem of the recipe, in each process)."""
+    from .cli import build_parser, split_options
+    from .recipe.preflight import read_launch_config
+    from .recipe.reading import read_recipe_file
+    from .recipe.schema import RecipeError
+
+    for index, token in enumerate(options):
+        name, has_value, value = token.partition("=")
+        if name not in ("--config_file", "--config-file"):
+            continue
+        value = value if has_value else (options[index + 1] if index + 1 < len(options) else "")
+        config = Path(value)
+        problem = "does not exist" if not config.exists() else "is not a file" if not config.is_file() else (
+            "cannot be read" if not os.access(config, os.R_OK) else None
+        )  # fmt: skip
+        if problem:
+            raise LaunchUsageError(
+                f"{name} {value}: the accelerate config file {problem}. Pass an existing file (e.g. "
+                "recipes/accelerate/single_gpu.yaml), or leave the option out to use `accelerate config`'s default."
+            )
+        try:
+            read_launch_config(config)
+        except RecipeError as error:
+            raise LaunchUsageError(error.render()) from None
+    own, _ = split_options(train[1:], build_parser(["train"]).subcommands["train"])
+    if own and not own[0].startswith("-"):
+        try:
+            read_recipe_file(own[0])
+        except RecipeError as error:
+            raise LaunchUsageError(error.render()) from None
+
+
 def launch_status(statuses: list[int], stopped: bool) -> int:
-    """This command's exit status from the training processes' statuses; `stopped`: a stop signal was forwarded."""
+    """This command's exit status from the training processes' statuses; `stopped`: a stop signal was forwarded.
+    Every failed process refusing its input (exit 2: nothing was trained) is exit 2 too."""
     failed = [status for status in statuses if status != 0]
     if not failed:
         return 0
+    if all(status == 2 for status in failed):
+        return 2
     if all(status in STOPPED_STATUSES or (stopped and status in KILLED_BY_STOP) for status in failed):
         return INTERRUPTED
     return 1
@@ -175,6 +212,11 @@ def run_launch(tokens: list[str]) -> int:
         options, train = split_launch_argv(tokens, parser)
     except LaunchUsageError as error:
         print(f"{USAGE}\nerror: {error}", file=sys.stderr)
+        return 2
+    try:
+        _check_inputs(options, train)
+    except LaunchUsageError as error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
     args = parser.parse_args([*options, *TRAINING_SCRIPT, *train])
     os.environ[LAUNCH_ARGV_ENV] = json.dumps(_command_argv(tokens))  # inherited by the training processes

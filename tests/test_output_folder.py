@@ -31,7 +31,8 @@ def fake_run(folder, checkpoints=((0, 1), (0, 2), (1, 1)), finished=False):
     for phase, step in checkpoints:
         checkpoint = folder / f"phase-{phase}" / f"checkpoint-{step}"
         checkpoint.mkdir(parents=True)
-        state = {"phase_index": phase, "phase_name": f"p{phase}", "global_step": 2 * phase + step, "resets": phase}
+        state = {"phase_index": phase, "phase_name": f"p{phase}", "global_step": 2 * phase + step, "resets": phase,
+                 "phase_global_step": step, "global_step_offset": 2 * phase}  # fmt: skip
         (checkpoint / PRORL_STATE_NAME).write_text(json.dumps(state))
     (folder / "phase-1" / "checkpoint-2").mkdir()  # an interrupted save: no commit record
     (folder / "recipe.yaml").write_text("x: 1\n")

@@ -182,15 +182,12 @@ def _changes(old: dict[str, Any], current: dict[str, Any]) -> list[Change]:
 def _read_run_yaml(path: Path, kind: type, what: str) -> Any:
     """A YAML file the run wrote, parsed as `kind` (an empty file: an empty one); a file that is not valid YAML, is
     not text or holds another type is refused with `ChangedRecipeError` (exit 2) naming it, never a traceback."""
+    from ..files import UnreadableFileError, read_yaml
+
     try:
-        loaded = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError) as error:
-        problem = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
-        raise ChangedRecipeError(_unreadable(path, what, f"it cannot be read as YAML ({problem})")) from None
-    loaded = kind() if loaded is None else loaded
-    if not isinstance(loaded, kind):
-        raise ChangedRecipeError(_unreadable(path, what, f"it holds a {type(loaded).__name__}, not a {kind.__name__}"))
-    return loaded
+        return read_yaml(path, kind)
+    except UnreadableFileError as error:
+        raise ChangedRecipeError(_unreadable(path, what, error.problem)) from None
 
 
 def _unreadable(path: Path, what: str, problem: str) -> str:
@@ -249,11 +246,13 @@ def data_file_changes(run_dir: Path, data_now: dict[str, dict[str, str]]) -> lis
     path = run_dir / DATA_FILES_NAME
     if not path.is_file():
         return []
+    from ..files import UnreadableFileError, read_json
+
     try:
-        recorded = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
-        raise ChangedRecipeError(_unreadable(path, "what the run's data files held", str(error)[:200])) from None
-    if not isinstance(recorded, dict) or not all(isinstance(v, dict) for v in recorded.values()):
+        recorded = read_json(path, dict)
+    except UnreadableFileError as error:
+        raise ChangedRecipeError(_unreadable(path, "what the run's data files held", error.problem)) from None
+    if not all(isinstance(v, dict) for v in recorded.values()):
         raise ChangedRecipeError(_unreadable(path, "what the run's data files held", "it is not a mapping of splits"))
     changes = []
     for split in sorted(recorded.keys() | data_now.keys()):

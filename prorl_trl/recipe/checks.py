@@ -115,6 +115,8 @@ def check_recipe(file: str, raw: dict[str, Any], problems: list[RecipeProblem], 
         return None
     for path in non_finite_paths(raw):
         problems.append(RecipeProblem(path, "must be a finite number (NaN and infinity are refused)", _value_at(raw, path)))
+    if raw.get("description") is not None and not isinstance(raw["description"], str):
+        problems.append(RecipeProblem("description", "must be text", raw["description"]))
     sections = build_sections(raw, problems)
     training = check_training(raw.get("training"), sections.get("logging"), raw.get("logging"), problems)
     phases = check_phases(raw, problems)
@@ -195,7 +197,7 @@ def readable_parts(file: str, raw: dict[str, Any], sections: dict[str, Any], pro
         training=training,
         phases=None,
         validation=sections.get("validation"),
-        description=raw.get("description"),
+        description=raw.get("description") if isinstance(raw.get("description"), str) else None,
         distill=raw.get("distill") if fine("distill") else None,
         broken=broken,
     )

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..files import UnreadableFileError
 from ..trainer.manifest import (
     MANIFEST_NAME,
     PHASE_FOLDER,
@@ -31,6 +32,7 @@ from ..trainer.manifest import (
     RUN_FOLDERS,
     is_leftover_of,
     owned_outputs,
+    read_tracker_ids,
 )
 from .schema import RecipeError
 
@@ -62,6 +64,7 @@ class FolderState:
     latest_checkpoint: Path | None = None
     checkpoint_state: dict[str, Any] | None = None
     finished: dict[str, Any] | None = None
+    damaged: Exception | None = None  # a run file a resume reads is damaged (`UnreadableFileError`): a resume stops
 
     @property
     def used(self) -> bool:
@@ -105,10 +108,14 @@ def inspect_output_folder(path: str | Path) -> FolderState:
     _sort_out(path, "", {name.rstrip("/") for name in owned}, owned, state)
     if not state.used:
         return state
-    state.finished = finished_state(path)
-    state.latest_checkpoint = latest_checkpoint(path)
-    if state.latest_checkpoint is not None:
-        state.checkpoint_state = read_prorl_state(state.latest_checkpoint)
+    try:  # --overwrite deletes a run whose state files are damaged; a resume stops (`plan_start`)
+        state.finished = finished_state(path)
+        state.latest_checkpoint = latest_checkpoint(path)
+        if state.latest_checkpoint is not None:
+            state.checkpoint_state = read_prorl_state(state.latest_checkpoint)
+        read_tracker_ids(path)
+    except UnreadableFileError as error:
+        state.damaged = error
     return state
 
 
@@ -213,6 +220,8 @@ def plan_start(
     if overwrite:
         _check_other_files(state, allow_other_files, writes)
         return StartPlan(state, overwrite=state.used)
+    if resume is True and state.damaged is not None:  # an explicit CHECKPOINT is read below
+        raise state.damaged
     if resume is True:
         if state.finished:
             return StartPlan(state, finished=True)
@@ -227,7 +236,7 @@ def plan_start(
             return StartPlan(state, note=note)
         return StartPlan(state, resume=str(state.latest_checkpoint), note=f"resuming from {describe_checkpoint(state)}")
     if resume:
-        from ..reset.checkpoint import PRORL_STATE_NAME
+        from ..reset.checkpoint import PRORL_STATE_NAME, read_prorl_state
 
         checkpoint = Path(str(resume))
         if not (checkpoint / PRORL_STATE_NAME).is_file():
@@ -236,6 +245,8 @@ def plan_start(
                 f"save has none). Complete checkpoints are <output_dir>/phase-<i>/checkpoint-<step>/; pass --resume "
                 "alone for the latest one."
             )
+        read_prorl_state(checkpoint)  # damaged: exit 2 now, before anything is loaded
+        read_tracker_ids(state.path)
         return StartPlan(state, resume=str(checkpoint), note=f"resuming from {checkpoint}")
     if state.used:
         raise OutputFolderError(

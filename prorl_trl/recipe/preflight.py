@@ -63,22 +63,22 @@ class Launch:
 
 def read_launch_config(path: str | Path) -> Launch:
     """`num_processes` and `distributed_type` of an accelerate config file; `RecipeError` if it cannot be read."""
-    import yaml
-
+    from ..files import RECIPE_MAX_BYTES, UnreadableFileError, read_yaml
     from .schema import RecipeError
 
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as error:
-        raise RecipeError(str(path), [RecipeProblem("", f"cannot read the launch config: {error}")]) from None
+        raw = read_yaml(path, None, max_bytes=RECIPE_MAX_BYTES)
+    except UnreadableFileError as error:
+        raise RecipeError(str(path), [RecipeProblem("", f"cannot read the launch config: {error.problem}")]) from None
     if not isinstance(raw, dict):
         raise RecipeError(str(path), [RecipeProblem("", "a launch config is a YAML mapping (accelerate config)")])
+    processes = raw.get("num_processes") or 1
+    if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
+        raise RecipeError(str(path), [RecipeProblem("num_processes", "must be a whole number of processes", processes)])
     from ..reset.engine import engine_of_accelerate_config
 
-    return Launch(
-        int(raw.get("num_processes") or 1), str(raw.get("distributed_type") or "NO").upper(), engine_of_accelerate_config(raw)
-    )
+    return Launch(processes, str(raw.get("distributed_type") or "NO").upper(), engine_of_accelerate_config(raw))
 
 
 def installed(module: str) -> bool:

@@ -28,14 +28,25 @@ class RecipeLoader(yaml.SafeLoader):
     """`yaml.SafeLoader` that reads `1e-6` as a float (YAML 1.1 wants `1.0e-6`) and rejects duplicate keys."""
 
     def construct_mapping(self, node, deep=False):
-        seen = set()
+        seen: dict[Any, tuple[Any, Any]] = {}  # Python's dict key -> (the YAML key, its node)
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
-            if key in seen:
+            try:
+                earlier = seen.get(key)
+            except TypeError:  # a list or mapping as key: SafeLoader reports it below
+                continue
+            if earlier is not None and type(earlier[0]) is type(key):
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key {key!r} (the later value would silently win)", key_node.start_mark
                 )
-            seen.add(key)
+            if earlier is not None:  # `1:` and `true:`, `1:` and `1.0:`: two YAML keys, one key to Python (1 == True)
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"keys {earlier[1].value!r} (line {earlier[1].start_mark.line + 1}) and "
+                    f"{key_node.value!r} are different YAML keys ({type(earlier[0]).__name__} and "
+                    f"{type(key).__name__}) but one key to Python (the later value would silently win): quote them "
+                    "to make them text", key_node.start_mark,
+                )  # fmt: skip
+            seen[key] = (key, key_node)
         return super().construct_mapping(node, deep=deep)
 
 
@@ -55,20 +66,16 @@ def parse_yaml_scalar(text: str) -> Any:
 
 
 def read_recipe_file(path: str | Path, kind: str = "recipe") -> dict[str, Any]:
-    """The raw YAML mapping of a recipe (or grid) file; a missing file or a syntax error becomes a `RecipeError`
-    with the line."""
+    """The raw YAML mapping of a recipe (or grid) file; a missing, binary, oversized or too deeply nested file, or a
+    syntax error, becomes a `RecipeError` naming the problem (and the line)."""
+    from ..files import RECIPE_MAX_BYTES, UnreadableFileError, read_yaml
+
     path = Path(path)
-    if not path.is_file():
-        what = f"is a directory, not a {kind} file" if path.is_dir() else "file not found"
-        raise RecipeError(str(path), [RecipeProblem("", what)])
     try:
-        raw = yaml.load(path.read_text(), Loader=RecipeLoader)
-    except yaml.MarkedYAMLError as error:
-        mark = error.problem_mark or error.context_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
-        raise RecipeError(str(path), [RecipeProblem("", f"YAML syntax error at {where}: {error.problem}")]) from None
-    except yaml.YAMLError as error:
-        raise RecipeError(str(path), [RecipeProblem("", f"YAML error: {error}")]) from None
+        raw = read_yaml(path, None, max_bytes=RECIPE_MAX_BYTES, loader=RecipeLoader)
+    except UnreadableFileError as error:
+        what = f"is a directory, not a {kind} file" if error.problem.startswith("is a folder") else error.problem
+        raise RecipeError(str(path), [RecipeProblem("", what)]) from None
     if not isinstance(raw, dict):
         raise RecipeError(str(path), [RecipeProblem("", f"a {kind} must be a YAML mapping of sections", raw)])
     return raw

@@ -363,7 +363,10 @@ def _complete_finished_run(
     history = output_dir / LOG_HISTORY_NAME
     if not missing or not history.is_file():
         return []
-    _write_run_files(json.loads(history.read_text()), recipe, recipe_path, overrides, base_model, output_dir, None)
+    from ..files import read_json
+
+    fix = "It is the finished run's log history; its summary cannot be written without it. Nothing was changed."
+    _write_run_files(read_json(history, list, fix), recipe, recipe_path, overrides, base_model, output_dir, None)
     return missing
 
 

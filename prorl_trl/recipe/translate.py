@@ -169,6 +169,7 @@ REWARDS = {
         None, "TRL's accuracy after the reasoning block has no registry equivalent (math_equivalence grades it all)"
     ),
 }
+SUGGESTED_KEYS = 50  # unknown keys that get a "did you mean" (the rest are listed without one)
 REWARD_PARAM_KEYS = {key for spec in REWARDS.values() for key, _ in spec.from_keys.values()}
 OPEN_R1_DEFAULT_REWARDS = ["accuracy", "format", "tag_count"]  # GRPOScriptArguments.reward_funcs
 # Keys only open-r1 configs have: their presence means a missing `reward_funcs` is open-r1's default.
@@ -238,6 +239,8 @@ def translate_flat_config(raw: dict[str, Any], source: str = "a flat GRPO config
         }
     )
     use_peft = raw.get("use_peft") is True
+    known = [*MOVED_KEYS, *LORA_KEYS, *UNMAPPED_REASONS, *training_fields]
+    suggestions = SUGGESTED_KEYS  # difflib per unknown key is slow: a file of 100,000 made-up keys gets no answers
     for key, value in raw.items():
         if key in MOVED_KEYS:
             _put(out, key, MOVED_KEYS[key], value)
@@ -271,10 +274,10 @@ def translate_flat_config(raw: dict[str, Any], source: str = "a flat GRPO config
         elif key in training_fields and key != "phases":
             _put(out, key, f"training.{key}", _training_value(out, key, value))
         else:
-            known = [*MOVED_KEYS, *LORA_KEYS, *UNMAPPED_REASONS, *training_fields]
+            suggestions -= 1
             out.unmapped[key] = (
                 "not a key of TRL 1.16's GRPOConfig/ModelConfig/ScriptArguments nor of open-r1's GRPO configs"
-                f"{suggest(key, known)}"
+                f"{suggest(key, known) if suggestions >= 0 else ''}"
             )
     _translate_rewards(raw, out)
     if raw.get("use_vllm") is True and "vllm_mode" not in raw and OPEN_R1_MARKERS & set(raw):
@@ -323,6 +326,12 @@ def _translate_rewards(raw: dict[str, Any], out: Translation) -> None:
         out.mapped["reward_funcs"] = "rewards"
     if isinstance(names, str):
         names = [names]
+    if names is not None and not (isinstance(names, list) and all(isinstance(name, str) for name in names)):
+        out.unmapped["reward_funcs"] = (
+            f"{names!r} is not a reward name or a list of them (TRL reads a list of names); no rewards translated: "
+            "write `rewards:` in the recipe"
+        )[:400]
+        names = None
     names = list(names or [])
     weights = raw.get("reward_weights")
     if weights is not None and (not isinstance(weights, list) or len(weights) != len(names)):
@@ -384,14 +393,25 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
 def run_convert(args: argparse.Namespace) -> int:
     from .reading import read_recipe_file
 
-    raw = read_recipe_file(args.config)
+    output = Path(args.output) if args.output is not None else None
+    if output is not None and (output.is_dir() or not output.parent.is_dir()):
+        what = "is a folder" if output.is_dir() else f"is in {output.parent}/, which does not exist"
+        print(f"error: -o {output} {what}: name the recipe file to write (e.g. -o recipes/my_run.yaml) in a folder "
+              "that exists. Nothing was written.", file=sys.stderr)  # fmt: skip
+        return 2
+    raw = read_recipe_file(args.config, kind="config")
     translation = translate_flat_config(raw, source=Path(args.config).name)
     text = translation.to_yaml(args.config)
-    if args.output is None:
+    if output is None:
         print(text, end="")
     else:
-        Path(args.output).write_text(text, encoding="utf-8")
-        print(f"wrote {args.output}; check it with `prorl-trl validate {args.output}`")
+        try:
+            output.write_text(text, encoding="utf-8")
+        except OSError as error:
+            print(f"error: -o {output}: cannot be written ({error.strerror or error}). Nothing was written.",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        print(f"wrote {output}; check it with `prorl-trl validate {output}`")
     if translation.report():
         print(translation.report(), file=sys.stderr)
     return 0

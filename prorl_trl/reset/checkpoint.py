@@ -77,14 +77,35 @@ def save_tensors_atomically(path: str | os.PathLike, tensors: dict[str, torch.Te
         raise
 
 
+# What a resume reads from a checkpoint's `prorl_state.json` without a default; whole numbers >= 0.
+STATE_COUNTS = ("phase_index", "phase_global_step", "global_step_offset", "resets")
+
+
 def read_prorl_state(checkpoint: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint's `prorl_state.json`; `UnreadableFileError` (exit 2) when it is damaged: not a JSON object, or
+    without the whole numbers a resume reads (`STATE_COUNTS`)."""
+    from ..files import UnreadableFileError, read_json
+
     path = Path(checkpoint) / PRORL_STATE_NAME
-    if not path.is_file():
+    if not path.is_file() and not path.is_dir():
         raise FileNotFoundError(
             f"{checkpoint} has no {PRORL_STATE_NAME}: it was not written by ProRLTrainer (or the save was "
             "interrupted). Resume from a checkpoint under <output_dir>/phase-<i>/checkpoint-<step>/."
         )
-    return json.loads(path.read_text())
+    fix = (
+        f"It is the commit record of the checkpoint {checkpoint}; nothing was loaded or changed. Move that checkpoint "
+        "folder out of the run folder (an earlier complete checkpoint is then the latest) or pass --resume with an "
+        "earlier one; or start again with --overwrite."
+    )
+    state = read_json(path, dict, fix)
+    bad = [key for key in STATE_COUNTS if not _is_count(state.get(key))]
+    if bad:
+        raise UnreadableFileError(path, f"is damaged: {', '.join(bad)} missing or not a whole number >= 0", fix)
+    return state
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def complete_checkpoints(output_dir: str | os.PathLike) -> list[tuple[Path, dict[str, Any]]]:
@@ -114,8 +135,17 @@ def finished_state(output_dir: str | os.PathLike) -> dict[str, Any] | None:
 
     `final/` is written atomically with its `prorl_state.json` inside, so the file exists only for a finished run.
     """
+    from ..files import read_json
+
     path = Path(output_dir) / FINAL_DIR_NAME / PRORL_STATE_NAME
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file() and not path.is_dir():
+        return None
+    fix = (
+        f"It marks the run finished ({FINAL_DIR_NAME}/ holds its final model); nothing was loaded or changed. Restore "
+        f"it from a copy of the run, or move {FINAL_DIR_NAME}/ out of the run folder to resume from the latest "
+        "checkpoint, or start again with --overwrite."
+    )
+    return read_json(path, dict, fix)
 
 
 def supersede_after(output_dir: str | os.PathLike, checkpoint: str | os.PathLike) -> list[Path]:

@@ -61,6 +61,11 @@ def verify_files(hashes: dict[str, str], run_dir: Path, checkpoint: Path, what: 
     """Refuse a resume whose recorded files (`hashes`, from `file_hashes`) are missing or changed in `run_dir`."""
     for relative, expected in sorted(hashes.items()):
         path = run_dir / relative
+        if os.path.isabs(relative) or not is_inside(path, run_dir):
+            raise RunFilesError(
+                f"{checkpoint}/prorl_state.json records the sha256 of {relative}, outside the run folder {run_dir}/ "
+                "(a run records only its own files: the file is damaged or was edited). Nothing was loaded."
+            )
         if not path.is_file():
             raise RunFilesError(
                 f"{checkpoint} needs {what} at {path}, which is missing. Resume the run folder the checkpoint was "
@@ -91,8 +96,16 @@ def resolve_in_run(recorded: str, run_dir: Path, checkpoint: Path, key: str) -> 
     is used only when it lies inside `run_dir`: one outside is another folder's file (the run was moved or copied,
     and another run's may sit at the old place), so it is refused rather than loaded.
     """
+    if not isinstance(recorded, str) or not recorded:
+        raise RunFilesError(f"{checkpoint}/prorl_state.json is damaged: `{key}` is {recorded!r}, not a path.")
     path = Path(recorded)
     if not path.is_absolute():
+        if not is_inside(run_dir / path, run_dir):  # `../other-run/merged/reset-1`: never read, whoever wrote it
+            raise RunFilesError(
+                f"{checkpoint}/prorl_state.json records `{key}` as {recorded}, which leads out of the run folder "
+                f"{run_dir}/. Nothing was loaded: a run reads its deltas from its own folder only. The file is "
+                "damaged or was edited: restore it from a copy of the run, or resume from another checkpoint."
+            )
         return run_dir / path
     if is_inside(path, run_dir):
         return path

@@ -17,7 +17,6 @@ TensorBoard folder recorded in `prorl_trackers.json`), never by pattern.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Iterable
@@ -33,17 +32,57 @@ PHASE_FOLDER = re.compile(r"phase-\d+")
 _LEFTOVER = re.compile(r"\.(?P<name>.+?)\.(tmp|tmp-.+|old-.+)")
 
 
+TRACKER_IDS_NAME = "prorl_trackers.json"
+
+
 def read_manifest(run_dir: str | os.PathLike) -> list[str] | None:
     """The recorded paths (relative, folders ending in `/`), or None when the folder has no manifest. Entries that
-    would leave the run folder (absolute, `..`) are dropped: the manifest never names anything outside it."""
+    would leave the run folder (absolute, `..`) are dropped: the manifest never names anything outside it. A damaged
+    manifest raises `UnreadableFileError` (exit 2): what is the run's cannot be told, so nothing is deleted."""
+    from ..files import UnreadableFileError, read_json
+
     path = Path(run_dir) / MANIFEST_NAME
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
-    try:
-        paths = json.loads(path.read_text()).get("paths", [])
-    except (ValueError, AttributeError):
-        return []  # unreadable: nothing is the run's (an overwrite then deletes nothing but the manifest)
+    fix = (
+        f"It lists what the run wrote (what --overwrite deletes); nothing was changed. Restore it from a copy of the "
+        f"run, or delete it: the run's outputs are then found by their exact names, as for a run from before "
+        "manifests."
+    )
+    paths = read_json(path, dict, fix).get("paths", [])
+    if not isinstance(paths, list):
+        raise UnreadableFileError(path, "is damaged: its `paths` is not a list", fix)
     return [p for p in paths if isinstance(p, str) and _relative(p) == p]
+
+
+def read_tracker_ids(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """`prorl_trackers.json`: the ids a resumed run continues its tracker runs with ({} when there is none); a damaged
+    file raises `UnreadableFileError` (exit 2)."""
+    from ..files import UnreadableFileError, read_json
+
+    path = Path(run_dir) / TRACKER_IDS_NAME
+    if not os.path.lexists(path):
+        return {}
+    fix = (
+        "It names the tracker runs (TensorBoard folder, W&B/MLflow run ids) a resume continues; nothing was loaded or "
+        "changed. Restore it from a copy of the run, or delete it: the resumed run then logs to new tracker runs."
+    )
+    ids = read_json(path, dict, fix)
+    wrong = [key for key, value in ids.items() if not isinstance(value, str)]
+    if wrong:
+        raise UnreadableFileError(path, f"is damaged: {', '.join(map(str, wrong))} not text", fix)
+    return ids
+
+
+def tensorboard_folder_in(run_dir: str | os.PathLike, recorded: str | None) -> Path | None:
+    """The TensorBoard folder recorded in `prorl_trackers.json`, when its path lies inside the run folder; None
+    otherwise: a resume never writes events into another run's folder (`../other/runs/x`, the old absolute place of
+    a moved run). Checked on the path, so a `runs/` the user linked into a shared folder is followed."""
+    if not recorded:
+        return None
+    run_dir = Path(os.path.normpath(Path(run_dir).absolute()))
+    path = Path(os.path.normpath(run_dir / recorded))  # an absolute `recorded` stays itself
+    return path if path.is_relative_to(run_dir) and path != run_dir else None
 
 
 def owned_outputs(run_dir: str | os.PathLike) -> tuple[list[str], bool]:
@@ -149,10 +188,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 def _tensorboard_folder(run_dir: Path) -> str | None:
     """`runs/<name>/`: the TensorBoard folder recorded in `prorl_trackers.json`, when it is in the run folder."""
-    try:
-        logged = json.loads((run_dir / "prorl_trackers.json").read_text()).get("tensorboard")
-    except (OSError, ValueError, AttributeError):
-        return None
+    logged = read_tracker_ids(run_dir).get("tensorboard")
     parts = Path(str(logged or "")).parts
     if len(parts) < 2 or parts[-2] != "runs" or parts[-1] in ("..", "."):  # `runs/..` is the run folder
         return None

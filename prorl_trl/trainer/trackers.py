@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +26,8 @@ from typing import Any
 
 from transformers.integrations import INTEGRATION_TO_CALLBACK
 
-TRACKER_IDS_NAME = "prorl_trackers.json"
+from .manifest import TRACKER_IDS_NAME, read_tracker_ids, tensorboard_folder_in
+
 _TRACKER_CLASSES = tuple(INTEGRATION_TO_CALLBACK.values())
 
 
@@ -87,8 +87,7 @@ class TrackerSpan:
         return Path(args.output_dir) / TRACKER_IDS_NAME
 
     def _saved_ids(self, args: Any) -> dict[str, Any]:
-        path = self._ids_file(args)
-        return json.loads(path.read_text()) if self.resumed_at is not None and path.is_file() else {}
+        return read_tracker_ids(args.output_dir) if self.resumed_at is not None else {}
 
     @contextlib.contextmanager
     def _continue_tracker_run(self, callback: Any, args: Any) -> Iterator[None]:
@@ -96,9 +95,8 @@ class TrackerSpan:
         saved = self._saved_ids(args)
         env: dict[str, str] = {}
         if name == "TensorBoardCallback" and self.resumed_at is not None:
-            folder = saved.get("tensorboard")  # relative to the run folder unless the user put it elsewhere
-            folder = str(Path(args.output_dir) / folder) if folder and not os.path.isabs(folder) else folder
-            _reopen_tensorboard(callback, args, folder, purge_step=self.resumed_at + 1)
+            folder = tensorboard_folder_in(args.output_dir, saved.get("tensorboard"))  # outside: the recipe's own
+            _reopen_tensorboard(callback, args, folder and str(folder), purge_step=self.resumed_at + 1)
         elif name == "WandbCallback" and saved.get("wandb"):
             env = {"WANDB_RUN_ID": saved["wandb"], "WANDB_RESUME": "allow"}
         elif name == "MLflowCallback" and saved.get("mlflow"):
@@ -142,9 +140,7 @@ class TrackerSpan:
         if ids:
             from ..reset.checkpoint import write_json
 
-            path = self._ids_file(args)
-            known = json.loads(path.read_text()) if path.is_file() else {}
-            write_json(path, {**known, **ids})
+            write_json(self._ids_file(args), {**read_tracker_ids(args.output_dir), **ids})
 
 
 def _reopen_tensorboard(callback: Any, args: Any, logging_dir: str | None, purge_step: int) -> None:

@@ -41,7 +41,6 @@ tests/test_trainer_internals.py):
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 from pathlib import Path
@@ -57,6 +56,7 @@ import rewards
 from .. import reset as reset_ops
 from ..attention import install_cudnn_attention_guard
 from ..console import announce, quiet_console
+from ..files import read_json
 from ..config import ProRLConfig, ResolvedPhase, resolve_phases
 from ..reset.checkpoint import (
     FINAL_DIR_NAME,
@@ -503,8 +503,9 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
             step = self._global_step_offset + self._resumed_phase_step
             self.prorl_log_history = [
                 entry
-                for entry in json.loads(history.read_text())
-                if (entry.get("prorl/phase", 0), entry.get("prorl/global_step", 0)) <= (phase.index, step)
+                for entry in read_json(history, list, "It is the run's log history, which a resume continues.")
+                if isinstance(entry, dict)
+                and (entry.get("prorl/phase", 0), entry.get("prorl/global_step", 0)) <= (phase.index, step)
             ]
         self._trackers.resumed_at = self._global_step_offset + self._resumed_phase_step
         self._announce_phase(phase)
@@ -520,13 +521,12 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
     def _recorded_merged_path(self, recorded: str | None, checkpoint: Path) -> str | None:
         """The last merged save of a resumed run, for its log entries (loaded, when it is, by `_restore_reset_deltas`):
         relative paths belong to the checkpoint's run folder; an old absolute one is kept only inside it."""
-        if not recorded:
+        if not recorded or not isinstance(recorded, str):
             return None
         run_dir = self._run_dir_of(checkpoint)
         path = Path(recorded)
-        if not path.is_absolute():
-            return str(run_dir / path)
-        return recorded if path.resolve().is_relative_to(run_dir.resolve()) else None
+        path = path if path.is_absolute() else run_dir / path
+        return str(path) if path.resolve().is_relative_to(run_dir.resolve()) else None
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """HF's, keeping each trainable parameter's dtype. GRPOTrainer casts a QLoRA adapter to bf16 at init; PEFT's
