@@ -319,7 +319,11 @@ def _run_train(args: argparse.Namespace) -> int:
 def _run_launch(args: argparse.Namespace) -> int:
     from .launch import run_launch
 
-    return run_launch(args.launch_tokens)
+    def recipe_of(words: list[str]) -> str | None:
+        own, _ = split_options(words, build_parser(["train"]).subcommands["train"])
+        return own[0] if own and not own[0].startswith("-") else None
+
+    return run_launch(args.launch_tokens, recipe_of)
 
 
 def _run_ablate(args: argparse.Namespace) -> int:

@@ -35,6 +35,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,10 +101,10 @@ def split_launch_argv(tokens: list[str], parser: Any) -> tuple[list[str], list[s
     return options, rest
 
 
-def _check_inputs(options: list[str], train: list[str]) -> None:
+def _check_inputs(options: list[str], train: list[str], recipe_of: Callable[[list[str]], str | None]) -> None:
     """Refuse, before accelerate starts anything, a `--config_file` that is not a readable file and a recipe that
-    cannot be read (`train` reports every other problem of the recipe, in each process)."""
-    from .cli import build_parser, split_options
+    cannot be read (`train` reports every other problem of the recipe, in each process). `recipe_of` finds RECIPE
+    among the words after `train` as the CLI's parser does (passed in: this module sits beside the CLI, not under)."""
     from .recipe.preflight import read_launch_config
     from .recipe.reading import read_recipe_file
     from .recipe.schema import RecipeError
@@ -126,10 +127,10 @@ def _check_inputs(options: list[str], train: list[str]) -> None:
             read_launch_config(config)
         except RecipeError as error:
             raise LaunchUsageError(error.render()) from None
-    own, _ = split_options(train[1:], build_parser(["train"]).subcommands["train"])
-    if own and not own[0].startswith("-"):
+    recipe = recipe_of(train[1:])
+    if recipe is not None:
         try:
-            read_recipe_file(own[0])
+            read_recipe_file(recipe)
         except RecipeError as error:
             raise LaunchUsageError(error.render()) from None
 
@@ -197,8 +198,9 @@ def _command_argv(tokens: list[str]) -> list[str]:
     return program + ["launch", *tokens]
 
 
-def run_launch(tokens: list[str]) -> int:
-    """`prorl-trl launch TOKENS`: run accelerate's launch with the stop handling of the module doc; the exit status."""
+def run_launch(tokens: list[str], recipe_of: Callable[[list[str]], str | None] = lambda words: None) -> int:
+    """`prorl-trl launch TOKENS`: run accelerate's launch with the stop handling of the module doc; the exit status.
+    `recipe_of`: the recipe path among the words after `train` (the CLI's parser), checked before anything starts."""
     import psutil
     from accelerate.commands.launch import launch_command_parser
 
@@ -214,7 +216,7 @@ def run_launch(tokens: list[str]) -> int:
         print(f"{USAGE}\nerror: {error}", file=sys.stderr)
         return 2
     try:
-        _check_inputs(options, train)
+        _check_inputs(options, train, recipe_of)
     except LaunchUsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -25,6 +25,7 @@ PACKAGES = ("prorl_trl", "rewards")
 # Unit (a subpackage, or a top-level module of prorl_trl) -> layer; higher layers may import lower ones.
 LAYERS = {
     "rewards": 0,
+    "prorl_trl.files": 0,  # bounded reading of the files the CLI is given or finds (stdlib only)
     "prorl_trl.data": 1,
     "prorl_trl.tiny": 1,
     "prorl_trl.plots": 1,
