@@ -36,6 +36,7 @@ def _fake_checkpoint(run: Path, step: int) -> Path:
     (checkpoint / "adapter_model.safetensors").write_bytes(bytes(range(256)) * 4)
     (checkpoint / "optimizer.pt").write_bytes(b"optimizer state" * 100)
     (checkpoint / "sharded" / "rank0.distcp").write_bytes(b"shard")
+    (checkpoint / ".prorl_state.json.tmp").write_text("{")  # a killed earlier write's leftover: not part of the save
     commit = json.dumps({"phase_index": 0, "phase_global_step": step})
     record_checkpoint_hashes(checkpoint, commit)
     (checkpoint / PRORL_STATE_NAME).write_text(commit)
@@ -72,8 +73,9 @@ def test_record_and_verify_checkpoint_hashes(tmp_path):
     adapter.write_bytes(pristine)
     (checkpoint / PRORL_STATE_NAME).write_text("{}")
     refused(checkpoint / PRORL_STATE_NAME, "has 2 bytes")
-    (checkpoint / CHECKPOINT_HASHES_NAME).write_text("{")
-    refused(checkpoint / CHECKPOINT_HASHES_NAME, "is damaged")
+    for damaged in ("{", '{"files": {"optimizer.pt": "0"}}'):
+        (checkpoint / CHECKPOINT_HASHES_NAME).write_text(damaged)
+        refused(checkpoint / CHECKPOINT_HASHES_NAME, "is damaged")
     with pytest.raises(RunFilesError, match="--overwrite"):  # the first checkpoint has none before it
         (first / "optimizer.pt").write_bytes(b"")
         verify_checkpoint(first)
