@@ -123,6 +123,9 @@ class ProRLStateCallback(TrainerCallback):
         and has its hashes."""
         trainer = self.trainer
         trainer._save_log_history()
+        # HF's save has no barrier after each process writes its own files (rng_state_<rank>.pth, its shards): wait
+        # for them, so the hashes and the commit record cover a checkpoint every process has finished writing.
+        trainer.accelerator.wait_for_everyone()
         if not trainer.accelerator.is_main_process:
             return control
         checkpoint = os.path.join(trainer._get_output_dir(None), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")  # as HF
