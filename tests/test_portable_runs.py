@@ -33,6 +33,7 @@ from prorl_trl.recipe.changes import (
     recipe_changes,
     record_resume,
 )
+from prorl_trl.reset.checkpoint import CHECKPOINT_HASHES_NAME
 from prorl_trl.reset.provenance import (
     RunFilesError,
     base_model_difference,
@@ -195,20 +196,25 @@ def test_merge_mode_never_loads_another_runs_merged_base(tiny_dir, shared_data, 
     decoy = old / "merged" / "reset-1" / "model.safetensors"
     save_file({k: v + 1 for k, v in load_file(decoy).items()}, decoy, metadata={"format": "pt"})
     state_file = new / "phase-1" / "checkpoint-1" / "prorl_state.json"
-    written = json.loads(state_file.read_text())
+    text, hashes = state_file.read_text(), state_file.with_name(CHECKPOINT_HASHES_NAME)
+    written = json.loads(text)
     assert written["merged_base"] == "merged/reset-1"
 
-    # As an older version wrote it: the absolute path, no hashes. Refused, not loaded.
+    # As an older version wrote it: the absolute path, no hashes (of the reset's files, nor of the checkpoint's).
+    # Refused, not loaded.
     old_format = {**written, "merged_base": str(old / "merged" / "reset-1")}
     del old_format["reset_files_sha256"]
     state_file.write_text(json.dumps(old_format))
+    checkpoint_hashes = hashes.read_bytes()
+    hashes.unlink()
     refused = cli(new, tiny_dir, shared_data, *merge, "--resume")
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "outside the run folder" in refused.stderr and "Traceback" not in refused.stderr
     assert not (new / "final").exists()
 
     # The run's own merged base changed since the reset: refused by its sha256, naming the file.
-    state_file.write_text(json.dumps(written))
+    state_file.write_text(text)
+    hashes.write_bytes(checkpoint_hashes)
     own = new / "merged" / "reset-1" / "model.safetensors"
     original = own.read_bytes()
     shutil.copyfile(decoy, own)

@@ -68,7 +68,7 @@ def verify_files(hashes: dict[str, str], run_dir: Path, checkpoint: Path, what: 
             )
         if not path.is_file():
             raise RunFilesError(
-                f"{checkpoint} needs {what} at {path}, which is missing. Resume the run folder the checkpoint was "
+                f"{checkpoint} needs {what} at {path}, which is {'a folder' if path.is_dir() else 'missing'}. Resume the run folder the checkpoint was "
                 "written in, whole (a moved or copied run folder must keep its frozen/ and merged/ folders)."
             )
         if file_sha256(path) != expected:

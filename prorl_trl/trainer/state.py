@@ -17,9 +17,11 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from ..reset.checkpoint import (
     PRORL_STATE_NAME,
     in_phase_dir,
+    json_text,
     latest_checkpoint,
     read_prorl_state,
-    write_json,
+    record_checkpoint_hashes,
+    write_text_atomically,
 )
 from ..reset.provenance import run_relative
 from .callbacks import HardResetCallback, PlateauTracker
@@ -116,15 +118,18 @@ class ProRLStateCallback(TrainerCallback):
         return control
 
     def on_save(self, args, state, control, **kwargs):
-        """Commit the checkpoint HF just wrote: the run's log history first, then `prorl_state.json` (the commit record
-        `latest_checkpoint` looks for), so a checkpoint that has one is complete."""
+        """Commit the checkpoint HF just wrote: the run's log history first, then the checkpoint's file hashes, then
+        `prorl_state.json` (the commit record `latest_checkpoint` looks for), so a checkpoint that has one is complete
+        and has its hashes."""
         trainer = self.trainer
         trainer._save_log_history()
+        # HF's save has no barrier after each process writes its own files (rng_state_<rank>.pth, its shards): wait
+        # for them, so the hashes and the commit record cover a checkpoint every process has finished writing.
+        trainer.accelerator.wait_for_everyone()
         if not trainer.accelerator.is_main_process:
             return control
         checkpoint = os.path.join(trainer._get_output_dir(None), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")  # as HF
-        write_json(
-            os.path.join(checkpoint, PRORL_STATE_NAME),
+        commit = json_text(
             {
                 "phase_index": trainer.current_phase.index,
                 "phase_name": trainer.current_phase.name,
@@ -149,6 +154,8 @@ class ProRLStateCallback(TrainerCallback):
                 "callbacks": self.state_dict(),
             },
         )
+        record_checkpoint_hashes(checkpoint, commit)  # what a resume checks (`verify_checkpoint`), before the commit
+        write_text_atomically(os.path.join(checkpoint, PRORL_STATE_NAME), commit)
         return control
 
     def _reset_callbacks(self) -> list[HardResetCallback]:

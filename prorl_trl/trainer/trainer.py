@@ -69,6 +69,7 @@ from ..reset.checkpoint import (
     save_tensors_atomically,
     supersede_after,
     uncommit,
+    verify_checkpoint,
     write_json,
 )
 from ..reset.provenance import (
@@ -467,10 +468,11 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
             checkpoint = find_checkpoint(self.args.output_dir)
         else:
             checkpoint = Path(resume_from_checkpoint)
+        # Every process checks the files it is about to load, so all refuse together (exit 2, nothing loaded).
+        unchecked = verify_checkpoint(checkpoint)
+        if unchecked:
+            self.announce(f"note: {unchecked}")
         state = resume_state(checkpoint, self.phases[0])  # a plain GRPOTrainer checkpoint resumes as phase 0
-        if self.accelerator.is_main_process and self.args.should_save:
-            supersede_after(self.args.output_dir, checkpoint)
-        self.accelerator.wait_for_everyone()
         phase = self.phases[state["phase_index"]]
         difference = base_model_difference(state.get("base_model"), self.prorl_base_model)
         if difference:
@@ -481,6 +483,10 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
             )
         self.prorl_merged_path = self._recorded_merged_path(state.get("merged_base"), checkpoint)
         self._restore_reset_deltas(state, checkpoint)
+        # After every refusal above: a refused resume leaves the later checkpoints committed.
+        if self.accelerator.is_main_process and self.args.should_save:
+            supersede_after(self.args.output_dir, checkpoint)
+        self.accelerator.wait_for_everyone()
         self.prorl_resets = state["resets"]
         self.prorl_nonfinite_skips = list(state.get("nonfinite_skips") or [])
         self.prorl_reset_hashes = dict(state.get("reset_files_sha256") or {})
@@ -629,9 +635,11 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
 
             path = resolve_in_run(state["frozen_factors"], run_dir, checkpoint, "frozen_factors")
             if not path.is_file():
-                raise FileNotFoundError(
-                    f"{checkpoint} needs the frozen LoRA factors of its earlier phases at {path}, which is missing; "
-                    "resume from the run folder the checkpoint was written in, with its frozen/ folder."
+                raise RunFilesError(
+                    f"{checkpoint} needs the frozen LoRA factors of its earlier phases at {path}, which is "
+                    f"{'a folder' if path.is_dir() else 'missing'}; nothing was loaded. Put the run's own file back "
+                    "(resume the run folder the checkpoint was written in, with its frozen/ folder), or resume from a "
+                    "checkpoint written before that reset (`--resume <run>/phase-<i>/checkpoint-<step>`)."
                 )
             verify_files(hashes, run_dir, checkpoint, "the frozen LoRA factors of its earlier phases")
             reset_ops.load_frozen_(self.model, load_file(str(path)))
