@@ -134,7 +134,7 @@ def verify_checkpoint(checkpoint: str | os.PathLike) -> str | None:
     try:
         files = json.loads(record.read_text())["files"]
         files = {str(name): (int(entry["bytes"]), str(entry["sha256"])) for name, entry in files.items()}
-    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError):
         files, problem, path = None, "is damaged (not the JSON a save writes)", record
     for relative, expected in sorted((files or {}).items()):  # expected: (bytes, sha256)
         path = checkpoint / relative
