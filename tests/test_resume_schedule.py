@@ -1,0 +1,65 @@
+"""A resume that changes the resumed phase's length (issue 37), through `prorl-trl train` as users run it.
+
+The tiny recipe of tests/test_resume_cli.py with a linear decay, phase 0 of 2 steps and phase 1 of 3, killed before
+phase 1's third step (phase-1/checkpoint-2 committed, global step 4), is resumed with `--allow-changes` and
+* `--phases.1.max_steps 1`: fewer steps than the phase trained, refused with exit 2, nothing in the folder changed;
+* `--phases.1.max_steps 2` (a copy): the checkpoint is the phase's new end, the run finishes without another step;
+* `--phases.1.max_steps 5`: the phase trains 5 steps, and from the resumed step on the logged rates are, bit for bit,
+  those of a run that had 5 steps in phase 1 from the start. The checkpoint's scheduler state holds the 3-step decay;
+  kept, the first resumed step trained at 1/3 of the rate and the next one at 2/5: up in the middle of the decay.
+Five CLI processes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from test_resume_cli import cli, snapshot
+
+LINEAR = ["--training.lr_scheduler_type", "linear", "--validation.eval_steps", "100", "--phases.0.max_steps", "2"]
+KILLED_AT_PHASE_1_STEP_3 = {"PRORL_TEST_KILL_AT": "on_step_begin:1:3"}  # phase-1/checkpoint-2 is committed
+
+
+def rates(folder: Path) -> dict[int, float]:
+    entries = json.loads((folder / "run_summary.json").read_text())["log_history"]
+    return {entry["prorl/global_step"]: entry["learning_rate"] for entry in entries if "learning_rate" in entry}
+
+
+def phase_steps(folder: Path, phase: int) -> list[int]:
+    entries = json.loads((folder / "run_summary.json").read_text())["log_history"]
+    return [e["prorl/phase_step"] for e in entries if e.get("prorl/phase") == phase and "loss" in e]
+
+
+def test_a_changed_phase_length_trains_that_many_steps_at_a_fresh_runs_rates(tiny_dir, shared_data, tmp_path):
+    fresh = tmp_path / "fresh"
+    done = cli(fresh, tiny_dir, shared_data, *LINEAR, "--phases.1.max_steps", "5")
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = tmp_path / "run"
+    killed = cli(out, tiny_dir, shared_data, *LINEAR, "--phases.1.max_steps", "3", env=KILLED_AT_PHASE_1_STEP_3)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert (out / "phase-1" / "checkpoint-2" / "prorl_state.json").is_file()
+
+    before = snapshot(out)
+    shorter = cli(out, tiny_dir, shared_data, *LINEAR, "--phases.1.max_steps", "1", "--resume", "--allow-changes")
+    assert shorter.returncode == 2, shorter.stderr[-3000:]
+    assert "has trained 2 steps of phase 1" in shorter.stderr and "--phases.1.max_steps 2" in shorter.stderr
+    assert "Traceback" not in shorter.stderr and snapshot(out) == before
+
+    ended = tmp_path / "ended"
+    shutil.copytree(out, ended)
+    result = cli(ended, tiny_dir, shared_data, *LINEAR, "--phases.1.max_steps", "2", "--resume", "--allow-changes")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert phase_steps(ended, 1) == [1, 2] and not (ended / "phase-1" / "checkpoint-3").exists()
+    assert json.loads((ended / "final" / "prorl_state.json").read_text())["global_step"] == 4
+
+    result = cli(out, tiny_dir, shared_data, *LINEAR, "--phases.1.max_steps", "5", "--resume", "--allow-changes")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert phase_steps(out, 1) == [1, 2, 3, 4, 5]
+    assert json.loads((out / "final" / "prorl_state.json").read_text())["global_step"] == 7
+    want, got = rates(fresh), rates(out)
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5, 6, 7]
+    assert got[4] != want[4]  # phase 1's second step trained on the 3-step decay, before the change
+    assert all(got[step] == want[step] for step in (5, 6, 7)), (got, want)
+    assert got[4] > got[5] > got[6] > got[7]  # decays through the resume: never back up
