@@ -44,12 +44,15 @@ import copy
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_callback import TrainerState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, speed_metrics
 from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
@@ -564,6 +567,26 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
             self.create_optimizer()
         load_optimizer_state(self.optimizer, checkpoint)
         self._load_rng_state(str(checkpoint))  # HF private: python, numpy, torch (and CUDA) RNG of this process
+        self._log_phase_summary_of(checkpoint)
+
+    def _log_phase_summary_of(self, checkpoint: Path) -> None:
+        """The entry HF's `_finalize_training` logs when a phase's call ends (`train_loss` over the phase,
+        `total_flos`, speed figures), which a resume from the phase's last checkpoint would not have: with it the log
+        equals the uninterrupted run's. The speed figures are this call's (no step trained); a checkpoint that
+        recorded no `phase_loss_sum` (older ones) gets no entry."""
+        state_file = checkpoint / TRAINER_STATE_NAME
+        if self._resumed_loss_sum is None or not state_file.is_file():
+            return
+        start = time.time()
+        self.state = TrainerState.load_from_json(str(state_file))  # the phase's step, epoch and flos, as HF had them
+        metrics = speed_metrics("train", start, num_samples=0, num_steps=0)
+        metrics["total_flos"] = self.state.total_flos
+        metrics["train_loss"] = self._resumed_loss_sum / max(self.state.global_step, 0.001)  # as `_finalize_training`
+        self._in_training_loop = True  # `prorl/global_step` counts the phase's steps, as inside HF's call
+        try:
+            self.log(metrics)
+        finally:
+            self._in_training_loop = False
 
     def _superset_shape(self, phase: ResolvedPhase) -> dict[str, Any]:
         """`phase`'s adapter as the active part of the superset adapter: rank, alpha and wrapped module names."""
