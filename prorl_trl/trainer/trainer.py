@@ -573,9 +573,12 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         """The entry HF's `_finalize_training` logs when a phase's call ends (`train_loss` over the phase,
         `total_flos`, speed figures), which a resume from the phase's last checkpoint would not have: with it the log
         equals the uninterrupted run's. The speed figures are this call's (no step trained); a checkpoint that
-        recorded no `phase_loss_sum` (older ones) gets no entry."""
+        recorded no `phase_loss_sum` (older ones) gets no entry, and none is added when the run's log history, written
+        after the phase's call, already has it (a stop during the next reset or `final/`)."""
         state_file = checkpoint / TRAINER_STATE_NAME
-        if self._resumed_loss_sum is None or not state_file.is_file():
+        phase = self.current_phase.index
+        logged = any(entry.get("prorl/phase") == phase and "train_loss" in entry for entry in self.prorl_log_history)
+        if self._resumed_loss_sum is None or logged or not state_file.is_file():
             return
         start = time.time()
         self.state = TrainerState.load_from_json(str(state_file))  # the phase's step, epoch and flos, as HF had them
