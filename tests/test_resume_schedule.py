@@ -7,7 +7,7 @@ phase 1's third step (phase-1/checkpoint-2 committed, global step 4), is resumed
 * `--phases.1.max_steps 5`: the phase trains 5 steps, and from the resumed step on the logged rates are, bit for bit,
   those of a run that had 5 steps in phase 1 from the start. The checkpoint's scheduler state holds the 3-step decay;
   kept, the first resumed step trained at 1/3 of the rate and the next one at 2/5: up in the middle of the decay.
-Five CLI processes.
+Five CLI processes. The other schedule settings (type, warmup) follow the same rule: one trainer-API test.
 """
 
 from __future__ import annotations
@@ -16,7 +16,17 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+from test_resume import token_hash_reward
 from test_resume_cli import cli, snapshot
+from transformers import TrainerCallback
+
+from prorl_trl.config import ProRLConfig
+from prorl_trl.tiny import build_tiny
+from prorl_trl.trainer import ProRLTrainer
 
 LINEAR = ["--training.lr_scheduler_type", "linear", "--validation.eval_steps", "100", "--phases.0.max_steps", "2"]
 KILLED_AT_PHASE_1_STEP_3 = {"PRORL_TEST_KILL_AT": "on_step_begin:1:3"}  # phase-1/checkpoint-2 is committed
@@ -63,3 +73,54 @@ def test_a_changed_phase_length_trains_that_many_steps_at_a_fresh_runs_rates(tin
     assert got[4] != want[4]  # phase 1's second step trained on the 3-step decay, before the change
     assert all(got[step] == want[step] for step in (5, 6, 7)), (got, want)
     assert got[4] > got[5] > got[6] > got[7]  # decays through the resume: never back up
+
+
+class StopBefore(TrainerCallback):
+    """Raises at the start of phase 0's step `step` (checkpoint `step - 1` is committed)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step:
+            raise StopHere
+
+
+class StopHere(Exception):
+    pass
+
+
+def one_phase_trainer(output_dir, callbacks=(), **schedule):
+    torch.manual_seed(0)
+    model, tokenizer = build_tiny(seed=0)
+    args = ProRLConfig(
+        output_dir=str(output_dir), per_device_train_batch_size=4, num_generations=2, max_completion_length=6,
+        learning_rate=5e-2, logging_steps=1, save_strategy="steps", save_steps=1, report_to=[], bf16=False,
+        use_cpu=True, disable_tqdm=True, seed=0, phases=[{"max_steps": 4}], **schedule,
+    )  # fmt: skip
+    return ProRLTrainer(
+        model=model, reward_funcs=token_hash_reward, args=args, processing_class=tokenizer,
+        train_dataset=Dataset.from_dict({"prompt": [f"Q {i}: {i}+{i + 3}=" for i in range(32)]}),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], task_type="CAUSAL_LM"),
+        callbacks=list(callbacks),
+    )  # fmt: skip
+
+
+def test_a_changed_schedule_type_and_warmup_hold_from_the_resumed_step(tmp_path):
+    """The same rule for the other schedule settings (trainer API, one process): a run with a linear decay stopped
+    after its second step, resumed with `lr_scheduler_type: cosine` and `warmup_steps: 1`, logs from the resumed step
+    on the rates of a run that had those from the start."""
+    new = {"lr_scheduler_type": "cosine", "warmup_steps": 1}
+    fresh = one_phase_trainer(tmp_path / "fresh", **new)
+    fresh.train()
+    with pytest.raises(StopHere):
+        one_phase_trainer(tmp_path / "run", [StopBefore(3)], lr_scheduler_type="linear").train()
+    resumed = one_phase_trainer(tmp_path / "run", **new)
+    resumed.train(resume_from_checkpoint=True)
+
+    def rates(trainer):
+        return {e["prorl/global_step"]: e["learning_rate"] for e in trainer.prorl_log_history if "learning_rate" in e}
+
+    want, got = rates(fresh), rates(resumed)
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+    assert got[2] != want[2] and (got[3], got[4]) == (want[3], want[4]), (got, want)
