@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from transformers import TrainerCallback
 from prorl_trl.config import ProRLConfig
 from prorl_trl.tiny import build_tiny
 from prorl_trl.trainer import ProRLTrainer
+from prorl_trl.trainer.state import PhaseLengthError, resumed_phase_complete
 
 LINEAR = ["--training.lr_scheduler_type", "linear", "--validation.eval_steps", "100", "--phases.0.max_steps", "2"]
 KILLED_AT_PHASE_1_STEP_3 = {"PRORL_TEST_KILL_AT": "on_step_begin:1:3"}  # phase-1/checkpoint-2 is committed
@@ -124,3 +126,16 @@ def test_a_changed_schedule_type_and_warmup_hold_from_the_resumed_step(tmp_path)
     want, got = rates(fresh), rates(resumed)
     assert sorted(got) == sorted(want) == [1, 2, 3, 4]
     assert got[2] != want[2] and (got[3], got[4]) == (want[3], want[4]), (got, want)
+
+
+def test_where_a_resumed_phase_ends_follows_this_runs_length():
+    """`resumed_phase_complete` (pure): measured against the phase length asked now; a plateau stop, and checkpoints
+    that recorded no end reason (older ones, plain TRL), keep the recorded answer; past the new end is refused."""
+    phase, at = SimpleNamespace(max_steps=3, index=1, name="second"), Path("phase-1/checkpoint-4")
+    by_length = {"phase_end_reason": "max_steps"}
+    assert not resumed_phase_complete({**by_length, "phase_global_step": 2, "phase_complete": True}, phase, at)
+    assert resumed_phase_complete({**by_length, "phase_global_step": 3, "phase_complete": False}, phase, at)
+    assert resumed_phase_complete({"phase_end_reason": "plateau", "phase_global_step": 2}, phase, at)
+    assert resumed_phase_complete({"phase_global_step": 2, "phase_complete": True}, phase, at)
+    with pytest.raises(PhaseLengthError, match="has trained 4 steps of phase 1 .* `--phases.1.max_steps 4` or more"):
+        resumed_phase_complete({**by_length, "phase_global_step": 4}, phase, at)

@@ -86,13 +86,14 @@ def resumed_phase_complete(state: dict[str, Any], phase: Any, checkpoint: Path) 
     A phase that ran to its `max_steps` is measured against the phase length this run asks for, not the recorded one:
     a longer phase trains on to its new end, one whose new end is the checkpoint's step ends there. A phase already
     past its new end is refused: the steps it trained cannot be taken back, and ending it there would leave a phase
-    longer than asked. A plateau stop stays a stop; epoch-based phases keep the recorded answer.
+    longer than asked. A plateau stop stays a stop; epoch-based phases, plain TRL checkpoints and ProRL ones that
+    recorded no `phase_end_reason` (a plateau stop cannot be told from a length) keep the recorded answer.
     """
-    step, reason = state["phase_global_step"], state.get("phase_end_reason", "max_steps")
-    if reason != "max_steps":
+    step, reason = state["phase_global_step"], state.get("phase_end_reason")
+    if reason is not None and reason != "max_steps":
         return True
-    if phase.max_steps < 1:
-        return bool(state.get("phase_complete", False))
+    if phase.max_steps < 1 or reason is None:
+        return bool(state.get("phase_complete", 0 < phase.max_steps <= step))
     if step > phase.max_steps:
         raise PhaseLengthError(
             f"{checkpoint} has trained {step} steps of phase {phase.index} ({phase.name}), and this run makes that "
