@@ -62,12 +62,18 @@ def assert_same_weights(out: Path, reference: Path) -> None:
     assert not different, f"{len(different)} tensors differ from the uninterrupted run, e.g. {different[:3]}"
 
 
-def history(out: Path) -> list[tuple]:
-    """The run's log as (global step, phase, loss, reward, eval reward, phase start), HF's per-call summaries left out
-    (`train_runtime` etc.: wall-clock figures of one process)."""
+WALL_CLOCK = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")  # of one process
+
+
+def history(out: Path) -> list[dict]:
+    """The run's log, entry for entry with every key (the reset probe's, HF's per-call summaries with `train_loss`)
+    but the wall-clock figures; a merged save's folder relative to the run folder."""
     entries = json.loads((out / "run_summary.json").read_text())["log_history"]
-    keys = ("prorl/global_step", "prorl/phase", "loss", "reward", "eval_reward", "prorl/phase_start")
-    return [tuple(entry.get(key) for key in keys) for entry in entries if "train_runtime" not in entry]
+    kept = [{key: value for key, value in entry.items() if key not in WALL_CLOCK} for entry in entries]
+    for entry in kept:
+        if "merged_checkpoint" in entry:
+            entry["merged_checkpoint"] = os.path.relpath(entry["merged_checkpoint"], out)
+    return kept
 
 
 def snapshot(folder: Path) -> dict[str, str]:
@@ -89,7 +95,7 @@ def reference(tiny_dir, shared_data, tmp_path_factory):
 def test_reference_run_trains(reference, tiny_dir):
     from safetensors.torch import load_file as load
 
-    steps = [step for step, _, loss, *_ in history(reference) if loss is not None]
+    steps = [entry["prorl/global_step"] for entry in history(reference) if "loss" in entry]
     assert steps == [1, 2, 3, 4, 5, 6]
     start = load(tiny_dir / "model.safetensors")
     moved = {k: (final_weights(reference)[k] - v).abs().max().item() for k, v in start.items()}
@@ -115,6 +121,23 @@ def test_sigkill_at_eight_points_then_resume_is_bit_identical(reference, tiny_di
     assert result.returncode == 0 and "holds a finished run" in result.stdout and "nothing was changed" in result.stdout
     assert "phase " not in result.stdout.split("holds a finished run")[0]
     assert snapshot(out) == before
+
+
+def test_a_resume_that_makes_the_reset_logs_what_the_uninterrupted_run_logged(reference, tiny_dir, shared_data, tmp_path):
+    """Killed after phase 0's last checkpoint: the resume runs the reset between the phases, and its log has the reset
+    probe's metrics (from the rows the checkpoint kept) and phase 0's summary with its `train_loss`, as the
+    uninterrupted run's has."""
+    out = tmp_path / "run"
+    killed = cli(out, tiny_dir, shared_data, env={"PRORL_TEST_KILL_AT": "on_train_end:0:3"})
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert (out / "phase-0" / "checkpoint-3" / "reset_probe_0.safetensors").is_file() and not (out / "phase-1").exists()
+    resumed = cli(out, tiny_dir, shared_data, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert history(out) == history(reference)
+    probed = [entry for entry in history(out) if "prorl/reset_logp_change" in entry]
+    assert [entry["prorl/global_step"] for entry in probed] == [4] and "prorl/reset_effect_lost" in probed[0]
+    summaries = [entry["prorl/global_step"] for entry in history(out) if "train_loss" in entry]
+    assert summaries == [3, 6]
 
 
 def test_second_train_into_a_used_folder_exits_2_and_changes_nothing(reference, tiny_dir, shared_data):

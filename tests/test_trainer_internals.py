@@ -9,7 +9,7 @@ import pytest
 import torch
 import trl
 from _prorl_helpers import lora, prompts_dataset, tiny_args, tiny_model
-from transformers import GenerationConfig, Trainer
+from transformers import GenerationConfig, Trainer, TrainerState
 from trl import GRPOTrainer
 from trl.generation.vllm_generation import VLLMGeneration
 from trl.trainer.utils import add_fused_lm_head
@@ -106,12 +106,19 @@ def test_generate_single_turn_contract_the_rollout_engine_reproduces():
 
 def test_hf_resume_loads_optimizer_and_scheduler_after_building_them_from_the_settings():
     """`ProRLTrainer._load_optimizer_and_scheduler` reads the freshly built scheduler's `base_lrs` (this run's rate)
-    before HF's load overwrites them, and moves a LambdaLR (`lr_lambdas`) to it; HF's default schedules are LambdaLR."""
+    before HF's load overwrites them, rebuilds the schedule with `create_scheduler(num_training_steps, optimizer)` over
+    `state.max_steps` (loaded, then set to this run's length, before the optimizer is prepared) and moves the loaded
+    LambdaLR (`base_lrs`, `lr_lambdas`, `_last_lr`) to it; HF's default schedules are LambdaLR."""
     from transformers.optimization import get_scheduler
 
     assert list(inspect.signature(Trainer._load_optimizer_and_scheduler).parameters) == ["self", "checkpoint"]
+    assert list(inspect.signature(Trainer.create_scheduler).parameters) == ["self", "num_training_steps", "optimizer"]
+    assert "return self.lr_scheduler" in inspect.getsource(Trainer.create_scheduler)
     prepare = inspect.getsource(Trainer._prepare_for_training)
     assert prepare.index("self.create_scheduler(") < prepare.index("self._load_optimizer_and_scheduler(")
+    loop = inspect.getsource(Trainer._inner_training_loop)
+    assert loop.index("self._init_training_state(") < loop.index("self._prepare_for_training(")
+    assert "self.max_steps = max_steps" in inspect.getsource(TrainerState.init_training_references)
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=1, num_training_steps=4)
     assert scheduler.base_lrs == [1e-3] and len(scheduler.lr_lambdas) == 1 and scheduler.lr_lambdas[0](2) > 0

@@ -227,6 +227,10 @@ def _train(
         return 0
     data_now = split_fingerprints(recipe.data)  # what the local data files hold now (a resume compares)
     changes = resume_changes(plan.resume, recipe.output_dir, recipe.raw, allow_changes, data_now)  # exit 2, nothing loaded
+    if plan.resume:  # a phase made shorter than the steps it trained: exit 2, nothing written
+        from ..trainer.state import check_resumed_phase_length
+
+        check_resumed_phase_length(plan.resume, recipe.training_args(), recipe.peft_config())
     if main and changes:
         print(f"note: resuming with changes to the recorded recipe (kept in {RESUME_HISTORY_NAME}):", flush=True)
         print("\n".join(f"  {change.describe()}" for change in changes), flush=True)

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from ..reset import unwrap_model
 
 PROBE_ROWS = 2  # completions per process: enough to see a reset's effect, a few forwards of cost at a reset
+PROBE_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+PROBE_FILE = "reset_probe_{}.safetensors"  # in a checkpoint, one per process (as HF's rng_state_<rank>.pth)
 
 
 @dataclass
@@ -68,11 +72,32 @@ class ResetProbe:
         return metrics
 
 
+def save_probe_rows(trainer: Any, checkpoint: Path) -> None:
+    """Write the rows a reset would probe now into `checkpoint` (this process's file; LoRA runs only).
+
+    A resume starts with no generation batch, so a reset right after it (the phase boundary after a phase's last
+    checkpoint, a reset pending at the checkpoint) would have nothing to probe, and the resumed run's log would lack
+    the metrics the uninterrupted run logged there; `load_probe_rows` gives the resumed run these rows."""
+    batch = _recent_batch(trainer)
+    if batch is None or not checkpoint.is_dir() or not hasattr(unwrap_model(trainer.model), "peft_config"):
+        return
+    rows = {key: batch[key][:PROBE_ROWS].detach().cpu().contiguous() for key in PROBE_KEYS}
+    save_file(rows, str(checkpoint / PROBE_FILE.format(trainer.accelerator.process_index)))
+
+
+def load_probe_rows(trainer: Any, checkpoint: Path) -> dict[str, torch.Tensor] | None:
+    """The rows `save_probe_rows` wrote into `checkpoint` for this process, on its device; None when there are none."""
+    path = Path(checkpoint) / PROBE_FILE.format(trainer.accelerator.process_index)
+    if not path.is_file():
+        return None
+    return {key: value.to(trainer.accelerator.device) for key, value in load_file(str(path)).items()}
+
+
 def _recent_batch(trainer: Any) -> dict[str, torch.Tensor] | None:
-    buffered = getattr(trainer, "_buffered_inputs", None)  # TRL private: the current generation batch, per step
-    batch = buffered[0] if isinstance(buffered, list) and buffered else None
-    needed = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
-    if batch is None or any(key not in batch for key in needed) or "pixel_values" in batch:
+    """TRL's current generation batch (`_buffered_inputs`, private), else the rows a resume loaded."""
+    buffered = getattr(trainer, "_buffered_inputs", None)
+    batch = buffered[0] if isinstance(buffered, list) and buffered else getattr(trainer, "_resumed_probe_rows", None)
+    if batch is None or any(key not in batch for key in PROBE_KEYS) or "pixel_values" in batch:
         return None
     return batch
 

@@ -75,6 +75,46 @@ def resume_state(checkpoint: Path, first_phase: Any) -> dict[str, Any]:
     }
 
 
+class PhaseLengthError(ValueError):
+    """A resume whose phase is now shorter than the steps it has already trained. The CLI prints the message and exits
+    2 (nothing was trained)."""
+
+    exit_status = 2
+
+
+def resumed_phase_complete(state: dict[str, Any], phase: Any, checkpoint: Path) -> bool:
+    """Whether the checkpoint's phase is over under this run's settings (a resume then goes to the next phase).
+
+    A phase that ran to its `max_steps` is measured against the phase length this run asks for, not the recorded one:
+    a longer phase trains on to its new end, one whose new end is the checkpoint's step ends there. A phase already
+    past its new end is refused: the steps it trained cannot be taken back, and ending it there would leave a phase
+    longer than asked. A plateau stop stays a stop; epoch-based phases, plain TRL checkpoints and ProRL ones that
+    recorded no `phase_end_reason` (a plateau stop cannot be told from a length) keep the recorded answer.
+    """
+    step, reason = state["phase_global_step"], state.get("phase_end_reason")
+    if reason is not None and reason != "max_steps":
+        return True
+    if phase.max_steps < 1 or reason is None:
+        return bool(state.get("phase_complete", 0 < phase.max_steps <= step))
+    if step > phase.max_steps:
+        raise PhaseLengthError(
+            f"{checkpoint} has trained {step} steps of phase {phase.index} ({phase.name}), and this run makes that "
+            f"phase {phase.max_steps} steps long: the steps already trained cannot be taken back. Resume with "
+            f"`--phases.{phase.index}.max_steps {step}` or more, or start a new run with the shorter phase."
+        )
+    return step >= phase.max_steps
+
+
+def check_resumed_phase_length(checkpoint: str | os.PathLike, args: Any, peft_config: Any) -> None:
+    """`resumed_phase_complete`'s refusal, for the CLI to give before anything is loaded or written."""
+    from ..config import resolve_phases
+
+    phases = resolve_phases(args, peft_config, world_size=args.world_size)
+    state = resume_state(Path(checkpoint), phases[0])
+    if state["phase_index"] < len(phases):
+        resumed_phase_complete(state, phases[state["phase_index"]], Path(checkpoint))
+
+
 class ProRLStateCallback(TrainerCallback):
     """Internal: phase-start entry, pending resets, stop requests, the phase plateau rule, `prorl_state.json`."""
 
@@ -149,6 +189,7 @@ class ProRLStateCallback(TrainerCallback):
                 "lora_reset_mode": args.lora_reset_mode,
                 "pending_reset": trainer._pending_reset,
                 "scheduler_horizon": trainer._scheduler_horizon,
+                "scheduler_start": trainer._scheduler_start,  # a resume puts the horizon over its phase length
                 "phase_loss_sum": trainer._phase_loss_sum(),  # a resumed phase's `train_loss` covers the whole phase
                 "sampling": trainer.sampling,
                 "callbacks": self.state_dict(),

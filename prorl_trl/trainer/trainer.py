@@ -24,8 +24,8 @@ tests/test_trainer_internals.py):
 * `_get_output_dir`: checkpoints go to `<output_dir>/phase-<i>/` because HF names them by the per-call step.
 * `_save_checkpoint`: un-commits a checkpoint folder before HF rewrites it in place (see `reset.checkpoint`).
 * `create_scheduler`: keeps the LR-schedule horizon of an in-loop reset across a resume.
-* `_load_optimizer_and_scheduler` (HF): a resume with a changed learning rate goes on at the new rate (the loaded
-  states carry the old one in `base_lrs` / `initial_lr`).
+* `_load_optimizer_and_scheduler` (HF): a resume with changed schedule settings (rate, phase length, warmup, type)
+  goes on at the rates a fresh run with them has (the loaded states carry the old schedule's rate).
 * `_calculate_rewards` / `_generate_and_score_completions`: dynamic sampling (`DynamicSamplingMixin`; no hook exists
   in TRL).
 * `_compute_loss` / `_get_per_token_logps_and_entropies`: minibatch early stop (`MinibatchEarlyStopMixin`) needs the
@@ -43,11 +43,15 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
+from torch.optim.lr_scheduler import LambdaLR
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_callback import TrainerState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, speed_metrics
 from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
@@ -101,9 +105,9 @@ from .overlong import OverlongPenalty
 from .placement import fsdp2_model_init_kwargs, move_stray_tensors_
 from .progress import use_run_progress
 from .replay import StepBatchesMixin
-from .reset_probe import ResetProbe
+from .reset_probe import ResetProbe, load_probe_rows, save_probe_rows
 from .sampling import GENERATION_CONFIG_NAMES, SAMPLING_KEYS, patch_fused_log_prob_heads
-from .state import ProRLStateCallback, find_checkpoint, resume_state
+from .state import ProRLStateCallback, find_checkpoint, resume_state, resumed_phase_complete
 from .trackers import TrackerSpan
 
 logger = logging.getLogger("prorl_trl")
@@ -191,6 +195,7 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         # sha256 of what a resume loads after the last reset (frozen factors, or the merged base), relative paths
         self.prorl_reset_hashes: dict[str, str] = {}
         self.prorl_reset_change: dict[str, float] = {}  # the last reset's `ResetProbe.measure` (LoRA, in a run)
+        self._resumed_probe_rows: dict[str, torch.Tensor] | None = None  # for a reset before the resume's first step
         self._global_step_offset = 0
         self._in_training_loop = False
         self._pending_reset: str | None = None
@@ -198,6 +203,7 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         self._fused_forward_at_init: dict[int, Any] = {}
         self._phase_end_reason = "max_steps"
         self._scheduler_horizon: int | None = None
+        self._scheduler_start = 0  # the phase step where the schedule started (an in-loop reset restarts it)
         self._compiled_generation = False
         self._stop_requested: str | None = None
         self._resumed_phase_step = 0
@@ -377,10 +383,11 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
             self.overlong_penalty.factor = phase.overlong_penalty_factor
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
         self.apply_sampling(**{key: getattr(phase, key) for key in SAMPLING_KEYS})
-        self._scheduler_horizon = None  # each phase's schedule spans the phase (see `create_scheduler`)
+        self._scheduler_horizon, self._scheduler_start = None, 0  # each phase's schedule spans the phase
         # TRL privates: the generation buffer and its micro-step counter belong to the previous dataloader.
         self._buffered_inputs = None
         self._step = 0
+        self._resumed_probe_rows = None
         force_weight_sync(self)  # HF's global_step restarts at 0: vLLM must get the weights at the first step
         self._state_callback.start_phase(phase)
         if self.optimizer is not None and phase.index > 0:  # the first phase uses the optimizer (and scheduler) as given
@@ -474,6 +481,8 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
             self.announce(f"note: {unchecked}")
         state = resume_state(checkpoint, self.phases[0])  # a plain GRPOTrainer checkpoint resumes as phase 0
         phase = self.phases[state["phase_index"]]
+        # At the phase's last step (of this run's length) or a plateau stop: the phase is over. Refused before any change.
+        complete = resumed_phase_complete(state, phase, checkpoint)
         difference = base_model_difference(state.get("base_model"), self.prorl_base_model)
         if difference:
             raise RunFilesError(
@@ -492,14 +501,16 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         self.prorl_reset_hashes = dict(state.get("reset_files_sha256") or {})
         self._global_step_offset = state["global_step_offset"]
         self._resumed_phase_step = state["phase_global_step"]
-        # A checkpoint written by the phase's last step (or a plateau stop): the phase is over, nothing to train.
-        self._resumed_phase_complete = state.get("phase_complete", self._resumed_phase_step >= phase.max_steps)
+        self._resumed_phase_complete = complete
         self._phase_end_reason = state.get("phase_end_reason", "max_steps")
         self._pending_reset = state.get("pending_reset")
         if self._adapter_differs(phase):
             self._reinit_adapter(phase)
         self._apply_phase(phase)
         self._scheduler_horizon = state.get("scheduler_horizon")
+        self._scheduler_start = state.get("scheduler_start", 0)
+        if self._scheduler_horizon is not None and "scheduler_start" in state and phase.max_steps > 0:
+            self._scheduler_horizon = max(phase.max_steps - self._scheduler_start, 1)  # this run's phase length
         self._resumed_loss_sum = state.get("phase_loss_sum")  # none in older checkpoints and plain TRL ones
         self._state_callback.load_state_dict(state.get("callbacks", {}))
         history = Path(self.args.output_dir) / LOG_HISTORY_NAME
@@ -514,6 +525,7 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
                 and (entry.get("prorl/phase", 0), entry.get("prorl/global_step", 0)) <= (phase.index, step)
             ]
         self._trackers.resumed_at = self._global_step_offset + self._resumed_phase_step
+        self._resumed_probe_rows = load_probe_rows(self, checkpoint)  # what a reset before the first step probes
         self._announce_phase(phase)
         return checkpoint
 
@@ -561,6 +573,29 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
             self.create_optimizer()
         load_optimizer_state(self.optimizer, checkpoint)
         self._load_rng_state(str(checkpoint))  # HF private: python, numpy, torch (and CUDA) RNG of this process
+        self._log_phase_summary_of(checkpoint)
+
+    def _log_phase_summary_of(self, checkpoint: Path) -> None:
+        """The entry HF's `_finalize_training` logs when a phase's call ends (`train_loss` over the phase,
+        `total_flos`, speed figures), which a resume from the phase's last checkpoint would not have: with it the log
+        equals the uninterrupted run's. The speed figures are this call's (no step trained); a checkpoint that
+        recorded no `phase_loss_sum` (older ones) gets no entry, and none is added when the run's log history, written
+        after the phase's call, already has it (a stop during the next reset or `final/`)."""
+        state_file = checkpoint / TRAINER_STATE_NAME
+        phase = self.current_phase.index
+        logged = any(entry.get("prorl/phase") == phase and "train_loss" in entry for entry in self.prorl_log_history)
+        if self._resumed_loss_sum is None or logged or not state_file.is_file():
+            return
+        start = time.time()
+        self.state = TrainerState.load_from_json(str(state_file))  # the phase's step, epoch and flos, as HF had them
+        metrics = speed_metrics("train", start, num_samples=0, num_steps=0)
+        metrics["total_flos"] = self.state.total_flos
+        metrics["train_loss"] = self._resumed_loss_sum / max(self.state.global_step, 0.001)  # as `_finalize_training`
+        self._in_training_loop = True  # `prorl/global_step` counts the phase's steps, as inside HF's call
+        try:
+            self.log(metrics)
+        finally:
+            self._in_training_loop = False
 
     def _superset_shape(self, phase: ResolvedPhase) -> dict[str, Any]:
         """`phase`'s adapter as the active part of the superset adapter: rank, alpha and wrapped module names."""
@@ -723,28 +758,34 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         return super().create_scheduler(num_training_steps=num_training_steps, optimizer=optimizer)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """HF's, then the learning rate of this run's settings: the checkpoint's optimizer and scheduler states carry
-        the rate the run had when it saved (param groups' `initial_lr`, LambdaLR's `base_lrs`), so a resume that
-        changed `learning_rate` (`--allow-changes`) would go on at the old one. The schedule goes on from the
-        checkpoint's step at the new rate: the rate a fresh run with the new settings has at that step. Unchanged
-        rates leave everything as loaded (bitwise resumes)."""
-        fresh = list(getattr(self.lr_scheduler, "base_lrs", None) or [])  # built from this run's settings
+        """HF's, then the LR schedule of this run's settings at the checkpoint's step.
+
+        HF builds the scheduler from this run's settings and loads the checkpoint's state into it; that state and the
+        optimizer's carry the old schedule's rate (LambdaLR's `base_lrs` and `_last_lr`, the param groups'
+        `initial_lr` and `lr`). A resume that changed a schedule setting (`learning_rate`, the resumed phase's
+        `max_steps`, warmup, `lr_scheduler_type` or its kwargs; `--allow-changes`) would train its first step at the
+        old rate and the next ones on the new schedule: a rate that rises in the middle of a decay. Here the schedule
+        is rebuilt as a fresh run with this run's settings builds it (`create_scheduler`, over the phase or, after an
+        in-loop reset, over the steps it left) and set to the loaded step (`last_epoch`), and the param groups get its
+        rate. With unchanged settings this is LambdaLR's own `base_lr * lr_lambda(step)`: the loaded rates, bit for bit.
+        Other schedulers (`reduce_lr_on_plateau`, one passed in `optimizers`) keep the loaded state.
+        """
+        fresh_rates = list(getattr(self.lr_scheduler, "base_lrs", None) or [])  # built from this run's settings
         super()._load_optimizer_and_scheduler(checkpoint)
         scheduler = self.lr_scheduler
-        if checkpoint is None or not fresh or list(getattr(scheduler, "base_lrs", None) or []) == fresh:
+        if checkpoint is None or self._user_scheduler or not isinstance(scheduler, LambdaLR) or not fresh_rates:
             return
-        lambdas = getattr(scheduler, "lr_lambdas", None)
-        if lambdas is None or len(lambdas) != len(fresh):
-            logger.warning(
-                "The learning rate differs from the checkpoint's, but the scheduler %s cannot be moved to it: the new "
-                "rate takes effect at the next phase.", type(scheduler).__name__
-            )
-            return
-        scheduler.base_lrs = fresh
-        rates = [base * schedule(scheduler.last_epoch) for base, schedule in zip(fresh, lambdas)]
-        for group, base, rate in zip(self.optimizer.param_groups, fresh, rates):
-            group["initial_lr"], group["lr"] = base, rate
+        step = scheduler.last_epoch  # scheduler steps since the schedule started (the phase, or an in-loop reset)
+        for group, rate in zip(self.optimizer.param_groups, fresh_rates):
+            group["initial_lr"] = rate  # `create_scheduler` takes its base rates from here
+        self.lr_scheduler = None
+        fresh = self.create_scheduler(num_training_steps=self.state.max_steps, optimizer=self.optimizer)
+        scheduler.base_lrs, scheduler.lr_lambdas = list(fresh.base_lrs), list(fresh.lr_lambdas)
+        rates = [base * schedule(step) for base, schedule in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+        for group, rate in zip(self.optimizer.param_groups, rates):
+            group["lr"] = rate
         scheduler._last_lr = rates
+        self.lr_scheduler = scheduler  # the loaded object, which HF (and DeepSpeed) already reference
 
     def _frozen_room(self, target: ResolvedPhase) -> int:
         """For how many later resets a joined frozen part leaves zero room (`consolidate_frozen_parts`): those the
@@ -787,6 +828,7 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         new_params, rounding, kept, probe = False, None, None, None
         if hasattr(model, "peft_config"):
             probe = ResetProbe.take(self)
+            self._resumed_probe_rows = None  # used once, by the reset the resume was stopped before
             # in the engine's storage; idle parts of a superset adapter are zero and skipped
             active = self._active_lora["target_names"] if engine.sharded and self._active_lora else None
             if self.args.lora_reset_mode == "frozen":
@@ -877,7 +919,8 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
             return
         if self._in_training_loop:
             self.lr_scheduler = None
-            self._scheduler_horizon = max(self.state.max_steps - self.state.global_step, 1)
+            self._scheduler_start = self.state.global_step
+            self._scheduler_horizon = max(self.state.max_steps - self._scheduler_start, 1)
             self.create_scheduler(num_training_steps=self._scheduler_horizon, optimizer=self.optimizer)
             self.callback_handler.optimizer = self.optimizer
             self.callback_handler.lr_scheduler = self.lr_scheduler
@@ -987,10 +1030,13 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """HF's, after removing the folder's commit record: HF writes into `checkpoint-<step>` in place, and that folder
-        may hold a complete save from before a resume (see `reset.checkpoint.uncommit`)."""
+        may hold a complete save from before a resume (see `reset.checkpoint.uncommit`). Adds the reset probe's rows
+        (`reset_probe.save_probe_rows`), before `ProRLStateCallback.on_save` commits the folder."""
+        folder = Path(self._get_output_dir(trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         if self.args.should_save:
-            uncommit(Path(self._get_output_dir(trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            uncommit(folder)
         super()._save_checkpoint(model, trial)
+        save_probe_rows(self, folder)  # a reset right after a resume from here probes what it would have (LoRA)
 
     # ------------------------------------------------------------------------------------------------- logging
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
