@@ -157,6 +157,9 @@ def test_moved_run_resumes_to_the_uninterrupted_weights(tiny_dir, shared_data, t
     assert list(state["reset_files_sha256"]) == ["frozen/reset-1.safetensors"]
     assert state["base_model"]["fingerprint"]
     shutil.move(old, new)
+    finished = cli(new, tiny_dir, shared_data, *SHORT, "--phases.0.max_steps", "3", "--resume", "--allow-changes")
+    assert finished.returncode == 2 and "earlier, finished phases" in finished.stderr, finished.stderr[-2000:]
+    assert "phases.0.max_steps: 2 -> 3" in finished.stderr  # phase 0 trained as recorded: refused, not ignored
     resumed = cli(new, tiny_dir, shared_data, *SHORT, "--resume")  # a moved run: its output_dir changes, and passes
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout and not old.exists()

@@ -282,6 +282,26 @@ def same_base_model_folder(change: Change, checkpoint: Path | None) -> bool:
         return False
 
 
+def refuse_finished_phase_changes(changes: list[Change], checkpoint: Path) -> None:
+    """A change to a phase the checkpoint is past (`phases.<i>.*`, i below its phase) cannot be honoured: that phase
+    trained as recorded. Refused (exit 2) even with `--allow-changes`, rather than accepted and left without effect."""
+    import re
+
+    from ..reset.checkpoint import PRORL_STATE_NAME, read_prorl_state
+
+    if not (checkpoint / PRORL_STATE_NAME).is_file():
+        return  # a plain TRL checkpoint: one phase
+    current = read_prorl_state(checkpoint)["phase_index"]
+    finished = [change for change in changes if (m := re.match(r"phases\.(\d+)\.", change.key)) and int(m[1]) < current]
+    if finished:
+        listed = "\n".join(f"  {change.describe()}" for change in finished)
+        raise ChangedRecipeError(
+            f"--resume: {checkpoint} is in phase {current}, so these settings of earlier, finished phases cannot take "
+            f"effect:\n{listed}\nNothing was loaded or changed. Drop those overrides (keep the finished phases as "
+            "recorded); a change to the current phase or a later one, or to `training`, is what a resume can apply."
+        )
+
+
 def check_resume_changes(
     run_dir: Path, current: dict[str, Any], allow_changes: bool, data_now: dict[str, dict[str, str]] | None = None,
     checkpoint: Path | None = None,
@@ -301,6 +321,8 @@ def check_resume_changes(
         )
     changes = (recorded or []) + (data_file_changes(run_dir, data_now) if data_now is not None else [])
     altering = [change for change in changes if change.alters_training]
+    if checkpoint is not None:
+        refuse_finished_phase_changes(altering, checkpoint)
     if altering and not allow_changes:
         listed = "\n".join(f"  {change.describe()}" for change in altering)
         raise ChangedRecipeError(
