@@ -180,7 +180,7 @@ def test_overwrite_reports_a_recorded_path_that_became_a_symlink_as_unlinked_not
     (run / "phase-0").symlink_to(elsewhere, target_is_directory=True)
     (run / "recipe.yaml").write_text("x: 1\n")
     deleted, kept = delete_run_outputs(plan_start(run, overwrite=True).state)
-    assert sorted(deleted) == ["phase-0/ (a symlink: the link removed, its target kept)", "recipe.yaml"] and not kept
+    assert sorted(deleted) == ["phase-0/ (a symlink: the link removed and its target kept)", "recipe.yaml"] and not kept
     assert not (run / "phase-0").exists() and (elsewhere / "checkpoint-9" / "weights").read_text() == "kept"
 
 
@@ -253,11 +253,12 @@ def test_validate_tells_what_train_would_do_with_the_output_folder(tmp_path, cap
 
     recipe = Path(__file__).resolve().parent.parent / "recipes" / "demo_tiny.yaml"
     fake_run(tmp_path)
+    (tmp_path / "recipe.yaml").write_text(recipe.read_text())  # the run was started from this recipe
     before = sorted(str(p) for p in tmp_path.rglob("*"))
     base = ["validate", str(recipe), "--training.output_dir", str(tmp_path), "--no-machine-checks"]
     assert main(base) == 2
     assert "holds an unfinished run" in capsys.readouterr().err
-    assert main(base + ["--resume", "--allow-changes"]) == 0  # fake_run's recipe.yaml is not demo_tiny's
+    assert main(base + ["--resume"]) == 0  # output_dir differs from the recorded one: not a change that needs a flag
     assert "resuming from" in capsys.readouterr().err
     assert main(base + ["--overwrite"]) == 2  # the user's notes.txt and runs/other-run/ are there too
     assert "holds files this run did not write: notes.txt, runs/other-run/" in capsys.readouterr().err
@@ -333,10 +334,14 @@ def test_audit_cases_through_the_cli(tiny_dir, shared_data, tmp_path):
     assert "did not write: completions/, distill/, phase-1-plan.md, runs/" in refused.stderr
     assert (run / "final" / "sentinel").exists()
 
+    archived = tmp_path / "archived_summary.json"  # a recorded output the user replaced by a link to their copy
+    (run / "run_summary.json").rename(archived)
+    (run / "run_summary.json").symlink_to(archived)
     overwritten = train("--overwrite", "--allow-other-files")
     assert overwritten.returncode == 0, overwritten.stderr[-3000:]
     deleted = overwritten.stdout.split("--overwrite: deleted ")[1].split(" in ")[0].split(", ")
-    assert {"final/", "recipe.yaml", "run_summary.json", "prorl_log_history.json"} <= set(deleted)
+    assert {"final/", "recipe.yaml", "prorl_log_history.json"} <= set(deleted)
+    assert "run_summary.json (a symlink: the link removed and its target kept)" in deleted and archived.is_file()
     assert not {"completions/", "distill/", "phase-1-plan.md", "runs/"} & set(deleted)
     assert f"--overwrite: kept {tensorboard}" in overwritten.stdout  # through the link: left where it is
     assert not (run / "final" / "sentinel").exists() and (run / "final" / "config.json").is_file()

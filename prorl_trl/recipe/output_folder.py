@@ -276,7 +276,7 @@ def delete_run_outputs(state: FolderState) -> tuple[list[str], list[str]]:
             continue
         if target.is_symlink():  # the link goes; what it points to is not the run's to delete, and the message says so
             target.unlink()
-            deleted.append(f"{name} (a symlink: the link removed, its target kept)")
+            deleted.append(f"{name} (a symlink: the link removed and its target kept)")
             continue
         if target.is_dir():
             shutil.rmtree(target)
