@@ -165,6 +165,23 @@ def test_trl_flat_config_with_lora():
     assert [r["name"] for r in recipe["rewards"]] == ["math_equivalence", "soft_overlong"]
     assert set(translation.unmapped) == {"reward_funcs: think_format_reward"}
     assert "lora_target_modules" in translation.notes["use_peft"]
+    assert "use_vllm" not in translation.notes  # no open-r1 markers: vllm_mode is TRL's default, no note says "server"
+
+
+def test_notes_never_contradict_what_the_file_sets():
+    """Audit finding (issue 39): `lora_target_modules: all-linear` was noted as "not set", and `vllm_mode: colocate`
+    as "the recipe sets training.vllm_mode: server". Those notes are for keys the file leaves out, only."""
+    given = {"model_name_or_path": "Qwen/Qwen2-0.5B", "dataset_name": "x/y", "use_peft": True,
+             "lora_target_modules": "all-linear", "use_vllm": True, "vllm_mode": "colocate", "system_prompt": "s",
+             "reward_funcs": ["accuracy"]}  # fmt: skip
+    translation = translate_flat_config(given)
+    assert translation.recipe["peft"]["target_modules"] == "all-linear"
+    assert translation.recipe["training"]["vllm_mode"] == "colocate"
+    notes = " ".join(translation.notes.values())
+    assert "not set" not in notes and "server" not in notes, translation.notes
+    left_out = translate_flat_config({k: v for k, v in given.items() if k not in ("lora_target_modules", "vllm_mode")})
+    assert "lora_target_modules not set" in left_out.notes["use_peft"]
+    assert left_out.recipe["training"]["vllm_mode"] == "server" and "server" in left_out.notes["use_vllm"]
 
 
 def test_convert_command_writes_a_recipe_validate_accepts(tmp_path, capsys):

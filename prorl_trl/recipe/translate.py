@@ -56,11 +56,14 @@ NOTES = {
     "template `raw`, prompt_format `chat` and data.system_prompt",
     "warmup_ratio": "transformers 5 dropped warmup_ratio; warmup_steps below 1 is read as the same ratio",
     "hub_model_revision": "pushed by transformers' push_to_hub to this branch (open-r1's own callback is not used)",
-    "use_vllm": "open-r1 runs vLLM as a server (`trl vllm-serve` on one GPU, `accelerate launch --num_processes 7` "
-    "on the other seven), the default of the TRL it pinned; TRL 1.16's default is colocate, so the recipe sets "
-    "training.vllm_mode: server (set colocate to share the training GPUs)",
     "scale_rewards": "TRL 1.16 reads true/false as 'group'/'none'; written as the string",
     "torch_dtype": "TRL 1.16 calls it dtype",
+}
+# Notes about a key the file leaves out, given where the translation fills it in (never when the file sets the key).
+UNSET_NOTES = {
+    "vllm_mode": "open-r1 runs vLLM as a server (`trl vllm-serve` on one GPU, `accelerate launch --num_processes 7` "
+    "on the other seven), the default of the TRL it pinned; TRL 1.16's default is colocate, so the recipe sets "
+    "training.vllm_mode: server (set colocate to share the training GPUs)",
     "lora_target_modules": "lora_target_modules not set: TRL leaves it to PEFT's per-model default (q_proj, v_proj "
     "for Qwen and Llama); the recipe's peft.target_modules default is all-linear",
 }
@@ -262,7 +265,7 @@ def translate_flat_config(raw: dict[str, Any], source: str = "a flat GRPO config
         elif key == "use_peft":
             out.mapped[key] = "peft" if use_peft else "peft: null (full fine-tuning)"
             if use_peft and "lora_target_modules" not in raw:
-                out.notes[key] = NOTES["lora_target_modules"]
+                out.notes[key] = UNSET_NOTES["lora_target_modules"]
         elif key in ("reward_funcs", "reward_weights") or key in REWARD_PARAM_KEYS:
             continue  # below, together
         elif key in UNMAPPED_REASONS:
@@ -282,7 +285,7 @@ def translate_flat_config(raw: dict[str, Any], source: str = "a flat GRPO config
     _translate_rewards(raw, out)
     if raw.get("use_vllm") is True and "vllm_mode" not in raw and OPEN_R1_MARKERS & set(raw):
         out.recipe["training"]["vllm_mode"] = "server"
-        out.notes["use_vllm"] = NOTES["use_vllm"]
+        out.notes["use_vllm"] = UNSET_NOTES["vllm_mode"]
     if use_peft:  # TRL ModelConfig's defaults where the file sets none
         out.recipe["peft"] = {**TRL_LORA_DEFAULTS, **(out.recipe["peft"] or {})}
     if not out.recipe["logging"]:
