@@ -67,12 +67,13 @@ WALL_CLOCK = ("step_time", "train_runtime", "train_samples_per_second", "train_s
 
 def history(out: Path) -> list[dict]:
     """The run's log, entry for entry with every key (the reset probe's, HF's per-call summaries with `train_loss`)
-    but the wall-clock figures; a merged save's folder relative to the run folder."""
+    but the wall-clock figures; a merged save's folder as `merged/<name>` (the log holds where it was written, which
+    for a copied run folder is the original's place)."""
     entries = json.loads((out / "run_summary.json").read_text())["log_history"]
     kept = [{key: value for key, value in entry.items() if key not in WALL_CLOCK} for entry in entries]
     for entry in kept:
         if "merged_checkpoint" in entry:
-            entry["merged_checkpoint"] = os.path.relpath(entry["merged_checkpoint"], out)
+            entry["merged_checkpoint"] = "/".join(Path(entry["merged_checkpoint"]).parts[-2:])
     return kept
 
 
