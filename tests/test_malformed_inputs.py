@@ -73,11 +73,14 @@ def assert_refused(result: subprocess.CompletedProcess, *words: str) -> None:
         assert word in result.stderr, (word, result.stderr[-2000:])
 
 
-def register_token_hash() -> None:
-    """The reward of tests/_kill_launcher.py, for in-process runs against the killed run's recipe."""
+def register_token_hash(monkeypatch) -> None:
+    """The reward of tests/_kill_launcher.py, for in-process runs against the killed run's recipe; registered for
+    this test only (the registry is process-wide: a name left there reaches later tests' `rewards.available()`)."""
     import _kill_launcher
     import rewards
+    from rewards import registry
 
+    monkeypatch.setattr(registry, "_USER_REWARDS", dict(registry._USER_REWARDS))
     if "token_hash" not in rewards.available():
         rewards.register("token_hash")(_kill_launcher.token_hash)
 
@@ -181,7 +184,7 @@ def test_damaged_run_files_are_refused_before_anything_loads(killed_run, tiny_di
     levels deep, and a damaged `prorl_trackers.json` ended in tracebacks with `--resume` (and `--overwrite`)."""
     monkeypatch.setenv("PRORL_SHARED_DATA", str(shared_data))
     monkeypatch.chdir(REPO)
-    register_token_hash()
+    register_token_hash(monkeypatch)
     out = killed_run
     with damaged(out / STATE, b"[1, 2]"):  # through `train` itself: refused before the model loads
         result = cli(out, tiny_dir, shared_data, *SHORT, *TRACKED, "--resume")
@@ -282,7 +285,7 @@ def _replace_one_value(rng: random.Random, original: bytes) -> bytes:
 def test_fuzz_every_file_the_cli_reads_exits_0_or_2(killed_run, tiny_dir, shared_data, tmp_path, monkeypatch):
     monkeypatch.setenv("PRORL_SHARED_DATA", str(shared_data))
     monkeypatch.chdir(REPO)
-    register_token_hash()
+    register_token_hash(monkeypatch)
     rng = random.Random(37)
     out = killed_run
     (out / "resume_history.yaml").write_text("")  # an empty history, to be damaged like the others
