@@ -264,34 +264,26 @@ def data_file_changes(run_dir: Path, data_now: dict[str, dict[str, str]]) -> lis
     return changes
 
 
-def same_base_model_folder(change: Change, checkpoint: Path | None) -> bool:
+def same_base_model_folder(change: Change, state: dict[str, Any]) -> bool:
     """Whether a `model.name_or_path` change names a local folder holding the very weights the checkpoint's deltas
-    sit on (the model folder moved or copied): the same model, so not a change. The trainer compares the same
-    fingerprint again when it loads (`base_model_difference`)."""
-    if change.key != "model.name_or_path" or checkpoint is None or not isinstance(change.new, str):
+    sit on (`state`: its `prorl_state.json`; the model folder moved or copied): the same model, so not a change. The
+    trainer compares the same fingerprint again when it loads (`base_model_difference`)."""
+    if change.key != "model.name_or_path" or not isinstance(change.new, str):
         return False
-    from ..reset.checkpoint import PRORL_STATE_NAME
     from ..reset.provenance import folder_fingerprint
 
     folder = Path(change.new).expanduser()
-    try:
-        state = json.loads((checkpoint / PRORL_STATE_NAME).read_text())
-        recorded = (state.get("base_model") or {}).get("fingerprint")
-        return folder.is_dir() and bool(recorded) and recorded == folder_fingerprint(folder)
-    except (OSError, ValueError, RecursionError, AttributeError):  # unreadable: not shown to be the same
-        return False
+    recorded = (state.get("base_model") or {}).get("fingerprint") if isinstance(state.get("base_model"), dict) else None
+    return bool(recorded) and folder.is_dir() and recorded == folder_fingerprint(folder)
 
 
-def refuse_finished_phase_changes(changes: list[Change], checkpoint: Path) -> None:
-    """A change to a phase the checkpoint is past (`phases.<i>.*`, i below its phase) cannot be honoured: that phase
-    trained as recorded. Refused (exit 2) even with `--allow-changes`, rather than accepted and left without effect."""
+def refuse_finished_phase_changes(changes: list[Change], state: dict[str, Any], checkpoint: Path) -> None:
+    """A change to a phase the checkpoint (`state`: its `prorl_state.json`) is past (`phases.<i>.*`, i below its
+    phase) cannot be honoured: that phase trained as recorded. Refused (exit 2) even with `--allow-changes`, rather
+    than accepted and left without effect."""
     import re
 
-    from ..reset.checkpoint import PRORL_STATE_NAME, read_prorl_state
-
-    if not (checkpoint / PRORL_STATE_NAME).is_file():
-        return  # a plain TRL checkpoint: one phase
-    current = read_prorl_state(checkpoint)["phase_index"]
+    current = state["phase_index"]
     finished = [change for change in changes if (m := re.match(r"phases\.(\d+)\.", change.key)) and int(m[1]) < current]
     if finished:
         listed = "\n".join(f"  {change.describe()}" for change in finished)
@@ -310,9 +302,13 @@ def check_resume_changes(
     `split_fingerprints` of the current recipe, is given); raises `ChangedRecipeError` for training-altering ones
     unless `allow_changes`. Returns every change (an empty list when nothing differs). With the `checkpoint` resumed
     from, a model path that names the same weights in another place is not a change (`same_base_model_folder`)."""
+    from ..reset.checkpoint import PRORL_STATE_NAME, read_prorl_state
+
+    # the checkpoint's record, read once (exit 2 when damaged); none for a plain TRL checkpoint (one phase)
+    state = read_prorl_state(checkpoint) if checkpoint is not None and (checkpoint / PRORL_STATE_NAME).is_file() else {}
     recorded = changes_since_recorded(run_dir, current)
-    if recorded is not None:
-        recorded = [change for change in recorded if not same_base_model_folder(change, checkpoint)]
+    if recorded is not None and state:
+        recorded = [change for change in recorded if not same_base_model_folder(change, state)]
     if recorded is None and RECORDED_RECIPE_NAME in (read_manifest(run_dir) or []) and not allow_changes:
         raise ChangedRecipeError(
             f"--resume: {run_dir / RECORDED_RECIPE_NAME} is missing, so this resume cannot tell whether the recipe "
@@ -321,8 +317,8 @@ def check_resume_changes(
         )
     changes = (recorded or []) + (data_file_changes(run_dir, data_now) if data_now is not None else [])
     altering = [change for change in changes if change.alters_training]
-    if checkpoint is not None:
-        refuse_finished_phase_changes(altering, checkpoint)
+    if state:
+        refuse_finished_phase_changes(altering, state, checkpoint)
     if altering and not allow_changes:
         listed = "\n".join(f"  {change.describe()}" for change in altering)
         raise ChangedRecipeError(

@@ -403,14 +403,16 @@ def _report(
 
 
 def _tensorboard_logs(output_dir: Path) -> Path | None:
-    """The TensorBoard folder the run logged to (`prorl_trackers.json`), None without one or when unreadable."""
+    """The TensorBoard folder the run logged to (`prorl_trackers.json`), None without one or when unreadable (the
+    run is done: a line of its report never fails it)."""
+    from ..files import UnreadableFileError
+    from ..trainer.manifest import read_tracker_ids
+
     try:
-        folder = json.loads((output_dir / "prorl_trackers.json").read_text()).get("tensorboard")
-    except (OSError, ValueError, AttributeError, RecursionError):
+        folder = read_tracker_ids(output_dir).get("tensorboard")
+    except UnreadableFileError:
         return None
-    if not isinstance(folder, str) or not folder:
-        return None
-    return Path(folder) if Path(folder).is_absolute() else output_dir / folder
+    return (output_dir / folder) if folder else None  # an absolute `folder` stays itself
 
 
 def _disk_full_message(output_dir: Path, error: BaseException, command: str) -> str:

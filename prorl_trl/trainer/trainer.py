@@ -59,9 +59,9 @@ import rewards
 
 from .. import reset as reset_ops
 from ..attention import install_cudnn_attention_guard
+from ..config import ProRLConfig, ResolvedPhase, resolve_phases
 from ..console import announce, quiet_console
 from ..files import read_json
-from ..config import ProRLConfig, ResolvedPhase, resolve_phases
 from ..reset.checkpoint import (
     FINAL_DIR_NAME,
     LOG_HISTORY_NAME,
