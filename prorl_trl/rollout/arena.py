@@ -14,10 +14,11 @@ base has another dtype (one byte buffer for everything failed to compile).
 Where the memory goes between generations (CUDA): not into the caching allocator's default pool. There training split
 the freed 1.7 GiB KV segment for its own tensors (at the GSM8K recipe's reset-3, at the out-of-memory error: a 684 MiB
 activation in it between 378 and 666 MiB of free space), so neither its next 684 MiB request fit there nor could the
-allocator release it, and the step ran out of memory under a cap `compiled_generation` runs in (tenth and eleventh
-sessions). The buffers live in a `torch.cuda.MemPool` of their own, made at each acquire and dropped at each release,
-which returns the memory to the driver; its allocator is `fixed_addresses`' (CUDA virtual memory: the memory goes,
-the virtual addresses stay reserved and come back), so the graph stays valid. Where that is unavailable the pool
+allocator release it, and the step ran out of memory under a cap `compiled_generation` runs in (benchmarks/results/
+rollout_engine.md, commits b602886 and 115e9bb, 2026-11-27). The buffers live in a `torch.cuda.MemPool` of their own,
+made at each acquire and dropped at each release, which returns the memory to the driver; its allocator is
+`fixed_addresses`' (CUDA virtual memory: the memory goes, the virtual addresses stay reserved and come back), so the
+graph stays valid. Where that is unavailable the pool
 allocates with `cudaMalloc`, whose addresses moved at every generation (a recapture each, ~0.2 s). Allocating may need
 the memory training left cached: on an out-of-memory error the arena empties the allocator's cache once and tries
 again (inside a private pool some torch versions do not do that themselves).

@@ -27,7 +27,7 @@ def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
 def lend_arrival_counters(counters: torch.Tensor) -> None:
     """Use `counters` (int32, zeros) for kernels of its size launched from now on: the engine's arena holds them only
     while it generates, so nothing of the kernel stays allocated beside training (512 B at the recipe's shapes, the
-    engine's last byte over `compiled_generation`'s peak, eleventh session)."""
+    engine's last byte over `compiled_generation`'s peak: commit 115e9bb, 2026-11-27)."""
     _ARRIVALS[(str(counters.device), counters.numel())] = counters
 
 

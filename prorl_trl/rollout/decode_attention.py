@@ -22,8 +22,8 @@ TARGET_PROGRAMS = 512  # programs per launch the split count aims at (about 4 pe
 NUM_WARPS = 4
 # Splits over equal shares of each row's live keys instead of fixed column ranges (`decode_attention_triton`). On: at
 # 32 rows x a 4,352-column cache on an H200, 14.0 -> 9.3 us a layer with 200 keys live, 18.7 -> 15.2 with 2,000, equal
-# at 4,096 (benchmarks/results/rollout_engine.md, fifth session). False only for the A/B (generation.py's
-# `rollout_engine_fixed_splits`). Read at each launch, so part of the engine's capture key.
+# at 4,096 (benchmarks/results/rollout_engine.md, section 2026-11-26 from 21:19 UTC, commit 1c1b24d). False only for
+# the A/B (generation.py's `rollout_engine_fixed_splits`). Read at each launch, so part of the engine's capture key.
 LIVE_SPLITS = True
 
 

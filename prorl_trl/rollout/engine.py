@@ -59,11 +59,12 @@ logger = logging.getLogger("prorl_trl")
 PROMPT_ALIGN = 64  # prompt budgets grow in these steps, so nearby prompt widths share a capture
 # Inductor options every compiled step gets (a caller's `compile_options` override them). `combo_kernels`: independent
 # small kernels of a step run as one launch (q's and k's LoRA B products, their rotary embeddings, ...): 373 -> 317
-# kernels and 17,669 -> 19,118 tokens/s at 32 x 4,096 with LoRA r32 on q,k on an H200 (fifth session's defaults;
-# benchmarks/results/rollout_engine.md, sixth session). A/B: generation.py's `rollout_engine@nocombo`.
+# kernels and 17,669 -> 19,118 tokens/s at 32 x 4,096 with LoRA r32 on q,k on an H200 (commit 2ce555c's defaults;
+# benchmarks/results/rollout_engine.md, section 2026-11-26 from 23:04 UTC, commit 22db721). A/B: generation.py's
+# `rollout_engine@nocombo`.
 # `triton.enable_pdl`: programmatic dependent launch, where the device supports it (Hopper on): an inductor kernel's
 # launch overlaps the end of the previous kernel and waits on the GPU for its results (benchmarks/results/
-# rollout_engine.md, seventh session). A/B: `rollout_engine@nopdl`.
+# rollout_engine.md, section 2026-11-27 from 01:10 UTC, commit d6ff7ca). A/B: `rollout_engine@nopdl`.
 DEFAULT_COMPILE_OPTIONS = {"combo_kernels": True, "triton.enable_pdl": True}
 
 
@@ -92,7 +93,7 @@ class DecodeState(NamedTuple):
 def state_regions(batch: int, columns: int) -> list[Region]:
     """`DecodeState` as arena regions: the integer tensors in buffer "state", the two flags in "flags" (one dtype per
     buffer). Nothing of the state stays allocated between generations (the flags' and the sampler's few bytes
-    outside the arena were the engine's +5 KB of peak allocated memory over `compiled_generation`, eleventh session)."""
+    outside the arena were the engine's +5 KB of peak allocated memory over `compiled_generation` at commit 178044a)."""
     shapes = {"token": (batch,), "step": (1,), "width": (1,), "start": (batch,), "out": (batch, columns)}
     flags = {"finished": (batch,), "done": ()}
     return [*(Region(name, shape, torch.long, "state") for name, shape in shapes.items()),
@@ -466,7 +467,7 @@ class RolloutEngine:
         )  # fmt: skip
         kv_shape = (2, len(parts.layers), batch, parts.num_kv_heads, key.cache_len, parts.head_dim)
         layout = (
-            Region("kv", kv_shape, key.kv_dtype, "kv"),  # one block: per-layer buffers fared no better (tenth session)
+            Region("kv", kv_shape, key.kv_dtype, "kv"),  # one block: per-layer buffers fared no better (commit 5cc80ba)
             *state_regions(batch, 1 + chunks * self.steps_per_graph),
             *SamplerTensors.regions(settings.layout.num_eos, integers="state", floats="sampler"),
             Region("arrivals", (batch * parts.num_kv_heads,), torch.int32, "arrivals"),  # the attention kernel's
@@ -504,7 +505,7 @@ class RolloutEngine:
         """One side stream per device for every warm-up and capture of this engine. Why: cuBLAS keeps a workspace
         (32 MiB on Hopper) per stream it has run on, for the life of the process; a new stream per capture (and
         `torch.cuda.graph`'s own capture stream) added 64 MiB of allocated memory per capture, which training saw
-        as +0.06-0.16 GiB of peak (benchmarks/results/rollout_engine.md, third session). The one stream's workspace
+        as +0.06-0.16 GiB of peak (benchmarks/results/rollout_engine.md, commit 88e3468). The one stream's workspace
         then moves into the graph's pool at capture (`clear_cublas_workspaces`)."""
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device)
@@ -625,7 +626,7 @@ def clear_cublas_workspaces() -> None:
     Why, around a capture: cuBLAS keeps a workspace (32 MiB on Hopper) per stream it ran on, for the life of the
     process. Cleared before the capture, the capture stream's workspace is allocated inside the graph's private pool,
     which the replays use; cleared after, the pool keeps it and nothing else counts it, so training runs beside 32 MiB
-    less allocated memory (benchmarks/results/rollout_engine.md, ninth session). Inductor's CUDA-graph trees, what
+    less allocated memory (benchmarks/results/rollout_engine.md, commit cb9bd0d). Inductor's CUDA-graph trees, what
     `compiled_generation` runs, clear around their captures the same way. A no-op where torch lacks the hook (CPU).
     """
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)

@@ -3,7 +3,8 @@
 Why (issue 14): the generation arena's buffers must be freed while training (training is the memory peak, and a
 freed block kept in the caching allocator's default pool was split by training's tensors, so the step ran out of
 memory under `compiled_generation`'s reserved memory), yet a CUDA graph replays at the addresses it captured. Freed to
-the driver (`cudaFree`) and allocated again, the buffers came back elsewhere at every generation (eleventh session:
+the driver (`cudaFree`) and allocated again, the buffers came back elsewhere at every generation (benchmarks/results/
+rollout_engine.md, commit 115e9bb:
 a recapture per generation, 2.7 % of the rollout throughput at the GSM8K recipe's Initial shape). CUDA's virtual
 memory management separates the two: an address range is reserved once (`cuMemAddressReserve`), physical memory is
 created and mapped there at each allocation (`cuMemCreate`, `cuMemMap`, `cuMemSetAccess`) and unmapped and released

@@ -12,7 +12,7 @@ rounded to the weights' dtype), each LoRA delta `(h @ B.T) * scaling` in float32
 (PEFT's `lora.Linear.forward`), then `SiLU(gate) * up` in float32 rounded once, as inductor fuses the MLP's
 `act_fn(gate) * up`. Only summation orders differ from the unfused step.
 
-Measured on an H200 (benchmarks/results/rollout_engine.md, fifth session): at the reset-4 shape (64 rows, r64 on all
+Measured on an H200 (benchmarks/results/rollout_engine.md, commit 1c1b24d): at the reset-4 shape (64 rows, r64 on all
 linear layers) the MLP took 60.9 instead of 87.0 us a layer, and the whole decode loop 13,217 -> 15,192 tokens/s; on
 (`FUSED_MLP`) where gate or up carries an adapter (`lora_decode` decides; without one cuBLAS's GEMM was faster). Read
 when a step is traced, part of the engine's capture key; the A/B method is `benchmarks/generation.py`'s

@@ -10,10 +10,10 @@ How: the members' weights (and biases) are copied into one buffer before every g
 adapters' A products fold into the GEMM get copies of the A weights as extra rows after them. The Parameters are
 never touched, so the optimizer, checkpoints, DeepSpeed's flat buffers and FSDP's shards see nothing (FSDP's DTensor
 shards are not `copyable`: those groups run as separate GEMMs), and every update is in the next generation's copy
-(about 0.47 GB copied per generation at Qwen2-0.5B: about a millisecond). Until the tenth session the members'
+(about 0.47 GB copied per generation at Qwen2-0.5B: about a millisecond). Until commit 178044a (2026-11-27) the members'
 Parameters were re-pointed into one persistent allocation instead: no copy, but their old storage was freed in the
 middle of the weights' allocator segments, holes only small tensors fit, and at the GSM8K recipe's reset-3 training
-then needed more device memory than `compiled_generation` (eleventh session).
+then needed more device memory than `compiled_generation` (benchmarks/results/rollout_engine.md, commit 115e9bb).
 """
 
 from __future__ import annotations

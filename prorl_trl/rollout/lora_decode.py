@@ -130,7 +130,7 @@ def _apply_stages(
     `(weight rows, batch rows)`, inductor's kernels were slower: 2.02 -> 2.09 ms a step at 32 x 4,096 and 4.47 ->
     5.73 at 64 x 6,144 with r64 all-linear on an H100, benchmarks/results/rollout_engine.md; so were these products
     as a tiled Triton GEMM that reads each adapter once: 9.1 -> 16.8 us a layer at 32 rows, 74.9 -> 118 at the
-    reset-4 shape on an H200, fifth session.) `hidden`: the A products already computed (`_folded`)."""
+    reset-4 shape on an H200, commit 1c1b24d.) `hidden`: the A products already computed (`_folded`)."""
     factors = [factor for stage in stages for factor in stage]
     if not factors:
         return list(bases)

@@ -24,7 +24,8 @@ from .top_p_triton import chunk_for, first_block_ahead, load_block
 
 BLOCK, NUM_WARPS = 1024, 4  # BLOCK divides top_p_triton.CHUNK_ALIGN: a split is whole blocks
 # Issue the next block's load before this block's hashing (as `top_p_triton.PREFETCH`). Off: with 5 blocks a program
-# it measured 0.5-1.3 us slower a call at 32 x 151,936 on an H100 (benchmarks/top_p_kernel.py, seventh session).
+# it measured 0.5-1.3 us slower a call at 32 x 151,936 on an H100 (benchmarks/results/rollout_engine.md, section
+# 2026-11-27 from 01:10 UTC, commit d6ff7ca).
 PREFETCH = False
 TARGET_PROGRAMS = 1024  # programs per launch: one pass, no per-pass bracket to share, so more than top-p's 512
 # `sampler.uniform_noise`'s 32-bit hash constants, as constexprs (a Triton kernel reads no other globals)

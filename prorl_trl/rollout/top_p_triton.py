@@ -39,9 +39,10 @@ BLOCK, NUM_WARPS = 512, 4
 # From this pass on, a block whose probabilities all lie outside the bracket `(low, high]` skips the WAYS-way sums
 # (the mass at or below `low` is one sum for every candidate). The bracket is 2^(30 - 4 * pass) bit patterns wide
 # (from pass 2, 1/32 of an octave), so most blocks soon lie outside it unless the row is flat. Measured on an H200
-# at 32 x 151,936 (benchmarks/top_p_kernel.py, sixth session): 162 -> 139 us a call for Gaussian logits of scale 0.6,
-# 162 -> 119 at scale 3 (peaked, as trained models' rows are), 161 -> 180 for exactly uniform rows (every block stays
-# inside). False only for the A/B. Same cut either way; the float32 sums' order differs.
+# at 32 x 151,936 (benchmarks/results/rollout_engine.md, section 2026-11-26 from 23:04 UTC, commit 22db721): 162 ->
+# 139 us a call for Gaussian logits of scale 0.6, 162 -> 119 at scale 3 (peaked, as trained models' rows are),
+# 161 -> 180 for exactly uniform rows (every block stays inside). False only for the A/B. Same cut either way; the
+# float32 sums' order differs.
 SKIP_OUTSIDE = True
 SKIP_FROM_PASS = 2
 # Each iteration issues the next block's load before this block's sums, so the L2 latency overlaps the arithmetic
