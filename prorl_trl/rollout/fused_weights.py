@@ -2,8 +2,8 @@
 
 Why: at decode shapes (32 rows) a projection's GEMM is bound by launch and tail latency, not by its weight bytes: in
 the Qwen2-0.5B step q, k and v took 4.2 us each (1.6 MB and 0.23 MB of weights, under 1 us at the bandwidth), gate and
-up 5.7 us each (benchmarks/results/rollout_engine.md, call 4's profile). One GEMM over the concatenated weights does
-the work of three (q/k/v) or two (gate/up) in about the time of one.
+up 5.7 us each (benchmarks/results/rollout_engine.md, commit 88e3468, 2026-11-26). One GEMM over the concatenated
+weights does the work of three (q/k/v) or two (gate/up) in about the time of one.
 
 How: the members' weights (and biases) are copied into one buffer before every generation (`stack_copies`,
 `copy_members`), into the engine's generation arena, which is freed while training (`decoder.StackGroup`); groups whose

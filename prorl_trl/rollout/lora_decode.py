@@ -2,11 +2,11 @@
 
 Why: called as modules, PEFT's LoRA products are fp32 `lora_A` / `lora_B` GEMMs; at decode shapes (batch rows x rank)
 each is a cuBLAS/cutlass kernel plus a split-K reduction, 4 kernels per adapted projection per step (0.49 ms of a
-2.84 ms step at 32 rows with r32 on q,k: benchmarks/results/rollout_engine.md). Written as broadcast-multiply-and-sum,
-inductor emits one Triton reduction per product instead, and projections that read the same input (q/k/v after the
-input norm, gate/up after the post-attention norm) share one A reduction over their concatenated A weights. The
-`torch.cat` is part of the traced function (inductor fuses it into the reduction's loads): no stacked copy is kept,
-so a CUDA graph reads the live parameters and in-place optimizer steps stay visible without a recapture.
+2.84 ms step at 32 rows with r32 on q,k: benchmarks/results/rollout_engine.md, commit 666882f). Written as
+broadcast-multiply-and-sum, inductor emits one Triton reduction per product instead, and projections that read the same
+input (q/k/v after the input norm, gate/up after the post-attention norm) share one A reduction over their concatenated
+A weights. The `torch.cat` is part of the traced function (inductor fuses it into the reduction's loads): no stacked
+copy is kept, so a CUDA graph reads the live parameters and in-place optimizer steps stay visible without a recapture.
 
 The function is PEFT 0.21's `lora.Linear.forward` for one unmerged adapter, operation for operation: the base layer's
 output, the input cast to the adapter's dtype, `B(A(x)) * scaling` in that dtype, added to the base output (so in the
@@ -127,10 +127,11 @@ def _apply_stages(
     the A products of all of them at once (`_lora_hidden`), then per factor the B product, one reduction with the
     scaling, added one after the other in the promoted dtype, and the one cast back, as PEFT (and the frozen parts'
     hook) compute them; a module with an empty stage keeps its base output. (Laid out weight-major instead,
-    `(weight rows, batch rows)`, inductor's kernels were slower: 2.02 -> 2.09 ms a step at 32 x 4,096 and 4.47 ->
-    5.73 at 64 x 6,144 with r64 all-linear on an H100, benchmarks/results/rollout_engine.md; so were these products
-    as a tiled Triton GEMM that reads each adapter once: 9.1 -> 16.8 us a layer at 32 rows, 74.9 -> 118 at the
-    reset-4 shape on an H200, commit 1c1b24d.) `hidden`: the A products already computed (`_folded`)."""
+    `(weight rows, batch rows)`, inductor's kernels were slower: 2.02 -> 2.09 ms a step at 32 x 4,096 and 4.51 ->
+    5.77 at 64 x 6,144 with r64 all-linear on an H100, benchmarks/results/rollout_engine.md, commit 88e3468; so
+    were these products as a tiled Triton GEMM that reads each adapter once: 9.1 -> 16.8 us a layer at 32 rows,
+    74.9 -> 118 at the reset-4 shape on an H200, commit 1c1b24d.) `hidden`: the A products already computed
+    (`_folded`)."""
     factors = [factor for stage in stages for factor in stage]
     if not factors:
         return list(bases)
