@@ -8,6 +8,8 @@ the training progress callback.
   generation context printed at every save and validation (14 times in an 8-step run). Inside this context a
   warning with the same category and text is shown once.
 * `quiet_console()`: the above for a training run, plus no `transformers` progress bars inside it.
+* `loading_models()`: one line for the models a trainer loads, instead of transformers' "Loading weights" bar per
+  load (TRL loads the reference as a second copy of the same files, so a full fine-tuning run showed two bars).
 * `announce()`: rich's `Console` crops at 80 columns when it does not write to a terminal, which cut the phase
   banner (temperature, top_p, LoRA) in log files; here long lines are printed whole.
 * `duration`, `eta_text`, `metrics_line`: the pieces of a progress line.
@@ -84,6 +86,28 @@ def quiet_console() -> Iterator[None]:
     finally:
         if bars:
             hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def loading_models(what: str, show: bool = True) -> Iterator[None]:
+    """`loading <what> ...` then `loaded in 3s`, with `transformers`' per-load progress bars off in between."""
+    import sys
+    import time
+
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    started = time.monotonic()
+    if show:
+        print(f"loading {what} ...", file=sys.stderr, flush=True)
+    try:
+        yield
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    if show:
+        print(f"loaded in {duration(time.monotonic() - started)}", file=sys.stderr, flush=True)
 
 
 def announce(message: str, rule: bool = False) -> None:

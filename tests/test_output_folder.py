@@ -314,6 +314,8 @@ def test_audit_cases_through_the_cli(tiny_dir, shared_data, tmp_path):
     (tensorboard,) = [p for p in read_manifest(run) if p.startswith("runs/")]
     assert f"TensorBoard:  {run / tensorboard.rstrip('/')}/" in first.stdout  # where the events are (issue 39)
     assert (run / tensorboard).is_dir()
+    # one line for the model load (LoRA: no second copy for the reference), not a "Loading weights" bar per load
+    assert first.stderr.count(f"loading {tiny_dir}: policy ...") == 1 and "Loading weights" not in first.stderr
     before = files(run)
     second = train()
     assert second.returncode == 2 and "holds a finished run" in second.stderr, second.stderr[-2000:]

@@ -161,6 +161,18 @@ def test_lora_reference_is_the_base_or_the_ref_adapter(tmp_path):
     assert 'use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None)' in source
 
 
+def test_reference_copy_rule_the_load_line_states():
+    # `prorl-trl train` prints "policy + reference (a second copy ...)" for full fine-tuning with beta != 0 and
+    # "policy" otherwise (recipe.run._models_loaded): TRL loads the second copy only in that case.
+    from prorl_trl.recipe.run import _models_loaded
+
+    source = inspect.getsource(GRPOTrainer.__init__)
+    assert "if self.beta == 0.0:" in source and "elif is_peft_model(model):" in source
+    assert "self.ref_model = create_model_from_path(get_config_model_id(self.model.config)" in source
+    assert "reference" in _models_loaded("m", 0.01, peft=False)
+    assert _models_loaded("m", 0.0, peft=False) == _models_loaded("m", 0.01, peft=True) == "m: policy"
+
+
 def test_resume_internals_a_finished_phase_restores_by_hand():
     # ProRLTrainer._restore_finished_phase: HF's train() checks max_steps only after a step (DefaultFlowCallback), so a
     # resume from a phase's last checkpoint calls these instead; _save_checkpoint is overridden to un-commit first.

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..console import loading_models
 from ..data.fingerprint import split_fingerprints
 from ..trainer.manifest import CLI_FILES, record_outputs
 from .changes import RESUME_HISTORY_NAME, resume_changes, write_run_recipe
@@ -69,6 +70,14 @@ def describe_recipe(recipe: Recipe, world_size: int = 1) -> str:
             f"{'yes' if phase.hard_reset else '-':>6}"
         )
     return "\n".join(lines)
+
+
+def _models_loaded(name_or_path: str, beta: float, peft: bool) -> str:
+    """What TRL's GRPOTrainer loads: the policy, and for full fine-tuning with a KL term a second copy of the same
+    weights as the frozen reference (with LoRA the reference is the base with the adapter disabled)."""
+    if beta != 0.0 and not peft:
+        return f"{name_or_path}: policy + reference (a second copy; beta={beta:g}, full fine-tuning)"
+    return f"{name_or_path}: policy"
 
 
 def _validation_callback(recipe: Recipe, eval_dataset: Any, args: Any) -> Any:
@@ -279,16 +288,17 @@ def _train(
     from ..trainer.interrupt import RunInterrupted, parent_command_line
 
     extra = {"quantization_config": recipe.quantization_config()} if recipe.model.quantization else {}
-    trainer = ProRLTrainer(
-        model=recipe.model.name_or_path,
-        processing_class=tokenizer,
-        reward_funcs=reward_funcs,
-        args=args,
-        train_dataset=train_dataset,
-        peft_config=peft_config,
-        callbacks=[callback] if callback is not None else [],
-        **extra,
-    )
+    with loading_models(_models_loaded(recipe.model.name_or_path, args.beta, peft_config is not None), show=main):
+        trainer = ProRLTrainer(
+            model=recipe.model.name_or_path,
+            processing_class=tokenizer,
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            peft_config=peft_config,
+            callbacks=[callback] if callback is not None else [],
+            **extra,
+        )
     signals.attach(trainer)  # a signal that came during start-up stops here; from now on, after the current step
     command = resume_command(parent_command_line())
     try:
@@ -297,10 +307,11 @@ def _train(
             write_run_recipe(output_dir, recipe.to_yaml(), plan.resume, changes, data_now)  # a resume keeps the original
         trainer.train(resume_from_checkpoint=plan.resume)
     except RunInterrupted as stop:
-        if main:
+        if main:  # under `prorl-trl launch` the resume command is its last line, once every process has stopped
+            resume = "" if os.environ.get("PRORL_LAUNCH_ARGV") else f"\nresume with:\n  {command}"
             print(
-                f"\nstopped by {stop.reason} at global step {stop.global_step}; checkpoint written: {stop.checkpoint}/\n"
-                f"resume with:\n  {command}",
+                f"\nstopped by {stop.reason} at global step {stop.global_step}; checkpoint written: {stop.checkpoint}/"
+                + resume,
                 flush=True,
             )
         leave_process_group()  # every rank stopped at the same step (the stop is agreed across processes)
