@@ -14,8 +14,9 @@ The training processes cannot change what their launcher prints or returns, henc
   stops them at once, without a checkpoint, as under `prorl-trl train`);
 - accelerate's launch runs in a helper thread, where torch's elastic agent installs no signal handlers (it never
   kills a process that is still checkpointing); a one-process launch is started by `_simple_launcher` below;
-- the ending is ours: no launcher traceback, the resume command (`prorl-trl launch ... --resume`, also printed by
-  the run itself) is the last line, and the exit status says what happened.
+- the ending is ours: no launcher traceback, the resume command (`prorl-trl launch ... --resume`) printed once, as
+  the last line (the training process says where it stopped and leaves the command to this one), and the exit
+  status says what happened.
 
 Exit status: 0 the run finished (or had nothing to do); 75 (`INTERRUPTED`, sysexits' EX_TEMPFAIL: "temporary
 failure, retry later") interrupted and resumable: every training process that did not finish stopped on SIGINT/
