@@ -387,3 +387,17 @@ print(len(rows), (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) /
     assert result.returncode == 0, result.stderr[-2000:]
     kept, growth_mb = map(int, result.stdout.split()[-2:])
     assert kept == 4 and growth_mb < 200, result.stdout
+
+
+def test_a_problem_with_one_training_key_leaves_the_others_checked_in_the_same_pass(capsys, tmp_path):
+    """A batch that does not divide into groups (a `training` key's problem) and a missing vLLM (another key's) are
+    both listed by one `validate`: the first used to hide the whole `training` section from the extras check."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here")
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(with_changes(training__use_vllm=True, training__num_generations=7)))
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "which must be a multiple of num_generations = 7" in err and "needs `vllm`, which is not installed" in err

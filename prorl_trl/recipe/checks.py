@@ -173,7 +173,9 @@ def readable_parts(file: str, raw: dict[str, Any], sections: dict[str, Any], pro
 
     def keys_that_passed(section: str) -> dict[str, Any]:
         value = raw.get(section)
-        return {k: v for k, v in value.items() if fine(f"{section}.{k}")} if isinstance(value, dict) and fine(section) else {}
+        # a problem with one key (`training.per_device_train_batch_size`) keeps the section's other keys checkable
+        whole = isinstance(value, dict) and section not in broken
+        return {k: v for k, v in value.items() if fine(f"{section}.{k}")} if whole else {}
 
     def section(name: str, cls: type) -> Any:
         if sections.get(name) is not None:
