@@ -38,6 +38,15 @@ def check_before_init(
             )
     check_generation_kwargs(args, phases, callbacks)
     check_user_optimizers(args, phases, peft_config, callbacks, optimizers)
+    if args.use_liger_kernel and (args.liger_kernel_config or {}).get("fused_linear_cross_entropy"):
+        # TRL 1.16 refuses it too, but in GRPOTrainer.__init__, after the model is loaded.
+        raise ValueError(
+            "use_liger_kernel with liger_kernel_config fused_linear_cross_entropy: true is not supported: Liger's "
+            "fused linear cross-entropy replaces the model's forward, and TRL 1.16 computes every log-prob of the loss "
+            "(policy, KL reference, kl_clamp, entropy masking) through its own fused LM head patched into that forward. "
+            "That head already scores tokens in tiles without materialising the full logits (docs/performance.md), "
+            "so drop fused_linear_cross_entropy; Liger's layer kernels (RMSNorm, RoPE, SwiGLU) still apply."
+        )
     if is_peft and args.beta != 0.0 and not args.reset_reference and resets_possible(phases, callbacks):
         raise ValueError(
             "reset_reference=False with LoRA and beta > 0 is not supported: TRL's reference is the adapter-disabled "
