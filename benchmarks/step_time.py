@@ -135,7 +135,8 @@ def pick_phases(spec: str | None, names: list[str]) -> list[int]:
     for item in (part.strip() for part in spec.split(",") if part.strip()):
         index = int(item) if item.isdigit() else keys.get(phase_key(item))
         if index is None or not 0 <= index < len(names):
-            raise SystemExit(f"--phases {spec}: unknown phase {item!r}; the recipe's phases are {names} (or 0-{len(names) - 1})")
+            raise SystemExit(f"--phases {spec}: unknown phase {item!r}; the recipe's phases are {names} "
+                             f"(or 0-{len(names) - 1})")  # fmt: skip
         picked.append(index)
     return sorted(set(picked))
 
@@ -238,6 +239,7 @@ def run_phases(options, device: torch.device) -> dict:
         args = ProRLConfig(**kwargs)
         names = [phase.name for phase in resolve_phases(args, recipe.peft_config())]
         timed = pick_phases(options.phases, names)
+        seed_plan_lengths(options.seed_plan, names, planned)  # a bad plan stops here, not after the measurements
         dataset = prompt_dataset(tokenizer, prompt_tokens)
         split = StepSplit(device)
         start = time.perf_counter()
@@ -250,6 +252,8 @@ def run_phases(options, device: torch.device) -> dict:
             trainer.rollout_engine = attach_rollout_engine(trainer, allow_cpu=True)  # exercise it on CPU
         result = {"meta": meta_of(options, device, trainer, args, prompt_tokens), "names": names, "planned": planned,
                   "timed": [names[i] for i in timed], "phases": []}  # fmt: skip
+        if options.profile_decode and 0 not in timed:
+            result["profile"] = {"skipped": "--profile-decode profiles the Initial shape: time the initial phase too"}
 
         def on_phase(phase, call):
             result["phases"].append(phase_record(trainer, phase, call, planned[phase.index], prompt_tokens))
@@ -258,12 +262,13 @@ def run_phases(options, device: torch.device) -> dict:
             if options.json:
                 options.json.write_text(json.dumps(result, indent=1))
 
-        trainer.timed, trainer.deadline, trainer.split, trainer.on_phase = frozenset(timed), start + options.budget_s, split, on_phase
+        trainer.timed, trainer.deadline = frozenset(timed), start + options.budget_s
+        trainer.split, trainer.on_phase = split, on_phase
         split.attach(trainer)
         try:
             trainer.train()
         except Exception as error:  # the phases measured so far still make their rows
-            result["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            result["error"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
             print(f"[step_time] FAILED in phase {trainer.current_phase.name}: {result['error']}", flush=True)
         finally:
             split.detach()
@@ -284,8 +289,9 @@ def meta_of(options, device: torch.device, trainer: ProRLTrainer, args: ProRLCon
         "versions": f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, "
                     f"trl {trl.__version__}",
         "recipe": options.recipe.name, "overrides": list(options.set), "prompt_tokens": prompt_tokens,
-        "steps_per_phase": options.steps_per_phase, "dtype": f"{str(dtype).removeprefix('torch.')} weights"
-        + (", bf16 autocast" if args.bf16 else ""), "rollout_engine": trainer.rollout_engine is not None,
+        "steps_per_phase": options.steps_per_phase, "rollout_engine": trainer.rollout_engine is not None,
+        "model": ("tiny model (smoke)" if options.smoke else "Qwen2-0.5B architecture, random weights")
+        + f", {str(dtype).removeprefix('torch.')} weights, bf16 {'on' if args.bf16 else 'off'}",
         "micro_batch": args.per_device_train_batch_size, "grad_accum": args.gradient_accumulation_steps,
         "gradient_checkpointing": args.gradient_checkpointing, "cudnn_guard": trainer.cudnn_attention_guard.message,
         "smoke": options.smoke,
@@ -343,8 +349,8 @@ def phases_table(runs: list[dict], seed_plan: str) -> str:
     devices = "; ".join(dict.fromkeys(m["device"] for m in metas))
     lines = [
         f"Device: {devices} | {', '.join(dict.fromkeys(m['date'] for m in metas))} | {meta['versions']} | recipe "
-        f"{meta['recipe']}{' with ' + ', '.join(meta['overrides']) if meta['overrides'] else ''} | Qwen2-0.5B "
-        f"architecture, random weights, {meta['dtype']} | micro-batch {meta['micro_batch']} x grad-accum "
+        f"{meta['recipe']}{' with ' + ', '.join(meta['overrides']) if meta['overrides'] else ''} | "
+        f"{meta['model']} | micro-batch {meta['micro_batch']} x grad-accum "
         f"{meta['grad_accum']}, gradient checkpointing {'on' if meta['gradient_checkpointing'] else 'off'} | "
         f"rollout engine {'on' if meta['rollout_engine'] else 'off'} | {meta['prompt_tokens']}-token prompts | "
         f"{meta['steps_per_phase']} steps per phase (the first a warm-up) | {meta['cudnn_guard']}",
