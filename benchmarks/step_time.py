@@ -22,7 +22,9 @@ other; CUDA-synchronised timers around the trainer's methods), peak allocated / 
 rollout tokens/s, and the phase's time = steady step x the recipe's `max_steps` for it; the total over the phases, and
 the same for a run of the seed's length (`--seed-plan`). A random-weights model does not stop early, and
 `min_new_tokens` makes every completion run to its phase's cap: worst-case steps. Prompts are as long as the recipe's
-prompt budget (`generation_max_prompt_length`, 512) unless `--prompt-tokens` says otherwise.
+prompt budget (`generation_max_prompt_length`, 512) unless `--prompt-tokens` says otherwise. The JSON is written after
+every phase, so a call cut short keeps what it finished; where one device call cannot hold every phase, time them over
+several (`--phases initial,reset1,reset2 --profile-decode`, `--phases reset3,reset4`) and join them with `--from-json`.
 
 Paths mode (`--paths`): the Initial phase only, each path a fresh model with the same init, one after another in this
 process (peak memory reset between them):
