@@ -121,7 +121,8 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
     model). With one phase it trains exactly as `GRPOTrainer` (tests/test_parity.py). Extra state, all readable:
     `phases` (resolved), `current_phase`, `prorl_global_step` (continuous across phases), `prorl_resets`,
     `prorl_log_history` (every log entry of the run, also saved to `<output_dir>/prorl_log_history.json`),
-    `overlong_penalty` (the appended reward, or None), `sampling` (the settings in force).
+    `overlong_penalty` (the appended reward, or None), `sampling` (the settings in force), `prorl_on_demand_resets`
+    (phases ended by a request file, `prorl-trl reset`: `trainer.on_demand`).
     """
 
     _tag_names = ["trl", "grpo", "prorl"]
