@@ -6,6 +6,8 @@
     prorl-trl validate RECIPE [--key.path VALUE ...]  check a recipe, this machine and local data (exit 0 or 2)
     prorl-trl launch [ACCELERATE OPTIONS] train RECIPE ...   `accelerate launch -m prorl_trl train` with a clean stop
                   (no launcher traceback; exit 75 when interrupted and resumable: `prorl_trl/launch.py`)
+    prorl-trl reset OUTPUT_DIR [--to-phase N] [--reason TEXT]   ask the running job to end its phase at the next
+                  step, hard-reset and start the next phase (or phase N): `prorl_trl/recipe/reset_request.py`
     prorl-trl ablate GRID [--parallel N]              run the variants of a grid file and tabulate them
     prorl-trl demo [--out DIR]                        offline tiny-model demo
     prorl-trl eval ...                                pass@k evaluation
@@ -38,6 +40,8 @@ PLUGGED_COMMANDS = {
     "eval": ("prorl_trl.evaluation.cli", "add_eval_arguments", "run_eval", "sample, grade and report pass@k"),
     "distill": ("prorl_trl.distill.cli", "add_distill_arguments", "run_distill", "distil a teacher into a tiny model"),
     "convert": ("prorl_trl.recipe.translate", "add_convert_arguments", "run_convert", "open-r1/TRL config to recipe"),
+    "reset": ("prorl_trl.recipe.reset_request", "add_reset_arguments", "run_reset",
+              "end a running job's phase at its next step, hard-reset, start the next phase"),
 }
 RECIPE_COMMANDS = ("train", "validate")
 

@@ -81,6 +81,11 @@ def phase_boundaries(history: Iterable[dict[str, Any]], phase_key: str = "prorl/
     return boundaries
 
 
+def on_demand_resets(history: Iterable[dict[str, Any]], key: str = "prorl/reset_on_demand") -> list[float]:
+    """Steps where a phase was ended on demand (`prorl-trl reset`): their entry carries `key`."""
+    return [step for entry in history if entry.get(key) is not None and (step := step_of(entry)) is not None]
+
+
 def series(history: Iterable[dict[str, Any]], keys: Sequence[str]) -> tuple[list[float], list[float]]:
     """(steps, values) of the first key in `keys` each entry has; entries without a step or value are skipped."""
     steps, values = [], []
@@ -93,9 +98,13 @@ def series(history: Iterable[dict[str, Any]], keys: Sequence[str]) -> tuple[list
     return steps, values
 
 
-def _mark_boundaries(axis, boundaries: Sequence[float]) -> None:
-    for index, step in enumerate(boundaries):
+def _mark_boundaries(axis, boundaries: Sequence[float], on_demand: Sequence[float] = ()) -> None:
+    """Phase boundaries as grey dashed lines; those a reset on demand made in red, labelled so."""
+    planned = [step for step in boundaries if step not in on_demand]
+    for index, step in enumerate(planned):
         axis.axvline(step, color="grey", linestyle="--", linewidth=1, label="phase boundary" if index == 0 else None)
+    for index, step in enumerate(on_demand):
+        axis.axvline(step, color="tab:red", linestyle="--", linewidth=1, label="reset on demand" if index == 0 else None)
 
 
 def plot_training_curves(
@@ -118,12 +127,13 @@ def plot_training_curves(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     boundaries = phase_boundaries(history) if boundaries is None else list(boundaries)
+    on_demand = on_demand_resets(history)
     written = []
     if validation:
         figure, axis = plt.subplots(figsize=(6, 4))
         for label, (steps, values) in validation.items():
             axis.plot(steps, values, marker="o", label=label)
-        _finish(axis, boundaries, "Validation accuracy", "accuracy")
+        _finish(axis, boundaries, "Validation accuracy", "accuracy", on_demand)
         written.append(_save(plt, figure, out_dir / f"{prefix}validation.png"))
     for stem, title, ylabel, curves in FIGURES:
         drawn = {label: series(history, keys) for label, keys in curves.items()}
@@ -133,13 +143,13 @@ def plot_training_curves(
         figure, axis = plt.subplots(figsize=(6, 4))
         for label, (steps, values) in drawn.items():
             axis.plot(steps, values, label=label)
-        _finish(axis, boundaries, title, ylabel)
+        _finish(axis, boundaries, title, ylabel, on_demand)
         written.append(_save(plt, figure, out_dir / f"{prefix}{stem}.png"))
     return written
 
 
-def _finish(axis, boundaries: Sequence[float], title: str, ylabel: str) -> None:
-    _mark_boundaries(axis, boundaries)
+def _finish(axis, boundaries: Sequence[float], title: str, ylabel: str, on_demand: Sequence[float] = ()) -> None:
+    _mark_boundaries(axis, boundaries, on_demand)
     axis.set_title(title)
     axis.set_xlabel("optimizer step")
     axis.set_ylabel(ylabel)

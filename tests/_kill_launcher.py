@@ -5,6 +5,10 @@ injected at an exact point, named by the environment (production code has no tes
     PRORL_TEST_TERM_AT=EVENT:PHASE:STEP    SIGTERM the parent process (the `accelerate launch` launcher) there
     PRORL_TEST_TERM_SELF_AT=EVENT:PHASE:STEP    SIGTERM this process there (as a scheduler would)
     PRORL_TEST_INT_AT=EVENT:PHASE:STEP     SIGINT the parent process (`prorl-trl launch`: Ctrl-C) there
+    PRORL_TEST_REQUEST_AT=PHASE:STEP=JSON[|PHASE:STEP=JSON...]    the main process writes JSON as the run's reset
+                                           request (`prorl_reset_request.json`) at on_step_begin of that step
+    PRORL_TEST_RANKS_TO=DIR                every process writes DIR/rank<r>.json at each phase's end: its global step,
+                                           resets, resets on demand, and a sha256 of its model's parameters
     PRORL_TEST_NAN_AT=PHASE:STEP[,PHASE:STEP...]    make that step's training forward overflow (the final norm's
                                            output times inf, as a bf16 activation that overflows): loss and every
                                            gradient NaN; generation and validation untouched
@@ -83,6 +87,48 @@ class OverflowAt(TrainerCallback):
         self.active = False
 
 
+class Bound(TrainerCallback):
+    """A callback the trainer hands itself to (`bind`)."""
+
+    trainer = None
+
+    def bind(self, trainer):
+        self.trainer = trainer
+
+
+class RequestAt(Bound):
+    """Writes a reset request (as `prorl-trl reset` does: temporary file + rename) at the start of the named steps."""
+
+    def __init__(self, requests):
+        self.requests = requests
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        text = self.requests.get((self.trainer.current_phase.index, state.global_step + 1))
+        if text is not None and self.trainer.accelerator.is_main_process:
+            from prorl_trl.reset.checkpoint import write_text_atomically
+
+            write_text_atomically(os.path.join(args.output_dir, "prorl_reset_request.json"), text)
+
+
+class RanksTo(Bound):
+    """Each process records what it holds at each phase's end (the last phase's record stays)."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def on_train_end(self, args, state, control, **kwargs):
+        import hashlib
+        import json
+
+        trainer, digest = self.trainer, hashlib.sha256()
+        for name, tensor in sorted(trainer.accelerator.unwrap_model(trainer.model).state_dict().items()):
+            digest.update(name.encode() + tensor.detach().cpu().contiguous().numpy().tobytes())
+        record = {"global_step": trainer.prorl_global_step, "resets": trainer.prorl_resets, "weights": digest.hexdigest(),
+                  "on_demand": trainer.prorl_on_demand_resets, "phase": trainer.current_phase.index}  # fmt: skip
+        with open(os.path.join(self.folder, f"rank{trainer.accelerator.process_index}.json"), "w") as file:
+            json.dump(record, file)
+
+
 def token_hash(completions, **kwargs):
     return [(sum(map(ord, str(text))) % 13) / 13 for text in completions]
 
@@ -120,6 +166,12 @@ def install() -> None:
     overflow_steps = {
         tuple(int(part) for part in item.split(":")) for item in os.environ.get("PRORL_TEST_NAN_AT", "").split(",") if item
     }
+    requests = {}
+    for item in os.environ.get("PRORL_TEST_REQUEST_AT", "").split("|"):
+        if item:
+            where, text = item.split("=", 1)
+            requests[tuple(int(part) for part in where.split(":"))] = text
+    ranks_to = os.environ.get("PRORL_TEST_RANKS_TO")
     base = trainer_package.ProRLTrainer
 
     class FaultyTrainer(base):
@@ -127,6 +179,8 @@ def install() -> None:
             # Passed at init, so they run before ProRL's own callback (its on_save commits the checkpoint).
             callbacks = list(callbacks or []) + [FaultAt(*fault) for fault in faults]
             callbacks += [OverflowAt(overflow_steps)] if overflow_steps else []
+            callbacks += [RequestAt(requests)] if requests else []
+            callbacks += [RanksTo(ranks_to)] if ranks_to else []
             super().__init__(*args, callbacks=callbacks, **kwargs)
 
     trainer_package.ProRLTrainer = FaultyTrainer

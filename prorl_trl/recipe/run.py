@@ -351,7 +351,7 @@ def _write_run_files(
     log_history: list[dict[str, Any]], recipe: Recipe, recipe_path: str, overrides: list[str], base_model: str,
     output_dir: Path, seconds: float | None, safety: dict[str, Any] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """`run_summary.json` (the summary, `safety`: what guarded the run, and the whole log) and `final/README.md` (the
+    """`run_summary.json` (the summary, `safety`: what guarded the run and the resets on demand, and the whole log) and `final/README.md` (the
     final model's card, when `final/` holds a model); returns the summary."""
     from ..reset.checkpoint import write_text_atomically
 
@@ -395,6 +395,7 @@ def _report(
     safety = {
         "cudnn_attention_guard": trainer.cudnn_attention_guard.as_dict(),
         "nonfinite_skipped_steps": trainer.prorl_nonfinite_skips,
+        "on_demand_resets": trainer.prorl_on_demand_resets,  # `prorl-trl reset`: step, from/to phase, reason
     }
     summary = _write_run_files(log_history, recipe, recipe_path, overrides, base_model, output_dir, seconds, safety)
     final = output_dir / "final"
@@ -402,6 +403,9 @@ def _report(
     if trainer.prorl_nonfinite_skips:
         steps = ", ".join(str(event["step"]) for event in trainer.prorl_nonfinite_skips)
         print(f"  skipped (gradients not finite): global steps {steps}; batches kept in {output_dir / 'nonfinite'}/")
+    for reset in trainer.prorl_on_demand_resets:
+        print(f"  reset on demand at global step {reset['step']}: phase {reset['from_phase']} -> {reset['to_phase']}"
+              f" ({reset['steps_not_trained']} planned steps not trained){': ' + reset['reason'] if reset['reason'] else ''}")
     for key, value in sorted(summary["final_eval"].items()):
         print(f"  {key}: {value:.4g}")
     print(f"outputs:  {output_dir}/")

@@ -6,8 +6,9 @@ Modules: `trainer` (ProRLTrainer), `callbacks` (HardResetCallback, SamplingSched
 checked before init), `sampling` (where sampling settings live in TRL), `progress` (rate and ETA over the whole run),
 `dynamic_sampling`, `early_stop`, `kl_clamp` (verl's bounded KL term), `overlong`, `finite` (stop before a NaN/inf
 update), `replay` (that step's batches kept and replayed), `interrupt` (SIGINT/SIGTERM -> checkpoint and
-`RunInterrupted`), `trackers` (`report_to` trackers over a multi-phase run), `manifest` (what a run creates in its
-output folder, recorded first: all that `--overwrite` deletes).
+`RunInterrupted`), `on_demand` (`prorl-trl reset`: end the phase at the next step on request), `trackers`
+(`report_to` trackers over a multi-phase run), `manifest` (what a run creates in its output folder, recorded first:
+all that `--overwrite` deletes).
 
 Names are imported on first use, so `prorl_trl.trainer.checks` (run by `prorl-trl validate`) does not import
 `GRPOTrainer` and the model code behind it.

@@ -26,8 +26,10 @@ from typing import Any
 MANIFEST_NAME = ".prorl_manifest.json"
 # Top-level files and folders every run may write (a folder ends in `/`); `phase-<i>/` are counted per run.
 CLI_FILES = ("recipe.yaml", "resume_history.yaml", "data_files.json", "run_summary.json")  # by `prorl-trl train`
-RUN_FILES = (*CLI_FILES, "prorl_log_history.json", "prorl_trackers.json", "README.md")
-RUN_FOLDERS = ("merged/", "frozen/", "final/", "nonfinite/")  # nonfinite/: a stopped step kept for a replay
+# nonfinite/: a stopped step kept for a replay; prorl_reset_request.json and prorl_reset_requests/: `prorl-trl reset`'s
+# request and the requests filed once acted on or refused (`prorl_trl.trainer.on_demand`)
+RUN_FILES = (*CLI_FILES, "prorl_log_history.json", "prorl_trackers.json", "README.md", "prorl_reset_request.json")
+RUN_FOLDERS = ("merged/", "frozen/", "final/", "nonfinite/", "prorl_reset_requests/")
 PHASE_FOLDER = re.compile(r"phase-\d+")
 _LEFTOVER = re.compile(r"\.(?P<name>.+?)\.(tmp|tmp-.+|old-.+)")
 

@@ -181,6 +181,7 @@ class ProRLStateCallback(TrainerCallback):
                 "global_step": trainer.prorl_global_step,
                 "resets": trainer.prorl_resets,
                 "nonfinite_skips": trainer.prorl_nonfinite_skips,  # `max_nonfinite_skips` bounds the whole run
+                "on_demand_resets": trainer.prorl_on_demand_resets,  # phase ends a resume rebuilds (`on_demand`)
                 # paths relative to the run folder, so a moved or copied run finds its own files (`reset.provenance`)
                 "merged_base": trainer.prorl_merged_path and run_relative(trainer.prorl_merged_path, args.output_dir),
                 "frozen_factors": trainer.prorl_frozen_path,

@@ -101,6 +101,7 @@ from .finite import NonFiniteGuard
 from .interrupt import RunInterrupted
 from .kl_clamp import KLClampMixin
 from .manifest import record_outputs, trainer_outputs
+from .on_demand import OnDemandResetCallback, next_phase_after
 from .overlong import OverlongPenalty
 from .placement import fsdp2_model_init_kwargs, move_stray_tensors_
 from .progress import use_run_progress
@@ -120,7 +121,8 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
     model). With one phase it trains exactly as `GRPOTrainer` (tests/test_parity.py). Extra state, all readable:
     `phases` (resolved), `current_phase`, `prorl_global_step` (continuous across phases), `prorl_resets`,
     `prorl_log_history` (every log entry of the run, also saved to `<output_dir>/prorl_log_history.json`),
-    `overlong_penalty` (the appended reward, or None), `sampling` (the settings in force).
+    `overlong_penalty` (the appended reward, or None), `sampling` (the settings in force), `prorl_on_demand_resets`
+    (phases ended by a request file, `prorl-trl reset`: `trainer.on_demand`).
     """
 
     _tag_names = ["trl", "grpo", "prorl"]
@@ -213,6 +215,7 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         self._active_lora: dict[str, Any] | None = None  # the live part of a superset adapter (sharded engines)
         self._zero_carry: dict[str, Any] | None = None  # DeepSpeed optimizer carried into the next phase's engine
         self.prorl_nonfinite_skips: list[dict[str, Any]] = []  # steps skipped under `max_nonfinite_skips`
+        self.prorl_on_demand_resets: list[dict[str, Any]] = []  # phases ended by `prorl-trl reset` (`on_demand`)
 
         super().__init__(
             model=model,
@@ -256,6 +259,7 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         self.sampling: dict[str, Any] = {key: getattr(self, key) for key in SAMPLING_KEYS}
         self._state_callback = ProRLStateCallback(self)
         self.add_callback(self._state_callback)
+        self.add_callback(OnDemandResetCallback(self))  # after the state callback: files a request once committed
         if args.stop_on_nonfinite:  # binds in `_bind_callbacks`: names the run's latest checkpoint when it stops
             self.add_callback(NonFiniteGuard())
         self._trackers = TrackerSpan(self)
@@ -498,6 +502,7 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         self.accelerator.wait_for_everyone()
         self.prorl_resets = state["resets"]
         self.prorl_nonfinite_skips = list(state.get("nonfinite_skips") or [])
+        self.prorl_on_demand_resets = list(state.get("on_demand_resets") or [])
         self.prorl_reset_hashes = dict(state.get("reset_files_sha256") or {})
         self._global_step_offset = state["global_step_offset"]
         self._resumed_phase_step = state["phase_global_step"]
@@ -945,6 +950,9 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         losses, outputs = [], []
         try:
             for phase in self.phases[start:]:
+                if phase.index != start and phase.index < next_phase_after(self.prorl_on_demand_resets):
+                    self.announce(f"ProRL phase '{phase.name}' skipped: a reset on demand went past it.")
+                    continue
                 resumed = checkpoint is not None and phase.index == start
                 if resumed and self._resumed_phase_complete:
                     self._restore_finished_phase(checkpoint)
@@ -1076,6 +1084,10 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         logs: dict[str, Any] = {"prorl/phase_start": self.current_phase.index}
         if self.prorl_merged_path:
             logs["merged_checkpoint"] = self.prorl_merged_path
+        self.log_event(logs)
+
+    def log_event(self, logs: dict[str, Any]) -> None:
+        """An entry of its own (a phase start, a reset on demand) with the `prorl/*` keys, kept in the run's history."""
         self._add_prorl_keys(logs)
         super(GRPOTrainer, self).log(logs)
         self._keep_last_log_entry()

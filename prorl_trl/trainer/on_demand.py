@@ -1,0 +1,245 @@
+"""Reset on demand: a user or a script asks a running job to end its phase at the next step boundary, hard-reset, and
+start the next phase of the recipe (or a later one), by writing a request file into the run's output folder.
+
+`prorl-trl reset OUTPUT_DIR [--to-phase N] [--reason TEXT]` writes `<output_dir>/prorl_reset_request.json`
+atomically (`write_reset_request`). `OnDemandResetCallback` looks for it at the end of every optimizer step on the
+main process, checks it against the run (`check_target`: a phase that exists and comes later) and broadcasts the
+decision, so every rank ends the phase after the same step. The trainer then goes on as after a plateau stop: the
+phase is over (`phase_end_reason`), the next phase starts with a hard reset (forced, as `_pending_reset`), phases
+between are skipped, and the next phase runs its own `max_steps` (the ended phase's remaining steps are not trained,
+which is announced with the run's new total).
+
+Exactly once, across kills: the decision is recorded in the trainer's `prorl_on_demand_resets`, saved in the
+checkpoint written at that step (`prorl_state.json`, `on_demand_resets`); only after that commit is the request filed
+as `prorl_reset_requests/handled-step-<N>.json`. A request whose `request_id` is already recorded (killed between the
+commit and the filing) is filed without acting again. A request that names no later phase is filed as
+`refused-step-<N>.json` with a warning; training goes on.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+from ..reset.checkpoint import json_text, write_text_atomically
+
+logger = logging.getLogger("prorl_trl")
+
+REQUEST_NAME = "prorl_reset_request.json"
+RECORDS_FOLDER = "prorl_reset_requests"
+REQUEST_MAX_BYTES = 64 * 1024  # a request is a few hundred bytes
+LOG_KEY = "prorl/reset_on_demand"
+
+
+def request_path(output_dir: str | os.PathLike) -> Path:
+    return Path(output_dir) / REQUEST_NAME
+
+
+def write_reset_request(output_dir: str | os.PathLike, to_phase: int | None = None, reason: str = "") -> dict[str, Any]:
+    """Write the request atomically (a reader sees the whole file or none); returns what was written. A pending
+    request is replaced."""
+    request = {
+        "request_id": uuid.uuid4().hex,
+        "to_phase": to_phase,
+        "reason": reason,
+        "requested_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    write_text_atomically(request_path(output_dir), json_text(request))
+    return request
+
+
+def parse_request(text: str) -> dict[str, Any]:
+    """The request in `text`, normalised (`to_phase` None or an int, `reason` text, a `request_id`); `ValueError` saying
+    what is wrong otherwise. A hand-written request without an id gets the hash of its text."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"is not JSON ({error.msg} at line {error.lineno})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"holds a {type(raw).__name__}, not a JSON object")
+    unknown = sorted(set(raw) - {"request_id", "to_phase", "reason", "requested_at"})
+    if unknown:
+        raise ValueError(f"has unknown keys {unknown} (allowed: request_id, to_phase, reason, requested_at)")
+    to_phase = raw.get("to_phase")
+    if to_phase is not None and (isinstance(to_phase, bool) or not isinstance(to_phase, int)):
+        raise ValueError(f"has to_phase={to_phase!r}: it must be a phase index (a whole number) or null")
+    reason = raw.get("reason") or ""
+    if not isinstance(reason, str):
+        raise ValueError(f"has reason={reason!r}: it must be text")
+    request_id = raw.get("request_id") or hashlib.sha256(text.encode()).hexdigest()[:32]
+    return {"request_id": str(request_id), "to_phase": to_phase, "reason": reason[:500],
+            "requested_at": raw.get("requested_at")}  # fmt: skip
+
+
+def check_target(to_phase: int | None, current: int, names: list[str]) -> int:
+    """The phase a request leads to (`to_phase`, default the next one); `ValueError` unless it exists and is later
+    than `current` (a run only moves forward: its finished phases' deltas are already part of the model)."""
+    target = current + 1 if to_phase is None else to_phase
+    if 0 <= target < len(names) and target > current:
+        return target
+    listed = ", ".join(f"{index} '{name}'" for index, name in enumerate(names))
+    if to_phase is None:
+        problem = f"phase {current} '{names[current]}' is the run's last phase: there is no next phase to start"
+    elif not 0 <= target < len(names):
+        problem = f"to_phase={target} is no phase of the run (phases: {listed})"
+    else:
+        problem = f"to_phase={target} is not after the running phase {current} '{names[current]}'"
+    raise ValueError(problem)
+
+
+def next_phase_after(records: list[dict[str, Any]]) -> int:
+    """The earliest phase the run may still train: phases before the last on-demand target were jumped over."""
+    return max((int(record["to_phase"]) for record in records), default=0)
+
+
+def file_request(output_dir: str | os.PathLike, text: str, outcome: str, step: int) -> Path:
+    """Move the request as read (`text`) to `prorl_reset_requests/<outcome>-step-<step>.json`. A newer request written
+    meanwhile stays for the next step; the record then holds `text`."""
+    folder = Path(output_dir) / RECORDS_FOLDER
+    record = folder / f"{outcome}-step-{step}.json"
+    count = 1
+    while record.exists():
+        count += 1
+        record = folder / f"{outcome}-step-{step}-{count}.json"
+    if _read_request_text(output_dir) == text:
+        folder.mkdir(parents=True, exist_ok=True)
+        os.replace(request_path(output_dir), record)
+    else:
+        write_text_atomically(record, text)
+    return record
+
+
+def _read_request_text(output_dir: str | os.PathLike) -> str | None:
+    """The request file's text (None without one); one too large to be a request reads as a short description."""
+    path = request_path(output_dir)
+    try:
+        if not path.is_file():
+            return None
+        if path.stat().st_size > REQUEST_MAX_BYTES:
+            return f"<{path.stat().st_size} bytes: more than a request can be>"
+        return path.read_text(errors="replace")
+    except OSError:  # removed between the check and the read: nothing to do
+        return None
+
+
+def _total_steps(phases: list[Any], done: int, start: int) -> int | None:
+    """The run's steps when it has trained `done` and then runs `phases[start:]` (None with epoch-based phases)."""
+    later = [phase.max_steps for phase in phases[start:]]
+    return None if any(steps < 1 for steps in later) else done + sum(later)
+
+
+class OnDemandResetCallback(TrainerCallback):
+    """Acts on `<output_dir>/prorl_reset_request.json` at step ends (see module doc). Added by `ProRLTrainer`."""
+
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+        self._to_file: tuple[str, int] | None = None  # a handled request, filed once its checkpoint is committed
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        decision = self._decide(state) if trainer.accelerator.is_main_process else None
+        if trainer.accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            decision = broadcast_object_list([decision], from_process=0)[0]
+        if decision is not None:
+            self._act(decision, args, state, control)
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        if self._to_file is not None and self.trainer.accelerator.is_main_process:  # after the state's commit
+            file_request(args.output_dir, self._to_file[0], "handled", self._to_file[1])
+        self._to_file = None
+        return control
+
+    def _decide(self, state: Any) -> dict[str, Any] | None:
+        """Main process: the request to act on now, or None (none, a refused one, or one already acted on)."""
+        trainer = self.trainer
+        output_dir = trainer.args.output_dir
+        text = _read_request_text(output_dir)
+        if text is None:
+            return None
+        step = trainer.prorl_global_step
+        current = trainer.current_phase.index
+        try:
+            request = parse_request(text)
+            if any(r.get("request_id") == request["request_id"] for r in trainer.prorl_on_demand_resets):
+                file_request(output_dir, text, "handled", step)  # acted on before a kill; its filing was lost
+                return None
+            target = check_target(request["to_phase"], current, [phase.name for phase in trainer.phases])
+        except ValueError as problem:
+            record = file_request(output_dir, text, "refused", step)
+            logger.warning(
+                "Reset on demand refused at global step %d: %s %s. Training goes on in phase %d '%s'; the request was "
+                "moved to %s. Write a new one with `prorl-trl reset %s [--to-phase N]`.",
+                step, REQUEST_NAME, problem, current, trainer.current_phase.name, record, output_dir,
+            )  # fmt: skip
+            return None
+        return {**request, "to_phase": target, "text": text}
+
+    def _act(self, decision: dict[str, Any], args: Any, state: Any, control: Any) -> None:
+        """Every rank, at the same step: end the phase here, force a hard reset, record and announce it."""
+        trainer = self.trainer
+        phase, target = trainer.current_phase, trainer.phases[decision["to_phase"]]
+        step = trainer.prorl_global_step
+        planned = phase.max_steps if phase.max_steps > 0 else state.max_steps
+        record = {
+            "step": step,
+            "phase_step": state.global_step,
+            "from_phase": phase.index,
+            "from_phase_name": phase.name,
+            "to_phase": target.index,
+            "to_phase_name": target.name,
+            "reason": decision["reason"],
+            "steps_not_trained": max(planned - state.global_step, 0),
+            "skipped_phases": list(range(phase.index + 1, target.index)),
+            "request_id": decision["request_id"],
+            "requested_at": decision["requested_at"],
+        }
+        trainer.prorl_on_demand_resets.append(record)
+        why = f" ({decision['reason']})" if decision["reason"] else ""
+        trainer._phase_end_reason = f"reset on demand{why}"
+        trainer.request_hard_reset(f"reset on demand{why}")  # done where the next phase starts
+        control.should_training_stop = True
+        saving = str(getattr(args.save_strategy, "value", args.save_strategy)) != "no"
+        control.should_save = control.should_save or saving
+        if trainer.accelerator.is_main_process:
+            if saving:
+                self._to_file = (decision["text"], step)
+            else:  # no checkpoint to wait for: a kill restarts the run anyway
+                file_request(args.output_dir, decision["text"], "handled", step)
+        should_log = control.should_log
+        trainer.log_event({LOG_KEY: target.index})
+        control.should_log = should_log  # HF's `on_log` clears it; the step's own entry still comes
+        trainer.announce(self._describe(record, target))
+
+    def _describe(self, record: dict[str, Any], target: Any) -> str:
+        """The console line: where the phase ends, what is not trained, and the run's new total."""
+        phases = self.trainer.phases
+        skipped = [phases[index] for index in record["skipped_phases"]]
+        lost = record["steps_not_trained"]
+        parts = [
+            f"Reset on demand at global step {record['step']}"
+            + (f" ({record['reason']})" if record["reason"] else "")
+            + f": phase {record['from_phase']} '{record['from_phase_name']}' ends after {record['phase_step']} steps"
+            + (f", its remaining {lost} steps are not trained" if lost else ""),
+        ]
+        if skipped:
+            names = ", ".join(f"{phase.index} '{phase.name}'" for phase in skipped)
+            parts.append(f"skipped phases {names} ({sum(max(p.max_steps, 0) for p in skipped)} steps)")
+        parts.append(
+            f"then hard reset and phase {target.index} '{target.name}' with its own max_steps={target.max_steps}"
+        )
+        total = _total_steps(phases, record["step"], target.index)
+        recipe = _total_steps(phases, 0, 0)
+        if total is not None and recipe is not None:
+            parts.append(f"the run now trains {total} steps in all (the recipe plans {recipe})")
+        return "; ".join(parts) + "."
