@@ -55,8 +55,8 @@ ARMS = {
 }
 PAIRS = (("prorl", "one_phase"), ("prorl", "no_reset"), ("plateau", "one_phase"))
 PILOT_HEADER = (
-    "| setting | start pass@1 | mid | final | best | gain over the last half | plateaued? | final pass@n "
-    "| curve (step:%) |"
+    "| setting | start pass@1 | start pass@n | mid | final | best | gain over the last half | plateaued? "
+    "| final pass@n | curve (step:%) |"
 )
 SCHEDULE = ((0.7, 1.0, 1), (0.9, 1.0, 1), (1.0, 1.0, 1), (1.0, 1.2, 2))  # (top_p, temperature, group x) per phase
 ROW_KINDS = (("eval_pass@1", "eval"), ("prorl/phase_start", "start"), ("reward", "train"))  # else "other" (summaries)
@@ -482,7 +482,7 @@ def run_pilot(args, argv: list[str], out: Path, deadline: float) -> dict:
     for name, setting, run_dir in settings:
         evals = [row for row in read_rows(run_dir / "rows.jsonl") if "eval_pass@1" in row]
         if not evals:
-            rows.append(f"| {name} | not run |" + " |" * 7)
+            rows.append(f"| {name} | not run |" + " |" * 8)
             continue
         steps, values = [row["prorl/global_step"] for row in evals], [row["eval_pass@1"] for row in evals]
         curves[name] = (steps, values)
@@ -495,12 +495,13 @@ def run_pilot(args, argv: list[str], out: Path, deadline: float) -> dict:
         if (run_dir / "stopped.json").is_file():
             finished = f" (stopped before step {json.loads((run_dir / 'stopped.json').read_text())['step']}: NaN/inf)"
         curve = " ".join(f"{step}:{100 * v:.0f}" for step, v in zip(steps, values))
-        rows.append(f"| {name}{finished} | {100 * values[0]:.1f} | {100 * values[middle]:.1f} (step {steps[middle]}) "
+        start_n = f"{100 * evals[0][f'eval_pass@{n}']:.1f}" if f"eval_pass@{n}" in evals[0] else "-"
+        rows.append(f"| {name}{finished} | {100 * values[0]:.1f} | {start_n} | {100 * values[middle]:.1f} (step {steps[middle]}) "
                     f"| {100 * values[-1]:.1f} (step {steps[-1]}) | {100 * max(values):.1f} | {100 * gain:+.1f} "
                     f"(2 s.e. {100 * two_se:.1f}) | {plateau} | {100 * evals[-1][f'eval_pass@{n}']:.1f} (n={n}) "
                     f"| {curve} |")  # fmt: skip
     lines = [f"# Pilot: arm (a), seed {args.seeds[0]}, {args.steps} steps ({datetime.date.today()})", "",
-             PILOT_HEADER, "| --- " * 9 + "|", *rows]  # fmt: skip
+             PILOT_HEADER, "| --- " * 10 + "|", *rows]  # fmt: skip
     (out / "pilot.md").write_text("\n".join(lines) + "\n")
     pilot = {"grid": args.pilot_grid, "settings": [name for name, _, _ in settings], "curves": curves}
     (out / "pilot.json").write_text(json.dumps(pilot, indent=1))

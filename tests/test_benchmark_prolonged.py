@@ -88,6 +88,8 @@ def test_pilot_runs_arm_a_per_grid_point_with_one_warm_start_per_task(tmp_path):
     assert [p.parent.name for p in (tmp_path / "pilot").glob("*/warm_start")] == ["task-1-2-max20-acc0.3"]
     rows = [line for line in (tmp_path / "pilot.md").read_text().splitlines() if line.startswith("| task_steps")]
     assert len(rows) == 2 and all("| 0:" in row and ("| yes |" in row or "| no |" in row) for row in rows)
+    assert "| start pass@1 | start pass@n |" in (tmp_path / "pilot.md").read_text()  # the warm start's room (issue 38)
+    assert all(len(row.split(" | ")) == 10 for row in rows)
     assert (tmp_path / "pilot.png").is_file()
     stopped = tmp_path / "pilot" / "task_steps-1-2_learning_rate-3e-5"  # as a NaN stop leaves it: kept on --resume
     (stopped / "done.json").unlink()
