@@ -53,7 +53,7 @@ def test_every_page_is_found():
     names = {page.name for page in PAGES}
     for name in ("index.md", "quickstart.md", "recipes-and-cli.md", "trainer-api.md", "rewards.md", "evaluation.md",
                  "distillation.md", "ablations.md", "resume-and-preemption.md", "scale-out.md", "performance.md",
-                 "troubleshooting.md"):  # fmt: skip
+                 "troubleshooting.md", "seed-practice.md"):  # fmt: skip
         assert name in names, f"docs/{name} is missing"
 
 
@@ -197,6 +197,31 @@ def test_the_trl_grpo_line_trains(tiny_dir, tmp_path):
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, f"docs/rewards.md:{start}:\n{done.stderr[-3000:]}"
     assert "rewards/math_equivalence/mean" in done.stdout + done.stderr
+
+
+def test_the_seed_practice_example_runs(tiny_dir, tmp_path):
+    """docs/seed-practice.md's worked example runs as written, with the tiny model in place of the demo's warm start
+    (and no validation): a finished run extended in its last phase, then by an appended phase, leaves what the page
+    says: the earlier `final/` kept as `final-phase1-step4/`, a new `final/`, both extensions in resume_history.yaml,
+    one log on one step axis."""
+    import json
+
+    import yaml
+
+    (start, code, _), *_ = [b for b in blocks(REPO / "docs" / "seed-practice.md", "bash") if "--allow-changes" in b[1]]
+    quick = f" --model.name_or_path {tiny_dir} --validation.enabled false"
+    script = "\n".join(line + quick if line.startswith("prorl-trl train") else line for line in code.splitlines())
+    (tmp_path / "recipes").symlink_to(REPO / "recipes")
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, capture_output=True, text=True, env=environment,
+                          timeout=900)  # fmt: skip
+    assert done.returncode == 0, f"docs/seed-practice.md:{start}:\n{done.stderr[-3000:]}"
+    run = tmp_path / "seed-like"
+    assert (run / "final-phase1-step4" / "config.json").is_file() and (run / "final" / "config.json").is_file()
+    history = yaml.safe_load((run / "resume_history.yaml").read_text())
+    assert "extended" in json.dumps(history), history
+    steps = [entry["step"] for entry in json.loads((run / "prorl_log_history.json").read_text()) if "loss" in entry]
+    assert steps == sorted(set(steps)) and steps[-1] == 8, steps
 
 
 # --- links -------------------------------------------------------------------------------------------------------
