@@ -6,7 +6,8 @@ the rates a run planned that long from the start has, and TensorBoard on. The ru
 3 and 1 steps, gets a second step in its last phase, then a third phase appended on the command line; a run that had
 phases of 3, 2 and 2 steps from the start is the reference: the same weights bit for bit, the same log step for step.
 Refusals run through the CLI where the message is the point, else through `plan_extension` on a copy of the run.
-Cost: 5 training CLI processes (~40 s on 2 cores) and 3 refused ones.
+Cost: 5 training CLI processes and 3 refused ones, shared by every test (2026-11-28, commit 486b6a3: 3 min of CPU;
+8.3 min wall on the shared 2-core machine under a load of 6-11).
 """
 
 from __future__ import annotations
