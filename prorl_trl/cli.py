@@ -22,6 +22,7 @@ module disables only its own subcommand. Exit status: 0 success, 1 failure while
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import shlex
 import sys
@@ -166,7 +167,8 @@ def _add_output_folder_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
         help="continue the run in the output folder from its latest complete checkpoint (from the start if it has "
-        "none yet; a finished run is left as it is), or from CHECKPOINT (give it after RECIPE)",
+        "none yet; a finished run is left as it is, unless the recipe gives it more steps or phases: then with "
+        "--allow-changes it is extended), or from CHECKPOINT (give it after RECIPE)",
     )  # fmt: skip
     parser.add_argument(
         "--overwrite", action="store_true", help="delete the run outputs already in the output folder, then start"
@@ -180,7 +182,8 @@ def _add_output_folder_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--allow-changes", action="store_true",
         help="with --resume: continue even though the recipe changes training against the run's recorded one (the "
-        "changes are listed and appended to the run's resume_history.yaml; recipe.yaml keeps the original)",
+        "changes are listed and appended to the run's resume_history.yaml; recipe.yaml keeps the original); on a "
+        "finished run, train the steps or phases the recipe adds (its final/ is kept as final-phase<i>-step<N>/)",
     )  # fmt: skip
 
 
@@ -277,6 +280,7 @@ def _run_validate(args: argparse.Namespace) -> int:
     from .data.fingerprint import split_fingerprints
     from .recipe.changes import resume_changes
     from .recipe.checks import other_machine_hint
+    from .recipe.extend import plan_extension
     from .recipe.output_folder import plan_start, run_writes
     from .recipe.preflight import Launch, check_everything, read_launch_config
     from .recipe.run import describe_recipe
@@ -296,7 +300,10 @@ def _run_validate(args: argparse.Namespace) -> int:
         recipe.output_dir, args.resume, args.overwrite, allow_other_files=args.allow_other_files,
         writes=run_writes(recipe),
     )  # fmt: skip
-    data_now = split_fingerprints(recipe.data) if plan.resume else None  # only a resume compares them
+    data_now = split_fingerprints(recipe.data) if plan.resume or plan.finished else None  # only a resume compares them
+    extension = plan_extension(plan.state, recipe, args.allow_changes, data_now) if plan.finished else None  # as train
+    if extension is not None:
+        plan = dataclasses.replace(plan, finished=False, resume=str(extension.checkpoint), note=extension.describe())
     for change in resume_changes(plan.resume, recipe.output_dir, recipe.raw, args.allow_changes, data_now):  # as train
         print(f"note: resuming changes {change.describe()}", file=sys.stderr)
     if plan.note or plan.finished or plan.overwrite:

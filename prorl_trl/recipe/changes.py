@@ -332,9 +332,11 @@ def check_resume_changes(
 
 
 def record_resume(
-    run_dir: Path, changes: list[Change], checkpoint: str | None, global_step: int | None, argv: list[str] | None = None
-) -> None:
-    """Append one resume that went on with `changes` to `<run_dir>/resume_history.yaml` (atomically rewritten)."""
+    run_dir: Path, changes: list[Change], checkpoint: str | None, global_step: int | None, argv: list[str] | None = None,
+    extended: dict[str, Any] | None = None,
+) -> None:  # fmt: skip
+    """Append one resume that went on with `changes` to `<run_dir>/resume_history.yaml` (atomically rewritten);
+    `extended`: what the resume added to a finished run (`recipe.extend.Extension.record`)."""
     from ..reset.checkpoint import write_text_atomically
 
     entry = {
@@ -342,6 +344,7 @@ def record_resume(
         "checkpoint": checkpoint,
         "global_step": global_step,
         "command": shlex.join(sys.argv if argv is None else argv),
+        **({"extended": extended} if extended else {}),
         "changes": [change.to_record() for change in changes],
     }
     history = read_history(run_dir) + [entry]
@@ -373,10 +376,11 @@ def resume_changes(
 
 def write_run_recipe(
     output_dir: Path, recipe_yaml: str, checkpoint: str | None, changes: list[Change],
-    data_now: dict[str, dict[str, str]] | None = None,
+    data_now: dict[str, dict[str, str]] | None = None, extended: dict[str, Any] | None = None,
 ) -> None:  # fmt: skip
     """Main process, before training: a start writes `recipe.yaml` (and drops the history of an earlier attempt that
-    left no checkpoint); a resume never rewrites it, and appends the changes it went on with to the history.
+    left no checkpoint); a resume never rewrites it, and appends the changes it went on with (and `extended`, what it
+    adds to a finished run) to the history.
     `data_files.json` holds what the local data files held at the start, or at the last resume that accepted a
     change to them."""
     from ..reset.checkpoint import write_json
@@ -396,7 +400,7 @@ def write_run_recipe(
         if checkpoint is None:
             (output_dir / RESUME_HISTORY_NAME).unlink(missing_ok=True)
         return
-    if changes:
+    if changes or extended:
         committed = Path(checkpoint, PRORL_STATE_NAME).is_file()  # a plain TRL checkpoint has none
         step = read_prorl_state(checkpoint).get("global_step") if committed else None
-        record_resume(output_dir, changes, checkpoint, step)
+        record_resume(output_dir, changes, checkpoint, step, extended=extended)

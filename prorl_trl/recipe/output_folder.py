@@ -211,7 +211,8 @@ def plan_start(
     checkpoint, and a run starting (fresh or `overwrite`) among files it did not write without `allow_other_files`.
 
     `resume=True` (`--resume`): the latest complete checkpoint; none yet (killed before the first one) starts from
-    the beginning; a finished run is reported finished and left as it is. `writes`: `run_writes(recipe)`.
+    the beginning; a finished run is reported finished (`train` then extends it when the recipe asks for more steps,
+    `recipe.extend`). `writes`: `run_writes(recipe)`.
     """
     refuse_shared_folder(output_dir)
     state = inspect_output_folder(output_dir)
@@ -251,7 +252,12 @@ def plan_start(
     if state.used:
         raise OutputFolderError(
             f"{state.describe()}. Nothing was changed. Pass --resume to continue it"
-            + (" (it is finished: --resume says so and exits)" if state.finished else "")
+            + (
+                " (it is finished: --resume says so and exits; with more steps in its last phase or more phases, "
+                "--resume --allow-changes extends it)"
+                if state.finished
+                else ""
+            )
             + ", or --overwrite to delete its outputs and start again, or choose another --training.output_dir."
         )
     _check_other_files(state, allow_other_files, writes)

@@ -139,9 +139,12 @@ def apply_overrides(
     overrides: list[tuple[str, Any]],
     annotation_of: Callable[[dict[str, Any], list[str]], Any] | None = None,
 ) -> list[RecipeProblem]:
-    """Set each dotted path in `raw` (in place). Integer parts index lists (`phases.2`). `CommandLineText` values
-    are read by `annotation_of(raw, path parts)`, the type of the key they set (None: read as YAML)."""
+    """Set each dotted path in `raw` (in place). Integer parts index lists (`phases.2`); the index one past the last
+    phase adds a phase (`--phases.2.max_steps 50` on a two-phase recipe: how a finished run is extended), which must
+    then set its length. `CommandLineText` values are read by `annotation_of(raw, path parts)`, the type of the key
+    they set (None: read as YAML)."""
     problems = []
+    added: list[tuple[int, dict[str, Any]]] = []  # phases added by an override: (index, the new entry)
     for key, value in overrides:
         parts = key.split(".")
         if parts[0] not in TOP_LEVEL_KEYS:
@@ -158,6 +161,9 @@ def apply_overrides(
             last = depth == len(parts) - 1
             here = ".".join(parts[: depth + 1])
             if isinstance(node, list):
+                if parts[0] == "phases" and depth == 1 and not last and part == str(len(node)) and node:
+                    node.append({})  # a phase added after the recipe's last one
+                    added.append((len(node) - 1, node[-1]))
                 if not part.lstrip("-").isdigit() or not -len(node) <= int(part) < len(node):
                     span = f"0-{len(node) - 1}" if node else "none"
                     problems.append(RecipeProblem(here, f"override index out of range ({len(node)} entries: {span})"))
@@ -172,4 +178,10 @@ def apply_overrides(
                 if isinstance(node, dict) and not isinstance(node.get(part), (dict, list)):
                     node[part] = {}
                 node = node[part]
+    for index, phase in added:  # `--phases.2.temperature 1.1` meant for the second phase must not add a third
+        if not any(name in phase for name in ("max_steps", "num_train_epochs")):
+            problems.append(RecipeProblem(
+                f"phases.{index}", f"the overrides add phase {index} after the recipe's last one; a phase added on the "
+                f"command line must set its length (`--phases.{index}.max_steps N`). Phases are counted from 0.",
+            ))  # fmt: skip
     return problems

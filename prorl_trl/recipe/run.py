@@ -23,6 +23,7 @@ from ..console import loading_models
 from ..data.fingerprint import split_fingerprints
 from ..trainer.manifest import CLI_FILES, record_outputs
 from .changes import RESUME_HISTORY_NAME, resume_changes, write_run_recipe
+from .extend import plan_extension
 from .output_folder import (
     delete_run_outputs,
     describe_checkpoint,
@@ -225,7 +226,10 @@ def _train(
     plan = plan_start(  # every process, before any writes
         recipe.output_dir, resume, overwrite, allow_other_files=allow_other_files, writes=run_writes(recipe)
     )
-    if plan.finished:
+    data_now = split_fingerprints(recipe.data)  # what the local data files hold now (a resume compares)
+    # A finished run resumed with more steps or phases goes on from its last checkpoint (exit 2 for what cannot).
+    extension = plan_extension(plan.state, recipe, allow_changes, data_now) if plan.finished else None
+    if plan.finished and extension is None:
         if main:
             completed = _complete_finished_run(recipe, recipe_path, overrides, base_model, Path(recipe.output_dir))
             if completed:  # stopped between final/'s rename and the files written after it
@@ -234,7 +238,8 @@ def _train(
                 print(f"{plan.state.describe()}: nothing to do; nothing was changed.")
         leave_process_group()  # every process read the same finished folder
         return 0
-    data_now = split_fingerprints(recipe.data)  # what the local data files hold now (a resume compares)
+    if extension is not None:
+        plan = dataclasses.replace(plan, finished=False, resume=str(extension.checkpoint), note=extension.describe())
     changes = resume_changes(plan.resume, recipe.output_dir, recipe.raw, allow_changes, data_now)  # exit 2, nothing loaded
     if plan.resume:  # a phase made shorter than the steps it trained: exit 2, nothing written
         from ..trainer.state import check_resumed_phase_length
@@ -304,7 +309,10 @@ def _train(
     try:
         if main:
             output_dir.mkdir(parents=True, exist_ok=True)
-            write_run_recipe(output_dir, recipe.to_yaml(), plan.resume, changes, data_now)  # a resume keeps the original
+            if extension is not None:  # the finished run's final/ is kept; the extended run writes a new one
+                extension.keep_previous_final()
+            extended = extension.record() if extension is not None else None
+            write_run_recipe(output_dir, recipe.to_yaml(), plan.resume, changes, data_now, extended)  # keeps the original
         trainer.train(resume_from_checkpoint=plan.resume)
     except RunInterrupted as stop:
         if main:  # under `prorl-trl launch` the resume command is its last line, once every process has stopped

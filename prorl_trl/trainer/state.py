@@ -105,14 +105,44 @@ def resumed_phase_complete(state: dict[str, Any], phase: Any, checkpoint: Path) 
     return step >= phase.max_steps
 
 
+def resumed_phase(state: dict[str, Any], phases: list[Any], checkpoint: Path) -> Any:
+    """The phase of this run's `phases` that the checkpoint (`state`: `resume_state`) is in; a run with fewer phases
+    is refused: the checkpoint's phase has trained, and a phase cannot be taken out of a run that went through it."""
+    index = state["phase_index"]
+    if index >= len(phases):
+        raise PhaseLengthError(
+            f"{checkpoint} is in phase {index} (counted from 0), and this run has {len(phases)} phase(s): the phases "
+            f"up to {index} have trained and cannot be removed. Resume with at least {index + 1} phases (the run's "
+            "own `phases:` list), or start a new run with fewer."
+        )
+    return phases[index]
+
+
+def resumed_log_history(entries: list[Any], phase_index: int, step: int, phase_continues: bool) -> list[dict[str, Any]]:
+    """The entries of the run's saved log history a resume from the checkpoint at (`phase_index`, global `step`)
+    keeps: those up to it. When the phase trains on past the checkpoint (its length was raised, as when a finished
+    run's last phase is extended), the summary HF logged at the phase's earlier end (`train_runtime`, `train_loss`) is
+    dropped too: the phase's call logs it again where the phase ends now, as an uninterrupted run logs it once."""
+    kept = []
+    for entry in entries:
+        if not isinstance(entry, dict):
+            continue
+        if (entry.get("prorl/phase", 0), entry.get("prorl/global_step", 0)) > (phase_index, step):
+            continue
+        if phase_continues and entry.get("prorl/phase", 0) == phase_index and "train_runtime" in entry:
+            continue
+        kept.append(entry)
+    return kept
+
+
 def check_resumed_phase_length(checkpoint: str | os.PathLike, args: Any, peft_config: Any) -> None:
-    """`resumed_phase_complete`'s refusal, for the CLI to give before anything is loaded or written."""
+    """`resumed_phase` and `resumed_phase_complete`'s refusals, for the CLI to give before anything is loaded or
+    written."""
     from ..config import resolve_phases
 
     phases = resolve_phases(args, peft_config, world_size=args.world_size)
     state = resume_state(Path(checkpoint), phases[0])
-    if state["phase_index"] < len(phases):
-        resumed_phase_complete(state, phases[state["phase_index"]], Path(checkpoint))
+    resumed_phase_complete(state, resumed_phase(state, phases, Path(checkpoint)), Path(checkpoint))
 
 
 class ProRLStateCallback(TrainerCallback):

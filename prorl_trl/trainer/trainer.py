@@ -108,7 +108,14 @@ from .progress import use_run_progress
 from .replay import StepBatchesMixin
 from .reset_probe import ResetProbe, load_probe_rows, save_probe_rows
 from .sampling import GENERATION_CONFIG_NAMES, SAMPLING_KEYS, patch_fused_log_prob_heads
-from .state import ProRLStateCallback, find_checkpoint, resume_state, resumed_phase_complete
+from .state import (
+    ProRLStateCallback,
+    find_checkpoint,
+    resume_state,
+    resumed_log_history,
+    resumed_phase,
+    resumed_phase_complete,
+)
 from .trackers import TrackerSpan
 
 logger = logging.getLogger("prorl_trl")
@@ -484,7 +491,7 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         if unchecked:
             self.announce(f"note: {unchecked}")
         state = resume_state(checkpoint, self.phases[0])  # a plain GRPOTrainer checkpoint resumes as phase 0
-        phase = self.phases[state["phase_index"]]
+        phase = resumed_phase(state, self.phases, checkpoint)  # a run with fewer phases than it trained: refused
         # At the phase's last step (of this run's length) or a plateau stop: the phase is over. Refused before any change.
         complete = resumed_phase_complete(state, phase, checkpoint)
         difference = base_model_difference(state.get("base_model"), self.prorl_base_model)
@@ -523,12 +530,8 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
             self.prorl_log_history = state["log_history"]
         elif history.is_file():
             step = self._global_step_offset + self._resumed_phase_step
-            self.prorl_log_history = [
-                entry
-                for entry in read_json(history, list, "It is the run's log history, which a resume continues.")
-                if isinstance(entry, dict)
-                and (entry.get("prorl/phase", 0), entry.get("prorl/global_step", 0)) <= (phase.index, step)
-            ]
+            saved = read_json(history, list, "It is the run's log history, which a resume continues.")
+            self.prorl_log_history = resumed_log_history(saved, phase.index, step, phase_continues=not complete)
         self._trackers.resumed_at = self._global_step_offset + self._resumed_phase_step
         self._resumed_probe_rows = load_probe_rows(self, checkpoint)  # what a reset before the first step probes
         self._announce_phase(phase)
