@@ -79,8 +79,6 @@ def time_step(model, args) -> float:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    import torch
-
     from prorl_trl.reset import frozen_layers
 
     args = parse_args(argv)
