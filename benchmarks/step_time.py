@@ -20,25 +20,19 @@ step includes compilation/capture. Generation seconds are timed around each `gen
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+from _common import DEFAULT_RECIPE, device_name, publish, utc_now  # first: the repository on sys.path
 
 import torch  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from memory import DEFAULT_RECIPE, GRPO_FIELDS, PHASE_TO_GRPO, load_settings, lora_for, prompt_dataset  # noqa: E402
+from memory import GRPO_FIELDS, PHASE_TO_GRPO, load_settings, lora_for, prompt_dataset  # noqa: E402
 from prorl_trl.config import ProRLConfig, resolve_phases  # noqa: E402
 from prorl_trl.rollout.trl_generation import attach_rollout_engine  # noqa: E402
 from prorl_trl.tiny import build_tiny_tokenizer  # noqa: E402
@@ -223,8 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("no CUDA device: run on a GPU, or pass --smoke")
     device = torch.device("cpu") if options.smoke else torch.device("cuda", torch.cuda.current_device())
     meta = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke)",
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": device_name(device, cpu="CPU (smoke)"), "date": utc_now(),
         "torch": torch.__version__, "prompt_tokens": options.prompt_tokens or (16 if options.smoke else 256),
     }  # fmt: skip
     tokenizer, results, start = build_tiny_tokenizer(), [], time.perf_counter()
@@ -238,12 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
             except Exception as error:  # one failing path must not hide the others' numbers
                 results.append({"path": path, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"})
                 print(f"[step_time] {path} FAILED: {results[-1]['error']}", flush=True)
-    report = table(meta, results)
-    print(report, flush=True)
-    if options.json:
-        options.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    if options.out:
-        options.out.write_text(report + "\n")
+    publish(table(meta, results), options.out, options.json, {"meta": meta, "results": results})
     return {"meta": meta, "results": results}
 
 
