@@ -23,23 +23,17 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+from _common import DEFAULT_RECIPE, device_name, publish, read_runs, utc_now  # first: the repository on sys.path
 
 import torch  # noqa: E402
-from memory import DEFAULT_RECIPE, load_settings, prompt_dataset  # noqa: E402
+from memory import load_settings, prompt_dataset  # noqa: E402
 from step_time import hard_reset_timed, timed_calls  # noqa: E402
 from trainer_gpu import StepTimer, build_model, token_hash_reward  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
@@ -248,8 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
         shapes, options.rounds = ["study"], 1
     device = torch.device("cpu") if options.smoke else torch.device("cuda", torch.cuda.current_device())
     meta = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke)",
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": device_name(device, cpu="CPU (smoke)"), "date": utc_now(),
         "torch": torch.__version__,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
     }  # fmt: skip
@@ -277,12 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
         "probes": {k: list(v) for k, v in probes.items()},
         "results": results,
     }
-    report = render(payload)
-    print(report, flush=True)
-    if options.json:
-        options.json.write_text(json.dumps(payload, indent=1, default=str))
-    if options.out:
-        options.out.write_text(report + "\n")
+    publish(render(payload), options.out, options.json, payload)
     return payload
 
 
@@ -317,14 +305,11 @@ def cost_lines(results: list[dict]) -> list[str]:
 
 def report_of(paths: list[Path], out: Path | None) -> dict:
     """The cost tables of runs made apart (one length per GPU, say) as one table, each run's device named."""
-    payloads = [json.loads(path.read_text()) for path in paths]
+    payloads = read_runs(paths)
     lines = [f"- {path.name}: {p['meta']['device']}, {p['meta']['date']}, torch {p['meta']['torch']}, cuDNN "
              f"{p['meta']['cudnn']}" for path, p in zip(paths, payloads)]  # fmt: skip
     lines += [cost_header(), *cost_lines([result for payload in payloads for result in payload["results"]])]
-    report = "\n".join(lines)
-    print(report, flush=True)
-    if out:
-        out.write_text(report + "\n")
+    publish("\n".join(lines), out)
     return {"payloads": payloads}
 
 

@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -33,10 +32,9 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-RECIPE = REPO / "recipes" / "prorl_gsm8k_qwen2_0.5b.yaml"
-LAUNCH_CONFIG = REPO / "recipes" / "accelerate" / "single_gpu.yaml"
+from _common import DEFAULT_RECIPE, ROOT, device_name, publish, utc_now, versions  # first
+
+LAUNCH_CONFIG = ROOT / "recipes" / "accelerate" / "single_gpu.yaml"
 NUM_PHASES = 5
 KILL_PHASE = 1  # the phase after reset 1 ("reset-1")
 BANNER = re.compile(r"ProRL phase (\d+)/(\d+) '")
@@ -89,7 +87,6 @@ def save_model(path: Path, smoke: bool) -> tuple[Path, int]:
     else:
         from transformers import Qwen2ForCausalLM
 
-        sys.path.insert(0, str(REPO / "benchmarks"))
         from generation import qwen2_05b_config
 
         config = qwen2_05b_config()
@@ -140,7 +137,7 @@ class Launch:
         self.lines: list[tuple[float, str]] = []
         self.log = open(log, "w")
         self.process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
             start_new_session=True,
         )  # fmt: skip
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -210,7 +207,7 @@ def load_final(path: Path, smoke: bool) -> str:
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model and tokenizer, tiny batches.")
-    parser.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data" / "gsm8k", help="GSM8K folder")
+    parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "gsm8k", help="GSM8K folder")
     parser.add_argument("--workdir", type=Path, default=None, help="where the model and the run go (default: temp)")
     parser.add_argument("--budget-s", type=float, default=540, help="wall-clock limit for both processes together")
     parser.add_argument("--out", type=Path, default=None, help="also write the table (markdown) to this file")
@@ -229,9 +226,9 @@ def main(argv: list[str] | None = None) -> str:
     run = workdir / "run"
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(LAUNCH_CONFIG)]
     command += ["--cpu"] if args.smoke else []
-    command += ["-m", "prorl_trl", "train", str(RECIPE), *overrides(model, data, run, args.smoke)]
+    command += ["-m", "prorl_trl", "train", str(DEFAULT_RECIPE), *overrides(model, data, run, args.smoke)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
 
     # First process: killed as soon as the killed phase's first checkpoint is complete (it is then in its next step).
     marker = run / f"phase-{KILL_PHASE}" / "checkpoint-2" / "prorl_state.json"
@@ -283,15 +280,15 @@ def main(argv: list[str] | None = None) -> str:
                      f"{span[1] - span[0]:.1f}" if span else "n/a", note))  # fmt: skip
     first_start = min((s[0] for s in spans_first.values()), default=None)
     second_start = min((s[0] for s in spans_second.values()), default=None)
-    device = "CPU (smoke)" if args.smoke else _gpu_name()
+    device = "CPU (smoke)" if args.smoke else device_name()
     lines = [
-        f"# End-to-end GSM8K recipe run, killed and resumed ({device}, {datetime.date.today().isoformat()})",
+        f"# End-to-end GSM8K recipe run, killed and resumed ({device}, {utc_now()})",
         "",
         f"`accelerate launch --config_file recipes/accelerate/single_gpu.yaml -m prorl_trl train "
         f"recipes/prorl_gsm8k_qwen2_0.5b.yaml` + shortening overrides; model: "
         f"{'tiny Qwen2' if args.smoke else 'Qwen2-0.5B architecture, random init, bf16'} ({num_params / 1e6:.0f}M "
-        f"params), BPE tokenizer of {'2,048' if args.smoke else '151,643'} tokens; torch {_version('torch')}, "
-        f"transformers {_version('transformers')}, trl {_version('trl')}, Python {platform.python_version()}.",
+        f"params), BPE tokenizer of {'2,048' if args.smoke else '151,643'} tokens; {versions('torch', 'transformers', 'trl')}, "
+        f"Python {platform.python_version()}.",
         "",
         "| what | seconds | note |",
         "| --- | --- | --- |",
@@ -308,27 +305,12 @@ def main(argv: list[str] | None = None) -> str:
         *[f"| {name} | {_fmt(value)} |" for name, value in checks.items()],
     ]
     table = "\n".join(lines)
-    print(table)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(table + "\n")
+    publish(table, args.out)
     return table
 
 
 def _fmt(value) -> str:
     return {True: "yes", False: "**no**"}.get(value, str(value)) if isinstance(value, bool) else str(value)
-
-
-def _version(name: str) -> str:
-    from importlib.metadata import version
-
-    return version(name)
-
-
-def _gpu_name() -> str:
-    import torch
-
-    return torch.cuda.get_device_name(0)
 
 
 if __name__ == "__main__":

@@ -14,14 +14,12 @@ the parts add to (the rollout engine's decode adds its own, not measured here).
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import learning  # (also puts the repository root on sys.path, offline environment)
+from _common import device_name, publish, utc_now, versions  # first: the repository on sys.path
+
+import learning  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -81,12 +79,10 @@ def time_step(model, args) -> float:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    import torch
-
     from prorl_trl.reset import frozen_layers
 
     args = parse_args(argv)
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.smoke else "CPU"
+    device = "CPU" if args.smoke else device_name()
     rows = []
     for resets in [int(r) for r in args.resets.split(",")]:
         row = {"resets": resets}
@@ -99,7 +95,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     base = rows[0]["separate"] if rows and rows[0]["resets"] == 0 else None
     title = (
         f"Frozen parts: forward + backward of {args.batch} x {args.length} tokens, LoRA r{args.rank} on 7 projections "
-        f"({device}, torch {torch.__version__}, {datetime.date.today()}; median of {args.repeat})"
+        f"({device}, {versions('torch')}, {utc_now()}; median of {args.repeat})"
     )
     header = "| resets | one part per reset: parts, ms | joined: parts, ms | joined / separate |"
     lines = [
@@ -113,9 +109,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         extra = f" {row['separate'] / base:.2f} |" if base else ""
         lines.append(f"| {row['resets']} | {row['parts_separate']}, {1e3 * row['separate']:.1f} | "
                      f"{row['parts_joined']}, {1e3 * row['joined']:.1f} | {ratio:.2f} |{extra}")  # fmt: skip
-    print("\n".join(lines))
-    if args.out:
-        Path(args.out).write_text("\n".join(lines) + "\n")
+    publish("\n".join(lines), args.out)
     return rows
 
 

@@ -43,7 +43,7 @@ method) is called once to warm up (allocator growth, compilation, CUDA-graph cap
 steady figure is the median. The first call's extra time is reported as the compile/first-call overhead and amortised
 over a phase of `--phase-steps` generations (shapes are fixed within a phase). On CUDA each method runs in a process of
 its own (`--isolate`, the default there): an engine compiled after another in the same process ran 2-9 % slower on an
-H100 (benchmarks/results/rollout_engine.md, seventh session), which biased A/B rows.
+H100 (benchmarks/results/rollout_engine.md, 2026-11-27, commit 1216db5), which biased A/B rows.
 
 Decode limit: each decode step must read every weight once and the K/V of every cached token; that many bytes over the
 bandwidth of a large device-to-device copy (bytes read + written) is the floor, and tokens / floor the limit.
@@ -56,7 +56,6 @@ bandwidth of a large device-to-device copy (bytes read + written) is the floor, 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -67,11 +66,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-import transformers
-from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+from _common import device_name, publish, read_runs, synchronize, utc_now  # first: the repository on sys.path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
 from prorl_trl.rollout.compiled import enable_compiled_generation  # noqa: E402
 from prorl_trl.rollout.gqa_attention import kv_cache_bytes_per_token, use_gqa_decode_attention  # noqa: E402
 
@@ -326,11 +326,6 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
     return run
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed(run, device) -> tuple[float, int]:
     synchronize(device)
     start = time.perf_counter()
@@ -449,7 +444,7 @@ def engine_diagnostics(engine, first_capture_seconds: float, profile: bool) -> d
 def render(meta: dict, rows: list[dict]) -> str:
     """The markdown report: environment, decode limits, one line per (shape, model, method)."""
     lines = [
-        f"Device: {meta['device']} | date (UTC): {meta['date']} | torch {meta['torch']} | transformers "
+        f"Device: {meta['device']} | {meta['date']} | torch {meta['torch']} | transformers "
         f"{meta['transformers']} | peft {meta.get('peft')} | dtype {meta['dtype']} | prompts "
         f"{meta['num_prompts']} x prompt length {meta['prompt_length']} | temperature {meta['temperature']}, "
         f"top_p {meta['top_p']} | copy bandwidth {meta['bandwidth_gb_s']:.0f} GB/s (read + write) | "
@@ -534,11 +529,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     if args.from_json:
-        runs = [json.loads(path.read_text()) for path in args.from_json]
-        report = render(runs[0]["meta"], [row for run in runs for row in run["rows"]])
-        print(report)
-        if args.out:
-            args.out.write_text(report + "\n")
+        runs = read_runs(args.from_json)
+        publish(render(runs[0]["meta"], [row for run in runs for row in run["rows"]]), args.out)
         return {"meta": runs[0]["meta"], "rows": [row for run in runs for row in run["rows"]]}
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -565,8 +557,7 @@ def main(argv: list[str] | None = None) -> dict:
     except ImportError:
         peft_version = None
     meta = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor()})",
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "device": device_name(device, cpu=f"CPU ({platform.processor()})"), "date": utc_now(),
         "torch": torch.__version__, "transformers": transformers.__version__, "peft": peft_version,
         "dtype": str(dtype).removeprefix("torch."), "num_prompts": args.num_prompts,
         "prompt_length": args.prompt_length, "temperature": args.temperature, "top_p": args.top_p,
@@ -599,17 +590,12 @@ def main(argv: list[str] | None = None) -> dict:
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return publish(meta, rows, args)
+    return report_of(meta, rows, args)
 
 
-def publish(meta: dict, rows: list[dict], args: argparse.Namespace) -> dict:
+def report_of(meta: dict, rows: list[dict], args: argparse.Namespace) -> dict:
     """Print the table, write `--json` (raw results) and `--out` (the table) where given; return the results."""
-    report = render(meta, rows)
-    print(report, flush=True)
-    if args.json:
-        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    if args.out:
-        args.out.write_text(report + "\n")
+    publish(render(meta, rows), args.out, args.json, {"meta": meta, "rows": rows})
     return {"meta": meta, "rows": rows}
 
 
@@ -648,7 +634,7 @@ def run_isolated(argv: list[str], methods: list[str], args: argparse.Namespace) 
     if not metas:
         raise SystemExit("generation.py --isolate: no method's process produced a result")
     meta = {**metas[0], "pid": [m["pid"] for m in metas]}  # one process per method
-    return publish(meta, [row for run in runs for row in run["rows"]], args)
+    return report_of(meta, [row for run in runs for row in run["rows"]], args)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ of private pools (CUDA graphs), and the largest kept allocations grouped by the 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import subprocess
 import sys
@@ -24,11 +23,9 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-import torch
+from _common import device_name, publish, utc_now  # first: the repository on sys.path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-
+import torch  # noqa: E402
 from generation import build_model, make_runner  # noqa: E402
 
 # The GSM8K recipe's two largest phases (recipes/prorl_gsm8k_qwen2_0.5b.yaml): rows, KV cache length (prompt budget
@@ -122,7 +119,7 @@ def measure(method: str, phase: str, smoke: bool) -> dict:
         default_stream_reserved_gib=kept["default_stream_reserved"] / 2**30,
         other_streams_reserved_gib=kept["other_streams_reserved"] / 2**30,
         by_origin=kept["by_origin"][:40],
-        device=torch.cuda.get_device_name(),
+        device=device_name(),
     )  # fmt: skip
     return row
 
@@ -130,7 +127,7 @@ def measure(method: str, phase: str, smoke: bool) -> dict:
 def render(rows: list[dict]) -> str:
     device = next((r["device"] for r in rows if "device" in r), "CPU")
     lines = [
-        f"Device: {device} | {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC | cap {rows[0]['cap']} tokens, "
+        f"Device: {device} | {utc_now()} | cap {rows[0]['cap']} tokens, "
         "the phase's KV cache length",
         "",
         "| phase | method | kept after generating (GiB) | peak while generating (GiB) | reserved: default stream "
@@ -175,9 +172,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 code = subprocess.run(command + (["--smoke"] if args.smoke else []), check=False).returncode
                 rows.append(json.loads(out.read_text()) if code == 0 and out.exists() else
                             {"method": method, "phase": phase, "cap": 0, "error": f"exit code {code}"})  # fmt: skip
-    print(render(rows))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+    publish(render(rows), json_path=args.json, payload=rows)
     return rows
 
 

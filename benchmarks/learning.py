@@ -38,14 +38,12 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+from _common import device_name  # first: the repository on sys.path
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
@@ -274,9 +272,7 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available() and not args.smoke
     device_kwargs = {"bf16": True} if cuda else {"use_cpu": True, "bf16": False}
-    device = (
-        torch.cuda.get_device_name(0) if cuda else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
-    )
+    device = device_name() if cuda else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
     hf_logging.set_verbosity_error()
     tokenizer = build_tiny_tokenizer()
 

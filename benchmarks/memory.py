@@ -46,10 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+from _common import DEFAULT_RECIPE, device_name, read_runs, versions  # first: the repository on sys.path
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
@@ -66,7 +63,6 @@ from prorl_trl.trainer import ProRLTrainer  # noqa: E402
 from trainer_gpu import build_model  # noqa: E402  (benchmarks/: tiny model on CPU, random Qwen2-0.5B in bf16 on GPU)
 from generation_memory import in_default_pool, origin  # noqa: E402  (reading the allocator's snapshots)
 
-DEFAULT_RECIPE = ROOT / "recipes" / "prorl_gsm8k_qwen2_0.5b.yaml"
 CARD_BYTES = 24e9  # "24 GB" card: decimal gigabytes
 MAX_RATIO = 1.05
 GIB = 2**30
@@ -297,9 +293,7 @@ def apply_switches(items: list[str]) -> dict[str, bool]:
 
 
 def device_label(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
-    return f"CPU (smoke; peak = process RSS high-water mark), torch {torch.__version__}"
+    return f"{device_name(device, cpu='CPU (smoke; peak = process RSS high-water mark)')}, {versions('torch')}"
 
 
 def lora_for(phase) -> LoraConfig:
@@ -500,7 +494,7 @@ def main(argv: list[str] | None = None) -> str:
     if options.steps < 1:
         parser.error("--steps must be >= 1.")
     if options.from_json:
-        result = table([json.loads(path.read_text()) for path in options.from_json], options.steps)
+        result = table(read_runs(options.from_json), options.steps)
         return emit(result, options, argv)
     if not options.smoke and not torch.cuda.is_available():
         parser.error("no CUDA device: run on a GPU, or pass --smoke for the CPU check.")

@@ -40,10 +40,7 @@ import threading
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from _common import ROOT, device_name, publish  # first: the repository on sys.path
 
 CONFIGS = {"ddp": "multi_node.yaml", "zero3": "zero3.yaml", "fsdp2": "fsdp.yaml"}
 EXPECTED = {
@@ -292,7 +289,7 @@ def driver(args: argparse.Namespace) -> int:
             thread.join()
     for thread in threads:
         thread.join()
-    device = "CPU (gloo)" if args.smoke else f"2 x {torch.cuda.get_device_name(0)}"
+    device = "CPU (gloo)" if args.smoke else f"2 x {device_name()}"
     header = (
         f"# Two simulated nodes vs one node ({device}; {time.time() - started:.0f} s in all)\n\n"
         f"`python benchmarks/multi_node.py{' --smoke' if args.smoke else ''}`: per engine, a one-node 2-process run, "
@@ -301,11 +298,7 @@ def driver(args: argparse.Namespace) -> int:
         "phase 2's first checkpoint is committed, and a relaunch of both with `--resume`; final/model.safetensors "
         f"compared with the one-node run's. Logs: {work}/<engine>/."
     )
-    text = table([rows[e] for e in engines], header)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    publish(table([rows[e] for e in engines], header), args.out)
     return 0 if all(rows[e]["verdict"].startswith("PASS") for e in engines) else 1
 
 

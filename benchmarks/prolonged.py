@@ -44,8 +44,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import learning  # (also puts the repository root on sys.path, offline environment)
+from _common import device_name  # first: the repository on sys.path
+
+import learning  # noqa: E402
 
 ARMS = {
     "one_phase": "(a) one phase",
@@ -174,14 +175,12 @@ def device_kwargs(args) -> dict:
     return {"bf16": True} if torch.cuda.is_available() and not args.smoke else {"use_cpu": True, "bf16": False}
 
 
-def device_name(args) -> str:
+def run_device(args) -> str:
     import os
 
     import torch
 
-    if torch.cuda.is_available() and not args.smoke:
-        return torch.cuda.get_device_name(0)
-    return f"CPU ({os.cpu_count()} cores)"
+    return device_name() if torch.cuda.is_available() and not args.smoke else f"CPU ({os.cpu_count()} cores)"
 
 
 def run_warm_start(args) -> None:
@@ -322,12 +321,12 @@ def _run_worker(args) -> int:
         return 143
     except NonFiniteUpdate as stop:  # the run's own outcome (a collapse), kept in the report, not retried
         print(f"[{run_dir.name}] {stop}", flush=True)
-        stopped = {"arm": arm, "seed": args.seed, "device": device_name(args), "step": stop.global_step,
+        stopped = {"arm": arm, "seed": args.seed, "device": run_device(args), "step": stop.global_step,
                    "grad_norm": str(stop.norm), "reason": "non-finite gradient"}  # fmt: skip
         (run_dir / "stopped.json").write_text(json.dumps(stopped, indent=1))
         return 3
     earlier_seconds = sum(attempt_seconds(earlier).values())
-    done = {"arm": arm, "seed": args.seed, "device": device_name(args), "steps": trainer.prorl_global_step,
+    done = {"arm": arm, "seed": args.seed, "device": run_device(args), "steps": trainer.prorl_global_step,
             "seconds": round(earlier_seconds + time.time() - started, 1), "attempts": attempt + 1,
             "rollout_engine": getattr(trainer, "rollout_engine", None) is not None}  # fmt: skip
     (run_dir / "done.json").write_text(json.dumps(done, indent=1))

@@ -28,7 +28,6 @@ Measured with `--cap 128` on an H200: 5.2 min in all; each process spends ~30 s 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -37,23 +36,19 @@ import sys
 import tempfile
 import time
 import warnings
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+from _common import DEFAULT_RECIPE, device_name, fmt, publish, synchronize, utc_now, versions  # first
 
 import torch  # noqa: E402
 
-from memory import DEFAULT_RECIPE, load_settings, prompt_dataset  # noqa: E402
+from memory import load_settings, prompt_dataset  # noqa: E402
 from prorl_trl.config import ProRLConfig  # noqa: E402
 from prorl_trl.reset import frozen_rank_total  # noqa: E402
 from prorl_trl.tiny import build_tiny_tokenizer, tiny_config  # noqa: E402
 from prorl_trl.trainer import ProRLTrainer  # noqa: E402
 from scale_out import save_model_once  # noqa: E402
-from trainer_gpu import StepTimer, qwen2_05b_config, synchronize, token_hash_reward  # noqa: E402
+from trainer_gpu import StepTimer, qwen2_05b_config, token_hash_reward  # noqa: E402
 
 BASES = ("bf16", "4bit", "8bit", "merge")
 PACKAGES = ("torch", "transformers", "peft", "accelerate", "trl", "bitsandbytes")
@@ -189,20 +184,6 @@ def run_in_subprocess(base: str, options, model_dir: str, folder: Path) -> dict:
     return json.loads(path.read_text()) | {"process_seconds": time.perf_counter() - start}
 
 
-def package_versions() -> str:
-    found = []
-    for name in PACKAGES:
-        try:
-            found.append(f"{name} {version(name)}")
-        except PackageNotFoundError:
-            found.append(f"{name} -")
-    return ", ".join(found)
-
-
-def fmt(value, spec: str = ".2f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def table(meta: dict, results: list[dict]) -> str:
     lines = [
         f"Device: {meta['device']} | {meta['date']} | {meta['versions']}",
@@ -256,11 +237,10 @@ def main(argv: list[str] | None = None) -> dict:
     if options.worker:
         options.result.write_text(json.dumps(worker(options.worker, options, options.model_dir)))
         return {}
-    device = "CPU (smoke)" if options.smoke else torch.cuda.get_device_name(torch.cuda.current_device())
     meta = {
-        "device": device,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "versions": package_versions(),
+        "device": "CPU (smoke)" if options.smoke else device_name(),
+        "date": utc_now(),
+        "versions": versions(*PACKAGES),
         "shape": (f"GSM8K recipe phases initial + reset-1 ({options.steps} steps each, a hard reset between), "
                   f"{options.completions} completions x {options.cap} tokens per step, {options.prompt_tokens}-token "
                   f"prompt, LoRA r{4 if options.smoke else 32} q,k, TRL's eager generation"),
@@ -277,12 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
             else:
                 results.append(run_in_subprocess(base, options, model_dir, Path(workdir)))
     meta["total_seconds"] = round(time.perf_counter() - start)
-    report = table(meta, results)
-    print(report, flush=True)
-    if options.json:
-        options.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    if options.out:
-        options.out.write_text(report + "\n")
+    publish(table(meta, results), options.out, options.json, {"meta": meta, "results": results})
     return {"meta": meta, "results": results}
 
 

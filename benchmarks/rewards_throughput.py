@@ -28,37 +28,22 @@ and a worker thread. The MATH-500 differential: every gold against itself, its n
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
 import random
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+from _common import ROOT, cpu_name, publish, utc_now, versions  # first: the repository on sys.path
 
 import rewards  # noqa: E402
 
-DEFAULT_DATA = REPO_ROOT.parent / "shared" / "data"
-RESULTS_FILE = REPO_ROOT / "benchmarks" / "results" / "rewards_throughput.md"
-
-
-def cpu_name() -> str:
-    try:
-        output = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in output.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or "unknown CPU"
+DEFAULT_DATA = ROOT.parent / "shared" / "data"
+RESULTS_FILE = ROOT / "benchmarks" / "results" / "rewards_throughput.md"
 
 
 def gsm8k_completions(data_dir: Path, count: int, seed: int = 0) -> tuple[list[str], list[str], list[bool]]:
@@ -303,10 +288,7 @@ def main(argv: list[str] | None = None) -> str:
     differential = run_differential(args)
     shared_pool().close()
     table = "\n\n".join([render(rows, args, len(texts)), render_worst_cases(worst), differential])
-    print(table)
-    if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(table + "\n")
+    publish(table, args.output)
     return table
 
 
@@ -455,8 +437,6 @@ def run_differential(args) -> str:
 
 
 def render(rows: list[dict], args, count: int) -> str:
-    import trl
-
     def rate(value):
         return "—" if value is None else f"{value:,.0f}"
 
@@ -469,8 +449,8 @@ def render(rows: list[dict], args, count: int) -> str:
     lines = [
         f"# Reward throughput (CPU, one core){' — smoke run' if args.smoke else ''}",
         "",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
-        f"- CPU: {cpu_name()} (lscpu model name); Python {platform.python_version()}; trl {trl.__version__}",
+        f"- date: {utc_now()}",
+        f"- CPU: {cpu_name()} (lscpu model name); Python {platform.python_version()}; {versions('trl')}",
         f"- {_cpu_context()}",
         f"- {count} GSM8K-style completions from gsm8k/test.jsonl golds (kk_logic: {count} from kk/*ppl_test.jsonl), "
         f"batches of {args.batch_size}, best of {args.repeats} runs (accuracy_reward: 1 run)",

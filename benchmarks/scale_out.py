@@ -49,7 +49,6 @@ on CPU), `full`, `lora` (frozen) and `lora_merge`.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import hashlib
 import json
@@ -62,10 +61,7 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from _common import ROOT, device_name, fmt, utc_now  # first: the repository on sys.path
 
 CONFIGS = {
     "zero3": "zero3.yaml",
@@ -497,7 +493,7 @@ def worker(args) -> None:
             result["error"] = f"{type(error).__name__}: {error}"[:600]
             traceback.print_exc()
         if torch.cuda.is_available():
-            result["device"] = torch.cuda.get_device_name(0)
+            result["device"] = device_name()
         result["wall_s"] = round(time.time() - started, 1)
         if rank == 0:
             print(f"[scale_out] {args.engine} x{result['processes']} {mode}: {result['wall_s']} s, "
@@ -573,10 +569,6 @@ def load_final(path: Path) -> str:
         return f"NO: {type(error).__name__}: {error}"[:200]
 
 
-def fmt(value, spec: str = ".2f", none: str = "-") -> str:
-    return none if value is None else format(value, spec)
-
-
 def verdicts(result: dict, smoke: bool) -> dict:
     """(a), (b), (c) per mode: yes/NO with the numbers behind them."""
     resets = result.get("resets", [])
@@ -620,7 +612,7 @@ def verdicts(result: dict, smoke: bool) -> dict:
 def table(results: list[dict], skipped: list[str], smoke: bool, started: float) -> str:
     devices = sorted({r.get("device", "CPU") for r in results}) or ["(none)"]
     lines = [
-        f"Device: {', '.join(devices)} | date (UTC): {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} | "
+        f"Device: {', '.join(devices)} | {utc_now()} | "
         f"{time.time() - started:.0f} s",
         "",
         "| engine | GPUs | mode | resets checked | (a) ranks equal, = merged save, ref = policy, masters, base | (b) max abs "

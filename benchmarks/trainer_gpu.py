@@ -23,14 +23,11 @@ import gc
 import importlib.util
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _common import device_name, fmt, publish, synchronize, versions  # first: the repository on sys.path
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
@@ -70,11 +67,6 @@ def build_model(smoke: bool, tokenizer, device: torch.device):
 def token_hash_reward(completion_ids, **kwargs):
     """Cheap, deterministic, varies within groups (so the loss has a gradient)."""
     return [(sum(ids) % 13) / 13 for ids in completion_ids]
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def memory_mib(device: torch.device) -> tuple[float, float | None]:
@@ -208,11 +200,7 @@ def measure_resets(smoke, tokenizer, dataset, device, workdir, resets) -> dict:
     return shared
 
 
-def fmt(value: float | None, digits: int = 3) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
-
-
-def table(device_name: str, settings: str, steps: dict, resets: dict, num_resets: int) -> str:
+def table(device: str, settings: str, steps: dict, resets: dict, num_resets: int) -> str:
     grpo, prorl = statistics.median(steps["GRPOTrainer"]), statistics.median(steps["ProRLTrainer"])
     ratio = prorl / grpo
     reset_median, reset_max = statistics.median(resets["reset_times"]), max(resets["reset_times"])
@@ -225,14 +213,14 @@ def table(device_name: str, settings: str, steps: dict, resets: dict, num_resets
     memory_unit = "GPU MiB" if reserved_1 is not None else "CPU RSS MiB"
     ok = {True: "yes", False: "**no**", None: "n/a"}
     rows = [
-        (f"step time, median of {len(steps['GRPOTrainer'])} steps (s)", fmt(grpo), fmt(prorl), f"ratio {ratio:.3f}", "<= 1.02", ok[ratio <= 1.02]),
-        (f"hard_reset() in training, median / max of {len(resets['reset_times'])} (s)", "", f"{fmt(reset_median)} / {fmt(reset_max)}", "", "<= 1 s", ok[reset_max <= 1.0]),
-        ("merged save of the full model (s, disk-bound, informational)", "", fmt(resets["save_time"], 2), "", "", ""),
-        (f"memory allocated after reset 1 / {num_resets} ({memory_unit})", "", f"{fmt(alloc_1, 1)} / {fmt(alloc_n, 1)}", f"{fmt(alloc_drift, 2)} %", "within 1 %", ok[abs(alloc_drift) <= 1.0]),
-        (f"memory reserved after reset 1 / {num_resets} (GPU MiB)", "", f"{fmt(reserved_1, 1)} / {fmt(reserved_n, 1)}", f"{fmt(reserved_drift, 2)} %", "within 1 %", ok[None if reserved_drift is None else abs(reserved_drift) <= 1.0]),
+        (f"step time, median of {len(steps['GRPOTrainer'])} steps (s)", fmt(grpo, '.3f', 'n/a'), fmt(prorl, '.3f', 'n/a'), f"ratio {ratio:.3f}", "<= 1.02", ok[ratio <= 1.02]),
+        (f"hard_reset() in training, median / max of {len(resets['reset_times'])} (s)", "", f"{fmt(reset_median, '.3f', 'n/a')} / {fmt(reset_max, '.3f', 'n/a')}", "", "<= 1 s", ok[reset_max <= 1.0]),
+        ("merged save of the full model (s, disk-bound, informational)", "", fmt(resets["save_time"], '.2f', 'n/a'), "", "", ""),
+        (f"memory allocated after reset 1 / {num_resets} ({memory_unit})", "", f"{fmt(alloc_1, '.1f', 'n/a')} / {fmt(alloc_n, '.1f', 'n/a')}", f"{fmt(alloc_drift, '.2f', 'n/a')} %", "within 1 %", ok[abs(alloc_drift) <= 1.0]),
+        (f"memory reserved after reset 1 / {num_resets} (GPU MiB)", "", f"{fmt(reserved_1, '.1f', 'n/a')} / {fmt(reserved_n, '.1f', 'n/a')}", f"{fmt(reserved_drift, '.2f', 'n/a')} %", "within 1 %", ok[None if reserved_drift is None else abs(reserved_drift) <= 1.0]),
     ]  # fmt: skip
     lines = [
-        f"| ProRLTrainer on {device_name} ({settings}) | GRPOTrainer | ProRLTrainer | result | target | met |",
+        f"| ProRLTrainer on {device} ({settings}) | GRPOTrainer | ProRLTrainer | result | target | met |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -259,23 +247,19 @@ def main(argv: list[str] | None = None) -> str:
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)) if args.smoke else torch.get_num_threads())
     device = torch.device("cpu") if args.smoke else torch.device("cuda", torch.cuda.current_device())
-    device_name = "CPU (smoke)" if args.smoke else torch.cuda.get_device_name(device)
     tokenizer = build_tiny_tokenizer()
     dataset = Dataset.from_dict({"prompt": [f"Problem {i}: compute {i} + {3 * i + 1}." for i in range(256)]})
     run = common_args(args.smoke, "", 0)
     model_name = "tiny Qwen2 (fp32)" if args.smoke else "Qwen2-0.5B architecture, random init, bf16"
     settings = (
         f"{model_name}, LoRA r={lora_config(args.smoke).r} all-linear, batch {run['per_device_train_batch_size']} x "
-        f"G={run['num_generations']}, {run['max_completion_length']} new tokens, torch {torch.__version__}"
+        f"G={run['num_generations']}, {run['max_completion_length']} new tokens, {versions('torch')}"
     )
     with tempfile.TemporaryDirectory(prefix="prorl-bench-") as workdir:
         step_times = measure_step_times(args.smoke, tokenizer, dataset, device, workdir, rounds, steps)
         resets = measure_resets(args.smoke, tokenizer, dataset, device, workdir, args.resets)
-    result = table(device_name, settings, step_times, resets, args.resets)
-    print(result)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(result + "\n")
+    result = table(device_name(device, cpu="CPU (smoke)"), settings, step_times, resets, args.resets)
+    publish(result, args.out)
     return result
 
 

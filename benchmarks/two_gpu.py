@@ -23,9 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _common import device_name, utc_now  # first: the repository on sys.path
 
 
 def worker(out_path: str, smoke: bool, steps: int) -> None:
@@ -46,7 +44,6 @@ def worker(out_path: str, smoke: bool, steps: int) -> None:
         torch.set_num_threads(1)
         model = build_tiny_model(tokenizer, seed=0)
     else:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         from trainer_gpu import qwen2_05b_config
 
         torch.manual_seed(0)  # same init on every rank (DDP also broadcasts at wrap time)
@@ -137,7 +134,7 @@ def worker(out_path: str, smoke: bool, steps: int) -> None:
         "median_step_s": statistics.median(steady),
         "completions_per_step": completions_per_step,
         "completions_per_s": completions_per_step / statistics.median(steady),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+        "device": device_name(device),
     }
     if not distributed() or dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(result, indent=1))
@@ -163,7 +160,7 @@ def launch(processes: int, smoke: bool, steps: int, out: Path) -> dict:
 
 def table(one: dict, two: dict) -> str:
     lines = [
-        f"Device: {two['device']} x {two['world_size']} vs x 1 | date (UTC): {time.strftime('%Y-%m-%d %H:%M', time.gmtime())}",
+        f"Device: {two['device']} x {two['world_size']} vs x 1 | {utc_now()}",
         "",
         "| processes | resets | final LoRA r | ranks identical after each reset and phase end | max |Δ| across ranks | "
         "median step (s) | completions/step | completions/s | x 1 process |",

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _benchmarks import load_benchmark
 from _prorl_helpers import lora, prompts_dataset, tiny_args
 from transformers import AutoModelForCausalLM
 
@@ -29,12 +28,11 @@ def parity(completion_ids, **kwargs):
     return [float(ids[0] % 2) for ids in completion_ids]
 
 
-DESIGNS = load_benchmark("reset_designs")  # the phase deltas and probe of benchmarks/reset_designs.py
-
-
 def probe_logps(model) -> torch.Tensor:
     """Log-probs of the probe's next tokens, float32."""
-    return DESIGNS.log_probs(model, PROBE)
+    with torch.no_grad():
+        logits = model(input_ids=PROBE).logits.float()[:, :-1]
+    return torch.log_softmax(logits, -1).gather(-1, PROBE[:, 1:, None])[..., 0]
 
 
 def bf16_trainer(tmp_path, mode: str, **overrides) -> ProRLTrainer:
@@ -53,11 +51,27 @@ def bf16_trainer(tmp_path, mode: str, **overrides) -> ProRLTrainer:
 
 def small_phase_delta(model) -> dict[str, torch.Tensor]:
     """Set every adapter to the steepest rank-r step on the probe's loss, 99 % of its elements under half a bf16 step
-    of their weight (`reset_designs.phase_delta`); returns each layer's delta (scale * B @ A) in float32."""
-    deltas = DESIGNS.phase_delta(model, PROBE)
-    for name, layer in lora_layers(model):
-        half_step = layer.base_layer.weight.float().abs().clamp_min(1e-3) / 256  # bf16 keeps 8 significant bits
-        assert (deltas[name].abs() < half_step).float().mean() >= 0.99
+    of their weight (bf16 keeps 8 significant bits); returns each layer's delta (scale * B @ A) in float32."""
+    layers = lora_layers(model)
+    weights = [layer.base_layer.weight for _, layer in layers]
+    for weight in weights:
+        weight.requires_grad_(True)
+    model.zero_grad()
+    model(input_ids=PROBE, labels=PROBE).loss.backward()
+    deltas = {}
+    with torch.no_grad():
+        for (name, layer), weight in zip(layers, weights):
+            gradient, weight.grad = weight.grad.float(), None
+            weight.requires_grad_(False)
+            rank, scaling = layer.r["default"], layer.scaling["default"]
+            left, values, right = torch.linalg.svd(gradient, full_matrices=False)
+            step = -(left[:, :rank] * values[:rank]) @ right[:rank]
+            half_step = weight.float().abs().clamp_min(1e-3) / 256
+            size = torch.quantile((half_step / step.abs().clamp_min(1e-12)).flatten(), 0.005)
+            layer.lora_A["default"].weight.copy_(right[:rank])
+            layer.lora_B["default"].weight.copy_(-(left[:, :rank] * values[:rank]) * size / scaling)
+            deltas[name] = (layer.lora_B["default"].weight.float() @ layer.lora_A["default"].weight.float()) * scaling
+            assert (deltas[name].abs() < half_step).float().mean() >= 0.99
     return deltas
 
 
