@@ -16,16 +16,6 @@ RELATIVE = "this|that|next|last|previous|earlier|later|same|another"
 WORK_PERIOD = re.compile(rf"\b(?:{ORDINALS}|{RELATIVE})[- ]" + "sess" + r"ions?\b", re.IGNORECASE)
 FOLDERS = ("prorl_trl", "docs", "benchmarks", "recipes", "rewards", "tests")
 SUFFIXES = {".py", ".md", ".yaml", ".yml", ".txt", ".cfg", ".toml", ".sh"}
-# TODO(benchmarks/): benchmarks/*.py and benchmarks/README.md are being rewritten on another branch (investigation
-# scripts retired); remove this exclusion when that branch is merged.
-PENDING = {"benchmarks/README.md"}
-
-
-def pending(relative: str) -> bool:
-    return relative in PENDING or (relative.startswith("benchmarks/") and relative.count("/") == 1
-                                   and relative.endswith(".py"))
-
-
 def project_files() -> list[Path]:
     files = [path for path in ROOT.glob("*.md")]
     for folder in FOLDERS:
@@ -47,8 +37,6 @@ def test_no_file_dates_a_number_by_a_work_period():
     found = []
     for path in project_files():
         relative = path.relative_to(ROOT).as_posix()
-        if pending(relative):
-            continue
         for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
             if WORK_PERIOD.search(line):
                 found.append(f"{relative}:{number}: {line.strip()}")
