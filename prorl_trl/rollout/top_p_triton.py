@@ -33,8 +33,8 @@ WAYS = 16  # candidates per pass (15 inner ones + the bracket's low end)
 CHUNK_ALIGN = 1024  # a split's length is a multiple of this (and of BLOCK)
 TARGET_PROGRAMS = 512  # programs per pass launch (about 4 per H100/H200 SM)
 # 512 probabilities x 16 ways of per-lane sums on 4 warps: 64 registers a thread. Measured on an H100 at 32 x 151,936
-# (benchmarks/results/rollout_engine.md, history 2026-11-26, script retired at 07e90fc): 146 us a call against 164 us for 256 / 4 warps; 8 warps and more
-# splits per row were slower. (The first version summed across lanes inside the loop: 35 us a pass.)
+# (benchmarks/results/rollout_engine.md, history 2026-11-26; the script was retired at 07e90fc): 146 us a call
+# against 164 us for 256 / 4 warps; 8 warps and more splits per row were slower. (The first version summed across lanes inside the loop: 35 us a pass.)
 BLOCK, NUM_WARPS = 512, 4
 # From this pass on, a block whose probabilities all lie outside the bracket `(low, high]` skips the WAYS-way sums
 # (the mass at or below `low` is one sum for every candidate). The bracket is 2^(30 - 4 * pass) bit patterns wide
