@@ -44,22 +44,16 @@ step includes compilation/capture. Generation seconds are timed around each `gen
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
-import os
 import re
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+from _common import device_name, utc_now  # first: the repository on sys.path, the Hub offline
 
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
@@ -286,8 +280,8 @@ def meta_of(options, device: torch.device, trainer: ProRLTrainer, args: ProRLCon
 
     dtype = next(reset_ops.unwrap_model(trainer.model).get_base_model().parameters()).dtype
     return {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke)",
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": device_name(device, cpu="CPU (smoke)"),
+        "date": utc_now(),
         "versions": f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, "
                     f"trl {trl.__version__}",
         "recipe": options.recipe.name, "overrides": list(options.set), "prompt_tokens": prompt_tokens,
@@ -577,8 +571,8 @@ def main(argv: list[str] | None = None) -> dict:
         result = run_phases(options, device)
         return emit(phases_table([result], options.seed_plan), result, options)
     meta = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke)",
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": device_name(device, cpu="CPU (smoke)"),
+        "date": utc_now(),
         "torch": torch.__version__, "prompt_tokens": options.prompt_tokens or (16 if options.smoke else 256),
     }  # fmt: skip
     tokenizer, results, start = build_tiny_tokenizer(), [], time.perf_counter()

@@ -22,7 +22,6 @@ module disables only its own subcommand. Exit status: 0 success, 1 failure while
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import shlex
 import sys
@@ -280,7 +279,7 @@ def _run_validate(args: argparse.Namespace) -> int:
     from .data.fingerprint import split_fingerprints
     from .recipe.changes import resume_changes
     from .recipe.checks import other_machine_hint
-    from .recipe.extend import plan_extension
+    from .recipe.extend import extended_plan
     from .recipe.output_folder import plan_start, run_writes
     from .recipe.preflight import Launch, check_everything, read_launch_config
     from .recipe.run import describe_recipe
@@ -301,9 +300,7 @@ def _run_validate(args: argparse.Namespace) -> int:
         writes=run_writes(recipe),
     )  # fmt: skip
     data_now = split_fingerprints(recipe.data) if plan.resume or plan.finished else None  # only a resume compares them
-    extension = plan_extension(plan.state, recipe, args.allow_changes, data_now) if plan.finished else None  # as train
-    if extension is not None:
-        plan = dataclasses.replace(plan, finished=False, resume=str(extension.checkpoint), note=extension.describe())
+    plan, _ = extended_plan(plan, recipe, args.allow_changes, data_now)  # as train: a finished run extended
     for change in resume_changes(plan.resume, recipe.output_dir, recipe.raw, args.allow_changes, data_now):  # as train
         print(f"note: resuming changes {change.describe()}", file=sys.stderr)
     if plan.note or plan.finished or plan.overwrite:

@@ -76,13 +76,19 @@ def _once() -> Iterator[None]:
 def quiet_console() -> Iterator[None]:
     """For the length of a training run: each warning once, and no `transformers` progress bars (a "Writing model
     shards" bar at every checkpoint and merged save); the run's own progress is `RunProgress`."""
+    with without_transformers_bars(), each_warning_once():
+        yield
+
+
+@contextlib.contextmanager
+def without_transformers_bars() -> Iterator[None]:
+    """`transformers`' progress bars off inside, back as they were after."""
     from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        with each_warning_once():
-            yield
+        yield
     finally:
         if bars:
             hf_logging.enable_progress_bar()
@@ -94,18 +100,11 @@ def loading_models(what: str, show: bool = True) -> Iterator[None]:
     import sys
     import time
 
-    from transformers.utils import logging as hf_logging
-
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
     started = time.monotonic()
     if show:
         print(f"loading {what} ...", file=sys.stderr, flush=True)
-    try:
+    with without_transformers_bars():
         yield
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
     if show:
         print(f"loaded in {duration(time.monotonic() - started)}", file=sys.stderr, flush=True)
 

@@ -277,14 +277,29 @@ def same_base_model_folder(change: Change, state: dict[str, Any]) -> bool:
     return bool(recorded) and folder.is_dir() and recorded == folder_fingerprint(folder)
 
 
+def phase_of_key(key: str) -> int | None:
+    """The phase index a flattened key sets (`phases.2.temperature` -> 2), None for a key outside `phases`."""
+    import re
+
+    match = re.match(r"phases\.(\d+)\.", key)
+    return int(match[1]) if match else None
+
+
+def recorded_changes(run_dir: Path, current: dict[str, Any], state: dict[str, Any]) -> list[Change] | None:
+    """`changes_since_recorded`, less a model path naming the very weights the checkpoint (`state`: its
+    `prorl_state.json`, or `{}`) sits on (`same_base_model_folder`); None when the run recorded no recipe."""
+    recorded = changes_since_recorded(run_dir, current)
+    if recorded is None or not state:
+        return recorded
+    return [change for change in recorded if not same_base_model_folder(change, state)]
+
+
 def refuse_finished_phase_changes(changes: list[Change], state: dict[str, Any], checkpoint: Path) -> None:
     """A change to a phase the checkpoint (`state`: its `prorl_state.json`) is past (`phases.<i>.*`, i below its
     phase) cannot be honoured: that phase trained as recorded. Refused (exit 2) even with `--allow-changes`, rather
     than accepted and left without effect."""
-    import re
-
     current = state["phase_index"]
-    finished = [change for change in changes if (m := re.match(r"phases\.(\d+)\.", change.key)) and int(m[1]) < current]
+    finished = [change for change in changes if (phase := phase_of_key(change.key)) is not None and phase < current]
     if finished:
         listed = "\n".join(f"  {change.describe()}" for change in finished)
         raise ChangedRecipeError(
@@ -306,9 +321,7 @@ def check_resume_changes(
 
     # the checkpoint's record, read once (exit 2 when damaged); none for a plain TRL checkpoint (one phase)
     state = read_prorl_state(checkpoint) if checkpoint is not None and (checkpoint / PRORL_STATE_NAME).is_file() else {}
-    recorded = changes_since_recorded(run_dir, current)
-    if recorded is not None and state:
-        recorded = [change for change in recorded if not same_base_model_folder(change, state)]
+    recorded = recorded_changes(run_dir, current, state)
     if recorded is None and RECORDED_RECIPE_NAME in (read_manifest(run_dir) or []) and not allow_changes:
         raise ChangedRecipeError(
             f"--resume: {run_dir / RECORDED_RECIPE_NAME} is missing, so this resume cannot tell whether the recipe "

@@ -17,8 +17,7 @@ the changed keys). The run's log, summary, model card and trackers go on along t
 from __future__ import annotations
 
 import os
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +27,13 @@ from .changes import (
     Change,
     ChangedRecipeError,
     canonical,
-    changes_since_recorded,
     data_file_changes,
     flatten,
+    phase_of_key,
+    recorded_changes,
     recorded_recipe,
-    same_base_model_folder,
 )
 from .output_folder import FolderState
-
-_PHASE_KEY = re.compile(r"phases\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -150,11 +147,22 @@ def plan_extension(
     return extension
 
 
+def extended_plan(
+    plan: Any, recipe: Any, allow_changes: bool, data_now: dict[str, dict[str, str]] | None
+) -> tuple[Any, Extension | None]:
+    """`plan_start`'s plan as `train` and `validate` follow it: a finished run the recipe extends becomes a resume from
+    the checkpoint of its last step (with the extension), anything else is left as planned."""
+    extension = plan_extension(plan.state, recipe, allow_changes, data_now) if plan.finished else None
+    if extension is not None:
+        plan = replace(plan, finished=False, resume=str(extension.checkpoint), note=extension.describe())
+    return plan, extension
+
+
 def _changes(
     run_dir: Path, current: dict[str, Any], data_now: dict[str, dict[str, str]] | None, saved: dict[str, Any]
 ) -> list[Change]:
     """The recipe's changes against the run's recorded one (and its data files'), as a resume sees them."""
-    changes = [c for c in changes_since_recorded(run_dir, current) or [] if not same_base_model_folder(c, saved)]
+    changes = recorded_changes(run_dir, current, saved) or []
     return changes + (data_file_changes(run_dir, data_now) if data_now is not None else [])
 
 
@@ -183,7 +191,7 @@ def _refuse_changes_to_trained_phases(
     finished = last if grows else last + 1  # phases below this index keep what they trained with
     edited = [
         change for change in altering
-        if (m := _PHASE_KEY.match(change.key)) and int(m[1]) < finished
+        if (index := phase_of_key(change.key)) is not None and index < finished
         and not (change.key == f"phases.{last}.max_steps" and change.new == trained)  # the length it trained
     ]  # fmt: skip
     lengths = [

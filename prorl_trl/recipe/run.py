@@ -23,7 +23,7 @@ from ..console import loading_models
 from ..data.fingerprint import split_fingerprints
 from ..trainer.manifest import CLI_FILES, record_outputs
 from .changes import RESUME_HISTORY_NAME, resume_changes, write_run_recipe
-from .extend import plan_extension
+from .extend import extended_plan
 from .output_folder import (
     delete_run_outputs,
     describe_checkpoint,
@@ -228,8 +228,8 @@ def _train(
     )
     data_now = split_fingerprints(recipe.data)  # what the local data files hold now (a resume compares)
     # A finished run resumed with more steps or phases goes on from its last checkpoint (exit 2 for what cannot).
-    extension = plan_extension(plan.state, recipe, allow_changes, data_now) if plan.finished else None
-    if plan.finished and extension is None:
+    plan, extension = extended_plan(plan, recipe, allow_changes, data_now)
+    if plan.finished:
         if main:
             completed = _complete_finished_run(recipe, recipe_path, overrides, base_model, Path(recipe.output_dir))
             if completed:  # stopped between final/'s rename and the files written after it
@@ -238,8 +238,6 @@ def _train(
                 print(f"{plan.state.describe()}: nothing to do; nothing was changed.")
         leave_process_group()  # every process read the same finished folder
         return 0
-    if extension is not None:
-        plan = dataclasses.replace(plan, finished=False, resume=str(extension.checkpoint), note=extension.describe())
     changes = resume_changes(plan.resume, recipe.output_dir, recipe.raw, allow_changes, data_now)  # exit 2, nothing loaded
     if plan.resume:  # a phase made shorter than the steps it trained: exit 2, nothing written
         from ..trainer.state import check_resumed_phase_length
@@ -359,8 +357,8 @@ def _write_run_files(
     log_history: list[dict[str, Any]], recipe: Recipe, recipe_path: str, overrides: list[str], base_model: str,
     output_dir: Path, seconds: float | None, safety: dict[str, Any] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """`run_summary.json` (the summary, `safety`: what guarded the run and the resets on demand, and the whole log) and `final/README.md` (the
-    final model's card, when `final/` holds a model); returns the summary."""
+    """`run_summary.json` (the summary, `safety`: what guarded the run and the resets on demand, and the whole log)
+    and `final/README.md` (the final model's card, when `final/` holds a model); returns the summary."""
     from ..reset.checkpoint import write_text_atomically
 
     summary = summarize_log(log_history)
@@ -412,8 +410,9 @@ def _report(
         steps = ", ".join(str(event["step"]) for event in trainer.prorl_nonfinite_skips)
         print(f"  skipped (gradients not finite): global steps {steps}; batches kept in {output_dir / 'nonfinite'}/")
     for reset in trainer.prorl_on_demand_resets:
+        why = f": {reset['reason']}" if reset["reason"] else ""
         print(f"  reset on demand at global step {reset['step']}: phase {reset['from_phase']} -> {reset['to_phase']}"
-              f" ({reset['steps_not_trained']} planned steps not trained){': ' + reset['reason'] if reset['reason'] else ''}")
+              f" ({reset['steps_not_trained']} planned steps not trained){why}")  # fmt: skip
     for key, value in sorted(summary["final_eval"].items()):
         print(f"  {key}: {value:.4g}")
     print(f"outputs:  {output_dir}/")
