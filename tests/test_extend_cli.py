@@ -66,6 +66,11 @@ def test_each_earlier_final_model_is_kept_under_the_phase_and_step_it_ended(runs
     for name, step in (("final-phase1-step4", 4), ("final-phase1-step5", 5)):
         assert json.loads((out / name / "prorl_state.json").read_text())["global_step"] == step
         assert (out / name / "model.safetensors").is_file()
+    # the extensions trained: the weights moved past each kept final (so the equality above compares moved weights)
+    from safetensors.torch import load_file
+
+    kept, final = (load_file(out / name / "model.safetensors") for name in ("final-phase1-step4", "final"))
+    assert any(not kept[key].equal(final[key]) for key in kept)
     manifest = json.loads((out / ".prorl_manifest.json").read_text())["paths"]
     assert {"final-phase1-step4/", "final-phase1-step5/", "phase-2/"} <= set(manifest)  # the run's: --overwrite deletes
 
