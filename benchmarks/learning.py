@@ -114,13 +114,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 class StopAtAccuracy(TrainerCallback):
     """Greedy accuracy on held-out problems every `every` SFT steps; stops training once it reaches `target`."""
 
-    def __init__(self, tokenizer, rows, target: float, every: int):
+    def __init__(self, tokenizer, rows, target: float, every: int, max_new_tokens: int = 40):
         self.tokenizer, self.rows, self.target, self.every = tokenizer, rows, target, every
+        self.max_new_tokens = max_new_tokens  # the RL cap: a longer task's solutions must fit the probe too
         self.accuracy = 0.0
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.global_step % self.every == 0:
-            self.accuracy = greedy_accuracy(model, self.tokenizer, self.rows)
+            self.accuracy = greedy_accuracy(model, self.tokenizer, self.rows, self.max_new_tokens)
             print(f"[warm start] step {state.global_step}: greedy accuracy {self.accuracy:.1%}", flush=True)
             control.should_training_stop = self.accuracy >= self.target
 
@@ -151,7 +152,8 @@ def warm_start(args, tokenizer, device_kwargs, out: Path, task: dict | None = No
     train = make_arithmetic_dataset(512 if args.smoke else 20000, seed=args.seed, **task)
     train = train.map(lambda row: {"completion": row["solution"]}).select_columns(["prompt", "completion"])
     probe = make_arithmetic_dataset(8 if args.smoke else 128, seed=args.seed + 7, **task)
-    stopper = StopAtAccuracy(tokenizer, probe, args.warm_start_accuracy, every=2 if args.smoke else 25)
+    stopper = StopAtAccuracy(tokenizer, probe, args.warm_start_accuracy, every=2 if args.smoke else 25,
+                             max_new_tokens=getattr(args, "max_new_tokens", 40))
     config = SFTConfig(
         output_dir=str(out / "sft"),
         max_steps=args.max_sft_steps,

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import itertools
 import json
 import math
@@ -145,6 +146,46 @@ def task_of(args) -> dict:
             "instruction": ""}  # fmt: skip
 
 
+@functools.cache
+def study_tokenizer():
+    """The byte-level tiny tokenizer, built once (building it takes seconds)."""
+    from prorl_trl.tiny import build_tiny_tokenizer
+
+    return build_tiny_tokenizer()
+
+
+def longest_solution_tokens(args, examples: int = 4000) -> tuple[int, dict[int, int]]:
+    """Tokens (with the end token) of the longest reference solution among `examples` problems of this study's task,
+    and how many problems need each length. A cap below a solution makes that problem unsolvable within the cap."""
+    import random
+
+    from prorl_trl.data.synthetic import arithmetic_example
+
+    tokenizer, task = study_tokenizer(), task_of(args)
+    lengths: dict[int, int] = defaultdict(int)
+    for index in range(examples):
+        solution = arithmetic_example(random.Random(f"cap-check-{index}"), **task)["solution"]
+        lengths[len(tokenizer(solution, add_special_tokens=False)["input_ids"]) + 1] += 1
+    return max(lengths), dict(lengths)
+
+
+def check_completion_cap(args) -> None:
+    """Refuses a `--max-completion-length` that cuts reference solutions of this task (GPU sizes; the smoke's tiny
+    caps are meant to truncate): pass@k would then measure the cap, and "never solved" would count problems the cap
+    forbids, not problems the policy cannot solve. The greedy probe of the warm start uses the same cap."""
+    if args.smoke:
+        return
+    longest, lengths = longest_solution_tokens(args)
+    if args.max_completion_length < longest:
+        cut = sum(count for length, count in lengths.items() if length > args.max_completion_length)
+        raise SystemExit(
+            f"--max-completion-length {args.max_completion_length} cuts the reference solution of "
+            f"{cut / sum(lengths.values()):.0%} of this task's problems (--task-steps {args.task_steps} "
+            f"--task-max-value {args.task_max_value}: solutions up to {longest} tokens with the end token), so "
+            f"pass@k would measure the cap. Set --max-completion-length {16 * math.ceil((longest + 8) / 16)} or more."
+        )
+
+
 def ks_of(args) -> list[int]:
     return sorted({1, *(k for k in (8, 64) if k < args.val_samples), args.val_samples})
 
@@ -192,7 +233,7 @@ def run_warm_start(args) -> None:
     if (warm / "warm_start.json").is_file():
         return
     settings = argparse.Namespace(seed=0, smoke=args.smoke, warm_start_accuracy=args.warm_start_accuracy,
-                                  max_sft_steps=args.max_sft_steps)  # fmt: skip
+                                  max_sft_steps=args.max_sft_steps, max_new_tokens=args.max_completion_length)  # fmt: skip
     path, seconds, parameters, accuracy = learning.warm_start(
         settings, build_tiny_tokenizer(), device_kwargs(args), warm.parent, task=task_of(args)
     )
@@ -440,6 +481,7 @@ def main(argv: list[str] | None = None) -> dict | int:
     if args.pilot:
         return run_pilot(args, argv, out, deadline)
     if not args.report_only:
+        check_completion_cap(args)
         (out / "settings.json").write_text(json.dumps(vars(args), indent=1))  # what --report-only reports
         warm = out / "warm_start"
         if args.warm_start and not (warm / "warm_start.json").is_file():
@@ -466,6 +508,8 @@ def run_pilot(args, argv: list[str], out: Path, deadline: float) -> dict:
         extra = [item for key, value in combination for item in (f"--{key.replace('_', '-')}", value)]
         name = "_".join(f"{key}-{value}" for key, value in combination) or "base"
         setting = parse_args([*argv, *extra])
+        if not args.report_only:
+            check_completion_cap(setting)
         task = f"task-{setting.task_steps}-max{setting.task_max_value}-acc{setting.warm_start_accuracy:g}"
         warm = out / "pilot" / task / "warm_start"
         warms[warm] = (f"warm_start-{warm.parent.name}", worker_argv(argv, "warm_start", 0, None, warm, extra))

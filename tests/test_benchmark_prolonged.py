@@ -128,3 +128,22 @@ def test_arms_split_over_calls_share_one_warm_start_and_gather_into_one_report(t
     assert "| (d) one phase + resets on a plateau | 0 of 1 (1 stopped: non-finite gradient) |" in report
     assert "(stopped before step 3: non-finite gradient)" in report
     assert {"prorl-one_phase@1", "prorl-no_reset@1"} <= set(result["pairs"])
+
+
+def test_a_completion_cap_that_cuts_reference_solutions_is_refused_before_any_run(tmp_path):
+    """The round-4 pilot's 3-5 operation task on numbers to 99 ran at the default cap of 48 tokens, which cuts about a
+    quarter of its reference solutions: its "never solved" counted the cap. Such a cap is refused, for a study and
+    for every pilot grid point, before a warm start is trained; a cap that fits runs."""
+    longest, lengths = prolonged.longest_solution_tokens(prolonged.parse_args(
+        ["--out", str(tmp_path), "--task-steps", "3-5", "--task-max-value", "99"]))  # fmt: skip
+    assert 48 < longest < 80 and sum(lengths.values()) == 4000
+    assert max(prolonged.longest_solution_tokens(prolonged.parse_args(["--out", str(tmp_path)]))[1]) <= 48  # round 3
+    with pytest.raises(SystemExit, match=r"--max-completion-length 48 cuts the reference solution of 2\d% .* 80 or more"):
+        prolonged.main(["--out", str(tmp_path / "study"), "--task-steps", "3-5", "--task-max-value", "99"])
+    assert not (tmp_path / "study" / "settings.json").exists()
+    with pytest.raises(SystemExit, match="--task-steps 4-6 --task-max-value 99"):
+        prolonged.main(["--out", str(tmp_path / "pilot"), "--pilot", "--task-max-value", "99", "--max-completion-length",
+                        "64", "--pilot-grid", "task_steps=3-5,4-6"])  # fmt: skip
+    assert not (tmp_path / "pilot" / "pilot").exists()
+    prolonged.check_completion_cap(prolonged.parse_args(
+        ["--out", str(tmp_path), "--task-steps", "3-5", "--task-max-value", "99", "--max-completion-length", "80"]))
