@@ -63,18 +63,14 @@ from ..config import ProRLConfig, ResolvedPhase, resolve_phases
 from ..console import announce, quiet_console
 from ..files import read_json
 from ..reset.checkpoint import (
-    FINAL_DIR_NAME,
     LOG_HISTORY_NAME,
-    finished_state,
     load_merged_base,
     load_optimizer_state,
     in_phase_dir,
     phase_dir_name,
-    save_tensors_atomically,
     supersede_after,
     uncommit,
     verify_checkpoint,
-    write_json,
 )
 from ..reset.provenance import (
     RunFilesError,
@@ -108,6 +104,7 @@ from .progress import use_run_progress
 from .replay import StepBatchesMixin
 from .reset_probe import ResetProbe, load_probe_rows, save_probe_rows
 from .sampling import GENERATION_CONFIG_NAMES, SAMPLING_KEYS, patch_fused_log_prob_heads
+from .saves import save_final, save_frozen_factors, save_log_history, save_merged
 from .state import (
     ProRLStateCallback,
     find_checkpoint,
@@ -647,17 +644,6 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         """Seed of the k-th fresh adapter: deterministic, identical on all ranks, different per reset."""
         return self._base_seed * 1000 + 7919 * (self.prorl_resets + 1)
 
-    def _save_frozen_factors(self) -> None:
-        """`<output_dir>/frozen/reset-<k>.safetensors`: every frozen LoRA factor after reset k (replicated on every
-        rank; the main process writes), what a resume puts back onto the original base. Written atomically."""
-        relative = f"frozen/reset-{self.prorl_resets}.safetensors"
-        if self.accelerator.is_main_process and self.args.should_save:
-            factors = reset_ops.frozen_state_dict(self.model)
-            save_tensors_atomically(Path(self.args.output_dir) / relative, factors)
-            self.prorl_reset_hashes = file_hashes(Path(self.args.output_dir) / relative, self.args.output_dir)
-        self.prorl_frozen_path = relative
-        self.accelerator.wait_for_everyone()
-
     def _restore_reset_deltas(self, state: dict[str, Any], checkpoint: Path) -> None:
         """Put the earlier phases' LoRA deltas of a checkpoint back: its frozen factors or its merged base, both read
         from the run folder the checkpoint is in now (a moved run finds its own) and checked against the sha256
@@ -703,47 +689,12 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
             )
 
     def _save_log_history(self) -> None:
-        if self.accelerator.is_main_process and self.args.should_save:
-            write_json(Path(self.args.output_dir) / LOG_HISTORY_NAME, self.prorl_log_history)
+        """`<output_dir>/prorl_log_history.json` (`saves.save_log_history`)."""
+        save_log_history(self)
 
     def _save_final(self) -> None:
-        """`<output_dir>/final/`: the merged model + tokenizer, loadable with `from_pretrained`, and `prorl_state.json`
-        (what was trained). Written atomically, and not rewritten when it already holds this very state (resuming a
-        finished run changes nothing)."""
-        done = {
-            "finished": True,
-            "global_step": self._global_step_offset,
-            "resets": self.prorl_resets,
-            "phases": len(self.phases),
-            "last_phase": self.current_phase.name,
-        }
-        output_dir = Path(self.args.output_dir)
-        if finished_state(output_dir) != done:  # the same file on every rank: all of them take part in a gather
-            self._save_merged(output_dir / FINAL_DIR_NAME, state=done)
-        else:
-            self.accelerator.wait_for_everyone()
-
-    def _save_merged(self, path: Path, state: dict[str, Any] | None = None) -> None:
-        """The live policy as a plain `from_pretrained` model at `path` (rank 0 writes; all ranks wait).
-
-        LoRA: every delta folded in float32 and written in `merged_save_dtype` ("auto": the base dtype unless that
-        would round the deltas away, then float32). Under FSDP2/ZeRO the weights are first gathered to rank 0's CPU one
-        module at a time (collective)."""
-        model = reset_ops.unwrap_model(self.model)
-        if hasattr(model, "peft_config"):
-            save_dtype, sharded = self.args.merged_save_dtype, self._engine.sharded
-            weights, dtype, rounding = reset_ops.merged_weights(model, save_dtype, sharded)
-            if dtype != rounding.dtype and rounding.delta_sq > 0:
-                self.announce(
-                    f"Merged save {path.name} written in {str(dtype).removeprefix('torch.')}: in the "
-                    f"{rounding.dtype_name} of the base weights {100 * rounding.lost_fraction:.1f} % of the LoRA "
-                    "deltas' norm would round away (merged_save_dtype: auto)."
-                )
-        else:
-            weights = reset_ops.gathered_state_dict(model) if self._engine.sharded else None  # every rank takes part
-        if self.accelerator.is_main_process and self.args.should_save:
-            reset_ops.save_merged(model, self.processing_class, path, state=state, weights=weights)
-        self.accelerator.wait_for_everyone()
+        """`<output_dir>/final/`: the merged model, tokenizer and what was trained (`saves.save_final`)."""
+        save_final(self)
 
     def _on_train_begin(self) -> None:
         """After HF built this `train()` call's engine: put a carried DeepSpeed optimizer into it."""
@@ -863,10 +814,10 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         self._pending_reset = None
         force_weight_sync(self)
         if kept is not None:  # what a resume needs: small, written at every reset whatever the save settings
-            self._save_frozen_factors()
+            save_frozen_factors(self)
         if self.args.save_merged_on_reset:
             path = Path(self.args.output_dir) / "merged" / f"reset-{self.prorl_resets}"
-            self._save_merged(path)
+            save_merged(self, path)
             self.prorl_merged_path = str(path)
             if kept is None and self.accelerator.is_main_process and self.args.should_save:
                 self.prorl_reset_hashes = file_hashes(path, self.args.output_dir)  # what a merge-mode resume loads
