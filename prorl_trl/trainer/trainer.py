@@ -81,14 +81,8 @@ from ..reset.provenance import (
     verify_files,
 )
 from ..reset.support import base_model_of
-from ..rollout.compiled import configure_trainer_generation
 from ..rollout.trl_generation import attach_rollout_engine, generate_completions
-from ..rollout.vllm_sync import (
-    apply_vllm_sampling,
-    force_weight_sync,
-    shadowed_by_generation_kwargs,
-    stream_policy_weights,
-)
+from ..rollout.vllm_sync import force_weight_sync, stream_policy_weights
 from .callbacks import HardResetCallback
 from .checks import check_before_init, check_launch, check_optimizer_hook, check_process_group, resets_possible
 from .dynamic_sampling import DynamicSamplingMixin
@@ -103,7 +97,7 @@ from .placement import fsdp2_model_init_kwargs, move_stray_tensors_
 from .progress import use_run_progress
 from .replay import StepBatchesMixin
 from .reset_probe import ResetProbe, load_probe_rows, save_probe_rows
-from .sampling import GENERATION_CONFIG_NAMES, SAMPLING_KEYS, patch_fused_log_prob_heads
+from .sampling import SAMPLING_KEYS, apply_sampling
 from .saves import save_final, save_frozen_factors, save_log_history, save_merged
 from .state import (
     ProRLStateCallback,
@@ -308,48 +302,10 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
 
     # ------------------------------------------------------------------------------------------------- sampling
     def apply_sampling(self, **settings: Any) -> None:
-        """Make sampling settings reach generation (transformers or vLLM), the loss and the overlong penalty.
-
-        Relies on TRL 1.16 privates: `generation_config` + `generation_kwargs` (transformers path) or
-        `vllm_generation.<attr>` (vLLM), both read at every generation; the temperature is also baked into the fused
-        LM head at init, so the policy (and reference) heads are re-patched.
-        """
-        unknown = sorted(set(settings) - set(SAMPLING_KEYS))
-        if unknown:
-            raise ValueError(f"Unknown sampling settings {unknown}; allowed: {list(SAMPLING_KEYS)}.")
-        changed = {k: v for k, v in settings.items() if getattr(self, k) != v}
-        shadowed = shadowed_by_generation_kwargs(self.args.generation_kwargs, changed)
-        if shadowed:  # TRL applies generation_kwargs over these: the new value would reach the loss, not generation
-            raise ValueError(
-                f"Cannot change {shadowed} to {[changed[k] for k in shadowed]}: `generation_kwargs` sets "
-                f"{shadowed} too, and TRL applies generation_kwargs over the sampling fields. Set them as "
-                "ProRLConfig/PhaseConfig fields instead of in generation_kwargs."
-            )
-        for key, value in changed.items():
-            setattr(self, key, value)
-            setattr(self.args, key, value)
-            if self.use_vllm:
-                apply_vllm_sampling(self.vllm_generation, **{key: value})
-            else:
-                name = GENERATION_CONFIG_NAMES.get(key, key)
-                setattr(self.generation_config, name, value)
-                self.generation_kwargs[name] = value
-        if "temperature" in changed:
-            patch_fused_log_prob_heads(
-                reset_ops.unwrap_model(self.model),
-                reset_ops.unwrap_model(self.ref_model) if self.ref_model is not None else None,
-                changed["temperature"],
-                self.args.cast_lm_head_to_fp32,
-                self._fused_forward_at_init,
-            )
-        if self.overlong_penalty is not None:
-            self.overlong_penalty.max_completion_length = self.max_completion_length
-        if self.args.compiled_generation and ("max_completion_length" in changed or not self._compiled_generation):
-            # The static cache is sized from the cap, so it follows every cap change (one compilation per shape).
-            self._compiled_generation = configure_trainer_generation(
-                self, max_prompt_length=self.args.generation_max_prompt_length
-            )
-        self.sampling = {key: getattr(self, key) for key in SAMPLING_KEYS}
+        """Make sampling settings reach generation (transformers or vLLM), the loss and the overlong penalty
+        (`sampling.apply_sampling`: where TRL 1.16 baked each one in). Refuses an unknown setting, and one that
+        `generation_kwargs` would shadow."""
+        apply_sampling(self, **settings)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """TRL's, but text-only transformers-path generations go through `self.rollout_engine` when it is set.
