@@ -93,6 +93,7 @@ from .kl_clamp import KLClampMixin
 from .manifest import record_outputs, trainer_outputs
 from .on_demand import OnDemandResetCallback, next_phase_after
 from .overlong import OverlongPenalty
+from .phase_switch import announce_phase, apply_phase
 from .placement import fsdp2_model_init_kwargs, move_stray_tensors_
 from .progress import use_run_progress
 from .replay import StepBatchesMixin
@@ -327,55 +328,8 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         return self._global_step_offset + (self.state.global_step if self._in_training_loop else 0)
 
     def _apply_phase(self, phase: ResolvedPhase) -> None:
-        """Point every phase-dependent setting at `phase` (before its inner `train()` call)."""
-        args = self.args
-        self.current_phase = phase
-        args.max_steps = phase.max_steps
-        args.num_generations = self.num_generations = phase.num_generations
-        args.generation_batch_size = phase.generation_batch_size
-        args.steps_per_generation = phase.generation_batch_size // (args.per_device_train_batch_size * args.world_size)
-        args.learning_rate = phase.learning_rate
-        args.seed = self._base_seed + (phase.index if args.reseed_phases else 0)
-        args.beta = self.beta = phase.beta
-        args.epsilon = self.epsilon_low = phase.epsilon
-        self.epsilon_high = phase.epsilon_high if phase.epsilon_high is not None else phase.epsilon
-        # The functions after the user's (the overlong penalty, an environment's `get_reward`) keep weight 1, as in TRL.
-        weights = list(phase.reward_weights or [1.0] * self._num_user_rewards)
-        weights += [1.0] * (len(self.reward_funcs) - self._num_user_rewards)
-        if self.overlong_penalty is not None:
-            self.overlong_penalty.overlong_buffer = phase.overlong_buffer
-            self.overlong_penalty.factor = phase.overlong_penalty_factor
-        self.reward_weights = torch.tensor(weights, dtype=torch.float32)
-        self.apply_sampling(**{key: getattr(phase, key) for key in SAMPLING_KEYS})
-        self._scheduler_horizon, self._scheduler_start = None, 0  # each phase's schedule spans the phase
-        # TRL privates: the generation buffer and its micro-step counter belong to the previous dataloader.
-        self._buffered_inputs = None
-        self._step = 0
-        self._resumed_probe_rows = None
-        force_weight_sync(self)  # HF's global_step restarts at 0: vLLM must get the weights at the first step
-        self._state_callback.start_phase(phase)
-        if self.optimizer is not None and phase.index > 0:  # the first phase uses the optimizer (and scheduler) as given
-            self._keep_optimizer_for_next_call(phase.learning_rate)
-        if self._engine.deepspeed:
-            # HF destroys the DeepSpeed engine at the start of every `train()` call (`accelerator.free_memory()`) but
-            # reuses `model_wrapped` when it is already wrapped: hand it the bare model so it builds a new engine.
-            self.model_wrapped = self.model
-
-    def _keep_optimizer_for_next_call(self, learning_rate: float) -> None:
-        """Carry the optimizer into the next `train()` call (no reset): unwrap accelerate's wrapper, new phase lr.
-
-        DeepSpeed: HF builds a new engine and optimizer at every `train()` call (`deepspeed_init`), so the ZeRO
-        optimizer's fp32 masters and Adam state are snapshotted here and put into the new one in `_on_train_begin`.
-        """
-        if self._engine.deepspeed:
-            self._zero_carry = reset_ops.snapshot_zero_optimizer(self.optimizer)
-            self.optimizer, self.lr_scheduler = None, None
-            return
-        inner = getattr(self.optimizer, "optimizer", self.optimizer)
-        for group in inner.param_groups:
-            group["lr"] = group["initial_lr"] = learning_rate
-        self.optimizer = inner
-        self.lr_scheduler = None
+        """Point every phase-dependent setting at `phase` (before its inner `train()` call; `phase_switch`)."""
+        apply_phase(self, phase)
 
     def _adapter_differs(self, phase: ResolvedPhase) -> bool:
         """Whether `phase` asks for another adapter than the live one (rank, wrapped modules or alpha).
@@ -404,17 +358,7 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
             self._reinit_adapter(phase)
         self._pending_reset = None
         self._apply_phase(phase)
-        self._announce_phase(phase)
-
-    def _announce_phase(self, phase: ResolvedPhase) -> None:
-        length = f"max_steps={phase.max_steps}" if phase.max_steps > 0 else f"num_train_epochs={phase.num_train_epochs:g}"
-        settings = ", ".join([length] + [f"{k}={getattr(phase, k)}" for k in ("num_generations",) + SAMPLING_KEYS])
-        lora = f", lora r={phase.lora_r} targets={phase.lora_target_modules}" if phase.lora_r is not None else ""
-        self.announce(
-            f"ProRL phase {phase.index + 1}/{len(self.phases)} '{phase.name}' from global step "
-            f"{self._global_step_offset} (resets so far: {self.prorl_resets}): {settings}{lora}",
-            rule=True,
-        )
+        announce_phase(self, phase)
 
     def announce(self, message: str, rule: bool = False) -> None:
         """Phase changes and resets, on the console (main process only, never cropped) and in the `prorl_trl` logger."""
@@ -487,7 +431,7 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
             self.prorl_log_history = resumed_log_history(saved, phase.index, step, phase_continues=not complete)
         self._trackers.resumed_at = self._global_step_offset + self._resumed_phase_step
         self._resumed_probe_rows = load_probe_rows(self, checkpoint)  # what a reset before the first step probes
-        self._announce_phase(phase)
+        announce_phase(self, phase)
         return checkpoint
 
     def _run_dir_of(self, checkpoint: Path) -> Path:
