@@ -76,18 +76,17 @@ from ..reset.provenance import (
     RunFilesError,
     base_model_difference,
     base_model_identity,
-    file_hashes,
     resolve_in_run,
     verify_files,
 )
 from ..reset.support import base_model_of
 from ..rollout.trl_generation import attach_rollout_engine, generate_completions
-from ..rollout.vllm_sync import force_weight_sync, stream_policy_weights
-from .callbacks import HardResetCallback
+from ..rollout.vllm_sync import stream_policy_weights
 from .checks import check_before_init, check_launch, check_optimizer_hook, check_process_group, resets_possible
 from .dynamic_sampling import DynamicSamplingMixin
 from .early_stop import MinibatchEarlyStopMixin
 from .finite import NonFiniteGuard
+from .hard_reset import adapter_differs, reinit_adapter, run_hard_reset
 from .interrupt import RunInterrupted
 from .kl_clamp import KLClampMixin
 from .manifest import record_outputs, trainer_outputs
@@ -97,9 +96,9 @@ from .phase_switch import announce_phase, apply_phase
 from .placement import fsdp2_model_init_kwargs, move_stray_tensors_
 from .progress import use_run_progress
 from .replay import StepBatchesMixin
-from .reset_probe import ResetProbe, load_probe_rows, save_probe_rows
+from .reset_probe import load_probe_rows, save_probe_rows
 from .sampling import SAMPLING_KEYS, apply_sampling
-from .saves import save_final, save_frozen_factors, save_log_history, save_merged
+from .saves import save_final, save_log_history
 from .state import (
     ProRLStateCallback,
     find_checkpoint,
@@ -331,31 +330,16 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         """Point every phase-dependent setting at `phase` (before its inner `train()` call; `phase_switch`)."""
         apply_phase(self, phase)
 
-    def _adapter_differs(self, phase: ResolvedPhase) -> bool:
-        """Whether `phase` asks for another adapter than the live one (rank, wrapped modules or alpha).
-
-        Compares wrapped modules, not spellings: PEFT rewrites `target_modules="all-linear"` into module names.
-        An alpha change alone keeps the Parameters but rescales the delta, so it too needs a merge first.
-        """
-        model = reset_ops.unwrap_model(self.model)
-        if phase.lora_r is None or not hasattr(model, "peft_config"):
-            return False
-        if self._superset is not None:  # sharded engine: compare with the live part of the superset adapter
-            return self._active_lora is None or self._active_lora != self._superset_shape(phase)
-        if reset_ops.adapter_needs_rebuild(model, r=phase.lora_r, target_modules=phase.lora_target_modules):
-            return True
-        return phase.lora_alpha is not None and phase.lora_alpha != model.peft_config["default"].lora_alpha
-
     def _enter_phase(self, phase: ResolvedPhase) -> None:
         """Phase boundary: hard reset (or the adapter reshape a LoRA change forces), then the phase's settings."""
-        reshape = self._adapter_differs(phase)
+        reshape = adapter_differs(self, phase)
         if phase.index > 0 and (phase.hard_reset or reshape or self._pending_reset):
             if not phase.hard_reset:
                 reason = self._pending_reset or "LoRA shape change"
                 logger.warning("Phase %s: %s forces a hard reset (merge + fresh adapter).", phase.name, reason)
             self.hard_reset(reason=f"start of phase {phase.index} ({phase.name})", lora_phase=phase)
         elif reshape:  # first phase with another shape than peft_config: nothing to merge yet
-            self._reinit_adapter(phase)
+            reinit_adapter(self, phase)
         self._pending_reset = None
         self._apply_phase(phase)
         announce_phase(self, phase)
@@ -413,8 +397,8 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         self._resumed_phase_complete = complete
         self._phase_end_reason = state.get("phase_end_reason", "max_steps")
         self._pending_reset = state.get("pending_reset")
-        if self._adapter_differs(phase):
-            self._reinit_adapter(phase)
+        if adapter_differs(self, phase):
+            reinit_adapter(self, phase)
         self._apply_phase(phase)
         self._scheduler_horizon = state.get("scheduler_horizon")
         self._scheduler_start = state.get("scheduler_start", 0)
@@ -502,48 +486,6 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         finally:
             self._in_training_loop = False
 
-    def _superset_shape(self, phase: ResolvedPhase) -> dict[str, Any]:
-        """`phase`'s adapter as the active part of the superset adapter: rank, alpha and wrapped module names."""
-        model = reset_ops.unwrap_model(self.model)
-        alpha = phase.lora_alpha if phase.lora_alpha is not None else self._superset.lora_alpha
-        return {
-            "r": phase.lora_r,
-            "lora_alpha": alpha,
-            "target_names": reset_ops.targeted_module_names(model, phase.lora_target_modules),
-        }
-
-    def _fresh_adapter(self, phase: ResolvedPhase) -> bool:
-        """A fresh adapter of `phase`'s shape, identical on every rank; True when its Parameters are new objects.
-
-        Under FSDP2/ZeRO the existing (sharded) Parameters are rewritten, never replaced: a shape change activates
-        another part of the superset adapter (`prorl_trl.reset.sharded`).
-        """
-        if self._engine.sharded:
-            shape = self._superset_shape(phase) if self._superset is not None else {}
-            self._active_lora = reset_ops.fresh_adapter_sharded(
-                self.model,
-                self._engine.kind,
-                seed=self._reset_seed(),
-                rank=shape.get("r"),
-                lora_alpha=shape.get("lora_alpha", phase.lora_alpha),
-                target_names=shape.get("target_names"),
-            )
-            return False
-        new_params = reset_ops.reinit_adapter(
-            self.model, r=phase.lora_r, lora_alpha=phase.lora_alpha, target_modules=phase.lora_target_modules, seed=self._reset_seed()
-        )
-        reset_ops.broadcast_adapter(self.model)
-        return new_params
-
-    def _reinit_adapter(self, phase: ResolvedPhase) -> None:
-        """Outside the loop, before any merge (first phase, resume): new Parameters drop the optimizer for `train()`."""
-        if self._fresh_adapter(phase):
-            self.optimizer, self.lr_scheduler, self.model_wrapped = None, None, self.model
-
-    def _reset_seed(self) -> int:
-        """Seed of the k-th fresh adapter: deterministic, identical on all ranks, different per reset."""
-        return self._base_seed * 1000 + 7919 * (self.prorl_resets + 1)
-
     def _restore_reset_deltas(self, state: dict[str, Any], checkpoint: Path) -> None:
         """Put the earlier phases' LoRA deltas of a checkpoint back: its frozen factors or its merged base, both read
         from the run folder the checkpoint is in now (a moved run finds its own) and checked against the sha256
@@ -604,7 +546,6 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         if self._resumed_inner_call and self._resumed_loss_sum is not None:  # see `_phase_loss_sum`
             self._total_loss_scalar = self._resumed_loss_sum
 
-    # --------------------------------------------------------------------------------------------------- reset
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         """HF's, but over the horizon of the last in-loop reset when there was one in this phase.
 
@@ -646,19 +587,7 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         scheduler._last_lr = rates
         self.lr_scheduler = scheduler  # the loaded object, which HF (and DeepSpeed) already reference
 
-    def _frozen_room(self, target: ResolvedPhase) -> int:
-        """For how many later resets a joined frozen part leaves zero room (`consolidate_frozen_parts`): those the
-        phases after `target` plan and, where a `HardResetCallback` may add more, at least as many as there have been
-        (the room doubles when it runs out). Resets that fit write in place: the rollout engine keeps its graphs."""
-        planned = sum(
-            1
-            for previous, phase in zip(self.phases[target.index :], self.phases[target.index + 1 :])
-            if phase.hard_reset or phase.lora_shape != previous.lora_shape
-        )
-        if any(isinstance(callback, HardResetCallback) for callback in self.callback_handler.callbacks):
-            planned = max(planned, self.prorl_resets + 1)
-        return planned
-
+    # --------------------------------------------------------------------------------------------------- reset
     def request_hard_reset(self, reason: str = "requested") -> None:
         """Ask for a hard reset at the start of the next step (safe point: no pending gradients, before generation)."""
         self._pending_reset = reason
@@ -670,119 +599,9 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         With frozen factors the outputs are bitwise unchanged (`prorl_trl.reset.frozen`; saved to
         `<output_dir>/frozen/reset-<k>.safetensors` for a resume); a merge is exact only into a float32 base.
         `lora_phase` gives the fresh adapter's shape (default: the current phase). Saves the merged model under
-        `<output_dir>/merged/reset-<k>/` when `save_merged_on_reset`.
+        `<output_dir>/merged/reset-<k>/` when `save_merged_on_reset`. The mechanics: `hard_reset.run_hard_reset`.
         """
-        if self._user_scheduler and self.args.reset_optimizer:
-            raise ValueError(
-                "hard_reset with reset_optimizer=True starts a fresh LR schedule, but the scheduler was passed in "
-                "`optimizers=(..., scheduler)` and cannot be rebuilt. Choose the schedule with `lr_scheduler_type`/"
-                "`lr_scheduler_kwargs` (HF rebuilds it at every reset), or set reset_optimizer=False."
-            )
-        if not self._reset_support_checked:  # manual calls in a run that had no reset planned at init
-            reset_ops.check_reset_support(self.args, self.model, self.accelerator)
-            self._reset_support_checked = True
-        target = lora_phase or self.current_phase
-        model = reset_ops.unwrap_model(self.model)
-        engine = self._engine
-        new_params, rounding, kept, probe = False, None, None, None
-        if hasattr(model, "peft_config"):
-            probe = ResetProbe.take(self)
-            self._resumed_probe_rows = None  # used once, by the reset the resume was stopped before
-            # in the engine's storage; idle parts of a superset adapter are zero and skipped
-            active = self._active_lora["target_names"] if engine.sharded and self._active_lora else None
-            if self.args.lora_reset_mode == "frozen":
-                joined = self.args.consolidate_frozen_parts
-                room_for = self._frozen_room(target) if joined else 0
-                kept = reset_ops.freeze_lora_delta(model, engine.kind, active, joined, room_for)
-                reset_ops.keep_out_of_ddp_broadcasts(self.model_wrapped)
-            elif engine.sharded:
-                rounding = reset_ops.merge_lora_sharded(model, engine.kind, active)
-            else:
-                rounding = reset_ops.merge_lora_in_place(model)
-            new_params = self._fresh_adapter(target)
-            if self.args.reset_reference:  # a TRL "ref" adapter (PeftModel given with beta > 0) -> the policy
-                reset_ops.reset_reference_adapter(model)
-        elif self.args.reset_reference and self.ref_model is not None:
-            if engine.sharded:
-                reset_ops.sync_reference_sharded(self.ref_model, model, engine.kind)
-            else:
-                reset_ops.sync_reference(self.ref_model, model)
-        if engine.deepspeed:  # edited trainable weights (LoRA A/B) must reach ZeRO's fp32 masters before its next step
-            reset_ops.refresh_master_weights(self.optimizer)
-        self._reset_optimizer(new_params)
-        self.prorl_resets += 1
-        self._pending_reset = None
-        force_weight_sync(self)
-        if kept is not None:  # what a resume needs: small, written at every reset whatever the save settings
-            save_frozen_factors(self)
-        if self.args.save_merged_on_reset:
-            path = Path(self.args.output_dir) / "merged" / f"reset-{self.prorl_resets}"
-            save_merged(self, path)
-            self.prorl_merged_path = str(path)
-            if kept is None and self.accelerator.is_main_process and self.args.should_save:
-                self.prorl_reset_hashes = file_hashes(path, self.args.output_dir)  # what a merge-mode resume loads
-        if kept is not None and kept.layers:
-            done = f"; {kept.describe()}"
-        else:
-            done = f"; {rounding.describe()}" if rounding is not None and rounding.delta_sq > 0 else ""
-        step = self.prorl_global_step
-        self.announce(f"ProRL hard reset #{self.prorl_resets} at global step {step} ({reason}){done}.")
-        if probe is not None:
-            self.prorl_reset_change = probe.measure(self)
-            for key, value in self.prorl_reset_change.items():
-                self._metrics["train"][key].append(value)
-        if rounding is not None:
-            self._report_merge_rounding(rounding)
-
-    def _report_merge_rounding(self, rounding: reset_ops.MergeRounding) -> None:
-        """Log `prorl/merge_delta_lost` (the fraction of the LoRA delta's norm the merge rounded away) with the next
-        entry, and warn when most of it was: a silent loss of what the adapter learned since the last reset."""
-        self.prorl_merge_delta_lost = rounding.lost_fraction
-        self._metrics["train"]["prorl/merge_delta_lost"].append(rounding.lost_fraction)
-        if rounding.lost_fraction > reset_ops.LOST_FRACTION_WARNING and self.accelerator.is_main_process:
-            logger.warning(
-                "Hard reset #%d: %s. Most of what the adapter learned since the last reset is below the resolution of "
-                "the %s base weights and is gone. Set `lora_reset_mode: frozen` (the default), which keeps every "
-                "phase's delta exactly as frozen factors and never writes the base weights.",
-                self.prorl_resets, rounding.describe(), rounding.dtype_name,
-            )  # fmt: skip
-
-    def _reset_optimizer(self, new_params: bool) -> None:
-        """Fresh optimizer state / LR schedule after a reset; a new optimizer when the adapter has new Parameters.
-
-        Outside the HF loop (phase boundary, manual call) a new adapter only drops the optimizer: the next `train()`
-        builds and prepares one (and re-wraps DDP, `model_wrapped = model`). Inside the loop the optimizer and
-        scheduler are swapped in place (`trainer.optimizer`/`lr_scheduler` are looked up every step, notes §5).
-        """
-        if self.optimizer is None:
-            return
-        if new_params and not self._in_training_loop:
-            if not self.args.reset_optimizer:
-                logger.warning("The LoRA shape changed: optimizer state cannot carry over to the new adapter.")
-            self.optimizer, self.lr_scheduler, self.model_wrapped = None, None, self.model
-            return
-        if new_params:
-            if self.accelerator.num_processes > 1:
-                raise RuntimeError(
-                    "A LoRA shape change inside a phase would desynchronise DDP replicas; change the adapter shape only "
-                    "at a phase boundary (PhaseConfig.lora_r / lora_target_modules)."
-                )
-            stale = self.optimizer
-            self.accelerator._optimizers = [o for o in self.accelerator._optimizers if o is not stale]
-            self.optimizer = None
-            self.create_optimizer()
-            self.optimizer = self.accelerator.prepare(self.optimizer)
-        elif self.args.reset_optimizer:
-            reset_ops.reset_optimizer_state(self.optimizer)
-        else:
-            return
-        if self._in_training_loop:
-            self.lr_scheduler = None
-            self._scheduler_start = self.state.global_step
-            self._scheduler_horizon = max(self.state.max_steps - self._scheduler_start, 1)
-            self.create_scheduler(num_training_steps=self._scheduler_horizon, optimizer=self.optimizer)
-            self.callback_handler.optimizer = self.optimizer
-            self.callback_handler.lr_scheduler = self.lr_scheduler
+        run_hard_reset(self, reason, lora_phase)
 
     # ----------------------------------------------------------------------------------------------------- train
     @quiet_console()  # each warning once (TRL re-raises some at every save and validation), no save progress bars
