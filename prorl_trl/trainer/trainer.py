@@ -4,16 +4,18 @@ How it fits TRL 1.16 (see ../shared/notes/trl-internals.md):
 * A phase is one inner `GRPOTrainer.train()` call: TRL fixes the group size, the generation batch and the sampler
   seed when it builds the dataloader (once per `train()`), so those, and a LoRA shape change, only move between calls.
 * Sampling settings are pushed into the objects TRL baked them into at init (`generation_config`,
-  `generation_kwargs`, `vllm_generation`, and the fused LM head's temperature) by `apply_sampling`, which phases and
-  `SamplingScheduleCallback` share.
+  `generation_kwargs`, `vllm_generation`, and the fused LM head's temperature) by `apply_sampling` (`.sampling`),
+  which phases (`.phase_switch`) and `SamplingScheduleCallback` share.
 * A hard reset (`hard_reset`) keeps the LoRA delta as frozen factors (or merges it into the base in place,
   `lora_reset_mode`), re-initialises the adapter, clears the optimizer state and moves the KL reference, without
-  ever replacing the PeftModel. This class decides *when* and which switches apply; the mechanics are plain
-  functions in `prorl_trl.reset`.
+  ever replacing the PeftModel. This class decides *when* and which switches apply; `.hard_reset` applies the plain
+  functions of `prorl_trl.reset` to the trainer, and `.saves` writes what a reset and the run's end keep.
 * Under FSDP2 and DeepSpeed ZeRO-2/3 (`reset.engine_of`) the same reset edits the engine's storage
   (`reset.sharded`), a LoRA shape change is the active part of a superset adapter allocated before TRL wraps the
   model (`_plan_sharded_adapter`), merged saves gather to rank 0, and under DeepSpeed each phase's `train()` gets a
-  new engine (HF destroys the old one) with a kept optimizer carried into it (`_keep_optimizer_for_next_call`).
+  new engine (HF destroys the old one) with a kept optimizer carried into it
+  (`phase_switch.keep_optimizer_for_next_call`).
+* A resume (`.resume`) restores the ProRL side of a checkpoint (phase, counters, earlier deltas) before HF's part.
 
 TRL methods overridden, and why (each relies on the private attribute named; guard tests in
 tests/test_trainer_internals.py):
@@ -43,15 +45,11 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.optim.lr_scheduler import LambdaLR
-from transformers.trainer import TRAINER_STATE_NAME
-from transformers.trainer_callback import TrainerState
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, speed_metrics
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
@@ -61,24 +59,8 @@ from .. import reset as reset_ops
 from ..attention import install_cudnn_attention_guard
 from ..config import ProRLConfig, ResolvedPhase, resolve_phases
 from ..console import announce, quiet_console
-from ..files import read_json
-from ..reset.checkpoint import (
-    LOG_HISTORY_NAME,
-    load_merged_base,
-    load_optimizer_state,
-    in_phase_dir,
-    phase_dir_name,
-    supersede_after,
-    uncommit,
-    verify_checkpoint,
-)
-from ..reset.provenance import (
-    RunFilesError,
-    base_model_difference,
-    base_model_identity,
-    resolve_in_run,
-    verify_files,
-)
+from ..reset.checkpoint import phase_dir_name, uncommit
+from ..reset.provenance import base_model_identity
 from ..reset.support import base_model_of
 from ..rollout.trl_generation import attach_rollout_engine, generate_completions
 from ..rollout.vllm_sync import stream_policy_weights
@@ -96,17 +78,11 @@ from .phase_switch import announce_phase, apply_phase
 from .placement import fsdp2_model_init_kwargs, move_stray_tensors_
 from .progress import use_run_progress
 from .replay import StepBatchesMixin
-from .reset_probe import load_probe_rows, save_probe_rows
+from .resume import match_loaded_schedule, prepare_resume, restore_finished_phase
+from .reset_probe import save_probe_rows
 from .sampling import SAMPLING_KEYS, apply_sampling
 from .saves import save_final, save_log_history
-from .state import (
-    ProRLStateCallback,
-    find_checkpoint,
-    resume_state,
-    resumed_log_history,
-    resumed_phase,
-    resumed_phase_complete,
-)
+from .state import ProRLStateCallback
 from .trackers import TrackerSpan
 
 logger = logging.getLogger("prorl_trl")
@@ -352,89 +328,6 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
 
     # ------------------------------------------------------------------------------------------- resume and saves
 
-    def _prepare_resume(self, resume_from_checkpoint: str | bool | None) -> Path | None:
-        """Restore the ProRL side of a checkpoint (phase, earlier deltas, adapter shape, counters) before TRL's part.
-
-        `True` means the latest complete checkpoint of `output_dir`. Resuming from an older one un-commits the later
-        checkpoints (`supersede_after`), so a later "resume from the latest" cannot jump back onto the abandoned path.
-        """
-        self._resumed_phase_step = 0
-        self._resumed_phase_complete = False
-        self._resumed_loss_sum = None
-        if not resume_from_checkpoint:
-            return None
-        if resume_from_checkpoint is True:
-            checkpoint = find_checkpoint(self.args.output_dir)
-        else:
-            checkpoint = Path(resume_from_checkpoint)
-        # Every process checks the files it is about to load, so all refuse together (exit 2, nothing loaded).
-        unchecked = verify_checkpoint(checkpoint)
-        if unchecked:
-            self.announce(f"note: {unchecked}")
-        state = resume_state(checkpoint, self.phases[0])  # a plain GRPOTrainer checkpoint resumes as phase 0
-        phase = resumed_phase(state, self.phases, checkpoint)  # a run with fewer phases than it trained: refused
-        # At the phase's last step (of this run's length) or a plateau stop: the phase is over. Refused before any change.
-        complete = resumed_phase_complete(state, phase, checkpoint)
-        difference = base_model_difference(state.get("base_model"), self.prorl_base_model)
-        if difference:
-            raise RunFilesError(
-                f"{checkpoint} was made on another base model: {difference}. Its LoRA deltas (and frozen factors) "
-                "only reproduce the run's policy on the base they were trained on; nothing was loaded. Resume with the "
-                "run's base model (`model.name_or_path`, `model.revision`), or start a new run."
-            )
-        self.prorl_merged_path = self._recorded_merged_path(state.get("merged_base"), checkpoint)
-        self._restore_reset_deltas(state, checkpoint)
-        # After every refusal above: a refused resume leaves the later checkpoints committed.
-        if self.accelerator.is_main_process and self.args.should_save:
-            supersede_after(self.args.output_dir, checkpoint)
-        self.accelerator.wait_for_everyone()
-        self.prorl_resets = state["resets"]
-        self.prorl_nonfinite_skips = list(state.get("nonfinite_skips") or [])
-        self.prorl_on_demand_resets = list(state.get("on_demand_resets") or [])
-        self.prorl_reset_hashes = dict(state.get("reset_files_sha256") or {})
-        self._global_step_offset = state["global_step_offset"]
-        self._resumed_phase_step = state["phase_global_step"]
-        self._resumed_phase_complete = complete
-        self._phase_end_reason = state.get("phase_end_reason", "max_steps")
-        self._pending_reset = state.get("pending_reset")
-        if adapter_differs(self, phase):
-            reinit_adapter(self, phase)
-        self._apply_phase(phase)
-        self._scheduler_horizon = state.get("scheduler_horizon")
-        self._scheduler_start = state.get("scheduler_start", 0)
-        if self._scheduler_horizon is not None and "scheduler_start" in state and phase.max_steps > 0:
-            self._scheduler_horizon = max(phase.max_steps - self._scheduler_start, 1)  # this run's phase length
-        self._resumed_loss_sum = state.get("phase_loss_sum")  # none in older checkpoints and plain TRL ones
-        self._state_callback.load_state_dict(state.get("callbacks", {}))
-        history = Path(self.args.output_dir) / LOG_HISTORY_NAME
-        if "log_history" in state:
-            self.prorl_log_history = state["log_history"]
-        elif history.is_file():
-            step = self._global_step_offset + self._resumed_phase_step
-            saved = read_json(history, list, "It is the run's log history, which a resume continues.")
-            self.prorl_log_history = resumed_log_history(saved, phase.index, step, phase_continues=not complete)
-        self._trackers.resumed_at = self._global_step_offset + self._resumed_phase_step
-        self._resumed_probe_rows = load_probe_rows(self, checkpoint)  # what a reset before the first step probes
-        announce_phase(self, phase)
-        return checkpoint
-
-    def _run_dir_of(self, checkpoint: Path) -> Path:
-        """The run folder `checkpoint` is in now (`output_dir`, spelled as given, when it is that folder)."""
-        output_dir = Path(self.args.output_dir)
-        if not in_phase_dir(checkpoint) or checkpoint.resolve().parent.parent == output_dir.resolve():
-            return output_dir
-        return checkpoint.resolve().parent.parent
-
-    def _recorded_merged_path(self, recorded: str | None, checkpoint: Path) -> str | None:
-        """The last merged save of a resumed run, for its log entries (loaded, when it is, by `_restore_reset_deltas`):
-        relative paths belong to the checkpoint's run folder; an old absolute one is kept only inside it."""
-        if not recorded or not isinstance(recorded, str):
-            return None
-        run_dir = self._run_dir_of(checkpoint)
-        path = Path(recorded)
-        path = path if path.is_absolute() else run_dir / path
-        return str(path) if path.resolve().is_relative_to(run_dir.resolve()) else None
-
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """HF's, keeping each trainable parameter's dtype. GRPOTrainer casts a QLoRA adapter to bf16 at init; PEFT's
         `load_adapter`, which HF's resume calls, casts it back to float32 (`_cast_adapter_dtype`), so without this a
@@ -447,88 +340,9 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
                 param.data = param.data.to(dtypes[name])
 
     def _restore_finished_phase(self, checkpoint: Path) -> None:
-        """Resume from the checkpoint of a phase's last step: load what HF's resume would (weights, optimizer state,
-        RNG), but do not call HF's `train()`, which checks `max_steps` only after a step and so would train one step
-        more than the phase has (and than the uninterrupted run did)."""
-        if self._engine.sharded:  # HF loads FSDP/DeepSpeed checkpoints only inside `train()`, into a built engine
-            raise reset_ops.ResetNotSupportedError(
-                f"{checkpoint} was written at the last step of phase {self.current_phase.index}; resuming from such a "
-                f"checkpoint is not supported under {self._engine.label} yet (its weights and optimizer state are in "
-                "the engine's own format, which HF loads only into the engine a training call builds). Resume from "
-                "an earlier checkpoint of that phase, or save at a step inside the phase."
-            )
-        self._load_from_checkpoint(str(checkpoint))  # HF private: the adapter (LoRA) or all weights
-        if self.optimizer is None:
-            self.create_optimizer()
-        load_optimizer_state(self.optimizer, checkpoint)
-        self._load_rng_state(str(checkpoint))  # HF private: python, numpy, torch (and CUDA) RNG of this process
-        self._log_phase_summary_of(checkpoint)
-
-    def _log_phase_summary_of(self, checkpoint: Path) -> None:
-        """The entry HF's `_finalize_training` logs when a phase's call ends (`train_loss` over the phase,
-        `total_flos`, speed figures), which a resume from the phase's last checkpoint would not have: with it the log
-        equals the uninterrupted run's. The speed figures are this call's (no step trained); a checkpoint that
-        recorded no `phase_loss_sum` (older ones) gets no entry, and none is added when the run's log history, written
-        after the phase's call, already has it (a stop during the next reset or `final/`)."""
-        state_file = checkpoint / TRAINER_STATE_NAME
-        phase = self.current_phase.index
-        logged = any(entry.get("prorl/phase") == phase and "train_loss" in entry for entry in self.prorl_log_history)
-        if self._resumed_loss_sum is None or logged or not state_file.is_file():
-            return
-        start = time.time()
-        self.state = TrainerState.load_from_json(str(state_file))  # the phase's step, epoch and flos, as HF had them
-        metrics = speed_metrics("train", start, num_samples=0, num_steps=0)
-        metrics["total_flos"] = self.state.total_flos
-        metrics["train_loss"] = self._resumed_loss_sum / max(self.state.global_step, 0.001)  # as `_finalize_training`
-        self._in_training_loop = True  # `prorl/global_step` counts the phase's steps, as inside HF's call
-        try:
-            self.log(metrics)
-        finally:
-            self._in_training_loop = False
-
-    def _restore_reset_deltas(self, state: dict[str, Any], checkpoint: Path) -> None:
-        """Put the earlier phases' LoRA deltas of a checkpoint back: its frozen factors or its merged base, both read
-        from the run folder the checkpoint is in now (a moved run finds its own) and checked against the sha256
-        recorded at the reset (`reset.provenance`). Refuses a checkpoint whose deltas cannot be restored, changed
-        files, and a resume in the other `lora_reset_mode`, rather than train on a policy that lost them."""
-        run_dir = self._run_dir_of(checkpoint)
-        hashes = state.get("reset_files_sha256") or {}  # none in checkpoints from before they were recorded
-        is_lora = hasattr(reset_ops.unwrap_model(self.model), "peft_config")
-        recorded = state.get("lora_reset_mode", "merge")  # checkpoints from before frozen factors merged
-        if is_lora and state["resets"] > 0 and recorded != self.args.lora_reset_mode:
-            raise ValueError(
-                f"{checkpoint} was written by a run with lora_reset_mode={recorded!r}, and this one has "
-                f"{self.args.lora_reset_mode!r}: its earlier phases' LoRA deltas are kept the other way. Resume with "
-                f"`lora_reset_mode: {recorded}`."
-            )
-        if state.get("frozen_factors"):
-            from safetensors.torch import load_file
-
-            path = resolve_in_run(state["frozen_factors"], run_dir, checkpoint, "frozen_factors")
-            if not path.is_file():
-                raise RunFilesError(
-                    f"{checkpoint} needs the frozen LoRA factors of its earlier phases at {path}, which is "
-                    f"{'a folder' if path.is_dir() else 'missing'}; nothing was loaded. Put the run's own file back "
-                    "(resume the run folder the checkpoint was written in, with its frozen/ folder), or resume from a "
-                    "checkpoint written before that reset (`--resume <run>/phase-<i>/checkpoint-<step>`)."
-                )
-            verify_files(hashes, run_dir, checkpoint, "the frozen LoRA factors of its earlier phases")
-            reset_ops.load_frozen_(self.model, load_file(str(path)))
-            reset_ops.keep_out_of_ddp_broadcasts(self.model_wrapped)
-            self.prorl_frozen_path = state["frozen_factors"]
-        elif state.get("merged_base"):
-            path = resolve_in_run(state["merged_base"], run_dir, checkpoint, "merged_base")
-            verify_files(hashes, run_dir, checkpoint, "the merged base of its earlier phases")
-            load_merged_base(self.model, path)
-            if self.ref_model is not None and self.args.reset_reference:
-                load_merged_base(self.ref_model, path)
-            self.prorl_merged_path = str(path)
-        elif is_lora and state["resets"] > 0:
-            raise ValueError(
-                f"{checkpoint} comes after {state['resets']} hard reset(s) that merged the LoRA deltas into the base "
-                "weights, but the merged base was not saved (save_merged_on_reset: false), so the earlier phases' "
-                "learning cannot be restored. Resume from a checkpoint before the first reset, or restart the run."
-            )
+        """Resume from the checkpoint of a phase's last step without HF's `train()`, which would train one step more
+        than the phase has (`resume.restore_finished_phase`)."""
+        restore_finished_phase(self, checkpoint)
 
     def _save_log_history(self) -> None:
         """`<output_dir>/prorl_log_history.json` (`saves.save_log_history`)."""
@@ -558,34 +372,16 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         return super().create_scheduler(num_training_steps=num_training_steps, optimizer=optimizer)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """HF's, then the LR schedule of this run's settings at the checkpoint's step.
+        """HF's, then the LR schedule of this run's settings at the checkpoint's step (`resume.match_loaded_schedule`).
 
-        HF builds the scheduler from this run's settings and loads the checkpoint's state into it; that state and the
-        optimizer's carry the old schedule's rate (LambdaLR's `base_lrs` and `_last_lr`, the param groups'
-        `initial_lr` and `lr`). A resume that changed a schedule setting (`learning_rate`, the resumed phase's
+        HF builds the scheduler from this run's settings and loads the checkpoint's state into it, which carries the
+        old schedule's rate: a resume that changed a schedule setting (`learning_rate`, the resumed phase's
         `max_steps`, warmup, `lr_scheduler_type` or its kwargs; `--allow-changes`) would train its first step at the
-        old rate and the next ones on the new schedule: a rate that rises in the middle of a decay. Here the schedule
-        is rebuilt as a fresh run with this run's settings builds it (`create_scheduler`, over the phase or, after an
-        in-loop reset, over the steps it left) and set to the loaded step (`last_epoch`), and the param groups get its
-        rate. With unchanged settings this is LambdaLR's own `base_lr * lr_lambda(step)`: the loaded rates, bit for bit.
-        Other schedulers (`reduce_lr_on_plateau`, one passed in `optimizers`) keep the loaded state.
+        old rate and the next ones on the new schedule, a rate that rises in the middle of a decay.
         """
         fresh_rates = list(getattr(self.lr_scheduler, "base_lrs", None) or [])  # built from this run's settings
         super()._load_optimizer_and_scheduler(checkpoint)
-        scheduler = self.lr_scheduler
-        if checkpoint is None or self._user_scheduler or not isinstance(scheduler, LambdaLR) or not fresh_rates:
-            return
-        step = scheduler.last_epoch  # scheduler steps since the schedule started (the phase, or an in-loop reset)
-        for group, rate in zip(self.optimizer.param_groups, fresh_rates):
-            group["initial_lr"] = rate  # `create_scheduler` takes its base rates from here
-        self.lr_scheduler = None
-        fresh = self.create_scheduler(num_training_steps=self.state.max_steps, optimizer=self.optimizer)
-        scheduler.base_lrs, scheduler.lr_lambdas = list(fresh.base_lrs), list(fresh.lr_lambdas)
-        rates = [base * schedule(step) for base, schedule in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
-        for group, rate in zip(self.optimizer.param_groups, rates):
-            group["lr"] = rate
-        scheduler._last_lr = rates
-        self.lr_scheduler = scheduler  # the loaded object, which HF (and DeepSpeed) already reference
+        match_loaded_schedule(self, checkpoint, fresh_rates)
 
     # --------------------------------------------------------------------------------------------------- reset
     def request_hard_reset(self, reason: str = "requested") -> None:
@@ -618,7 +414,7 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         check_optimizer_hook(self.optimizer_cls_and_kwargs, self.phases)
         if self.args.should_save:  # what this run creates in output_dir, recorded first (`--overwrite` deletes it)
             record_outputs(self.args.output_dir, trainer_outputs(self.args, len(self.phases)))
-        checkpoint = self._prepare_resume(resume_from_checkpoint)
+        checkpoint = prepare_resume(self, resume_from_checkpoint)
         start = self.current_phase.index if checkpoint else 0
         losses, outputs = [], []
         try:
