@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import _cli_fork
 import pytest
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState
@@ -242,14 +243,13 @@ def cli(out: Path, tiny_dir: Path, shared_data: Path, *extra: str, nan_at: str =
     """`prorl-trl train` on the tiny GSM8K recipe (two phases of 3 steps) through tests/_kill_launcher.py, which makes
     the training forward of the steps in `nan_at` overflow (`PRORL_TEST_NAN_AT`)."""
     import os
-    import subprocess
     import sys
 
     command = [sys.executable, str(REPO / "tests" / "_kill_launcher.py"), "train", str(REPO / "tests" / "recipes" / "tiny_gsm8k.yaml"),
                "--model.name_or_path", str(tiny_dir), "--training.output_dir", str(out), *SHAPE, *extra]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PRORL_SHARED_DATA": str(shared_data), "PRORL_TEST_NAN_AT": nan_at,
            "PRORL_TEST_KILL_AT": kill_at}  # fmt: skip
-    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    return _cli_fork.run(command, cwd=REPO, env=env, timeout=300)
 
 
 def test_the_cli_skips_a_nan_step_within_the_bound_and_records_it(tiny_dir, shared_data, tmp_path):

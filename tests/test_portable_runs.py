@@ -18,6 +18,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import _cli_fork
 import pytest
 import torch
 import yaml
@@ -244,7 +245,7 @@ def test_changed_resume_is_refused_unless_allowed_and_recorded(tiny_dir, shared_
     validate = LAUNCHER + ["validate", RECIPE, "--model.name_or_path", str(tiny_dir), "--training.output_dir",
                            str(out), *SHAPE, *SHORT, "--training.learning_rate", "1e-3", "--resume"]  # fmt: skip
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "PRORL_SHARED_DATA": str(shared_data)}
-    checked = subprocess.run(validate, check=False, capture_output=True, text=True, env=environment, timeout=300)
+    checked = _cli_fork.run(validate, env=environment, timeout=300)
     assert checked.returncode == 2, checked.stderr[-3000:]  # `validate --resume` reports the same diff
     assert "training.learning_rate: 0.0001 -> 0.001" in checked.stderr
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _cli_fork
 import pytest
 
 from prorl_trl.trainer.interrupt import StartupInterrupted, stop_on_signals
@@ -40,10 +41,7 @@ def environment(shared_data: Path, **extra: str) -> dict[str, str]:
 
 
 def cli(out: Path, tiny_dir: Path, shared_data: Path, *extra: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        command(out, tiny_dir, *extra), check=False, capture_output=True, text=True, cwd=REPO,
-        env=environment(shared_data, **env), timeout=300,
-    )  # fmt: skip
+    return _cli_fork.run(command(out, tiny_dir, *extra), cwd=REPO, env=environment(shared_data, **env), timeout=300)
 
 
 def log_history(out: Path) -> list[dict]:
