@@ -20,8 +20,10 @@
    the prompts per generation batch kept); (c) no_reset: (b)'s phases without resets; (d) plateau: (a) plus
    `HardResetCallback(on_plateau=--plateau-patience)` on validation pass@1.
 3. Every `--eval-steps`, `ValidationCallback` samples `--val-samples` completions (T 1.0) for `--val-problems` held-out
-   problems: pass@1/8/n, never solved = 1 - pass@n. Workers append every log entry to `OUT/runs/<arm>-s<seed>/
-   rows.jsonl`, checkpoint every `--save-steps` and write `done.json` at the end; `--resume` skips finished runs and
+   problems: unbiased pass@1/8/64/256 (those below n) and pass@n, never solved = 1 - pass@n. Workers append every log
+   entry to `OUT/runs/<arm>-s<seed>/rows.jsonl` and each validation's per-problem correct counts to `counts.jsonl`
+   (problems newly solved or lost against the warm start, the first validation; final pass@1 per number of
+   operations), checkpoint every `--save-steps` and write `done.json` at the end; `--resume` skips finished runs and
    continues the others from their latest checkpoint. `--time-limit` (or SIGTERM) stops the workers after their
    current step, with a checkpoint, and still writes the report: `OUT/prolonged.md`, `prolonged.json`, PNGs. A run
    whose gradients turn NaN/inf stops there (`stop_on_nonfinite`): `stopped.json`, reported as such, not retried.
@@ -71,7 +73,7 @@ T95 = {**dict(enumerate((12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306
 # option: (GPU default, --smoke default)
 SIZES = {
     "seeds": ("0,1,2", "0,1"), "steps": (600, 4), "eval_steps": (50, 1), "save_steps": (50, 1),
-    "val_problems": (200, 4), "val_samples": (64, 4), "prompts_per_step": (64, 2), "num_generations": (8, 4),
+    "val_problems": (200, 4), "val_samples": (256, 4), "prompts_per_step": (64, 2), "num_generations": (8, 4),
     "max_completion_length": (48, 12), "lora_rank": (32, 4), "warmup_steps": (10, 1), "max_sft_steps": (1500, 4),
     "plateau_patience": (3, 1), "launch": ("subprocess", "inline"),
 }  # fmt: skip
@@ -120,7 +122,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     val = p.add_argument_group("validation")
     val.add_argument("--eval-steps", type=int, help="validate every N steps (default 50)")
     val.add_argument("--val-problems", type=int, help="held-out problems (default 200)")
-    val.add_argument("--val-samples", type=int, help="samples per problem, the n of pass@k (default 64)")
+    val.add_argument("--val-samples", type=int,
+                     help="samples per problem, the n of pass@k (default 256; 2048 sequences per generate call)")
     internal = p.add_argument_group("worker (set by the parent)")
     internal.add_argument("--worker", help="'warm_start' or an arm")
     internal.add_argument("--seed", type=int, default=0)
@@ -187,7 +190,8 @@ def check_completion_cap(args) -> None:
 
 
 def ks_of(args) -> list[int]:
-    return sorted({1, *(k for k in (8, 64) if k < args.val_samples), args.val_samples})
+    """The k of pass@k logged and reported: those of 1, 8, 64 and 256 below n, and n itself."""
+    return sorted({1, *(k for k in (8, 64, 256) if k < args.val_samples), args.val_samples})
 
 
 # ----------------------------------------------------------------------------------------------------- statistics
@@ -207,6 +211,20 @@ def t_interval(values) -> tuple[float, float, float]:
         return mean, math.nan, math.nan
     t = T95[max(dof for dof in T95 if dof <= len(values) - 1)]
     return mean, mean - t * se, mean + t * se
+
+
+def compared_pairs(args) -> list[tuple[str, str]]:
+    return [(x, y) for x, y in PAIRS if {x, y} <= set(args.arms)]
+
+
+def pair_line(label: str, seeds: list[int], diffs: list[float], scale: float = 100,
+              unit: str = "pts") -> tuple[str, dict]:
+    """A report line for one paired difference (mean, 95% t interval, per seed) and its JSON record."""
+    mean, low, high = t_interval(diffs)
+    ci = "n/a" if math.isnan(low) else f"[{scale * low:+.1f}, {scale * high:+.1f}]"
+    per_seed = ", ".join(f"s{seed} {scale * d:+.1f}" for seed, d in zip(seeds, diffs))
+    line = f"- {label}: {scale * mean:+.1f} {unit}, 95% CI {ci} (n={len(diffs)}); per seed: {per_seed}"
+    return line, {"mean": mean, "ci95": [low, high], "per_seed": diffs}
 
 
 # ------------------------------------------------------------------------------------------------------- workers
@@ -279,6 +297,25 @@ def make_rows_callback(path: Path, attempt: int):
     return Rows()
 
 
+def make_counts_callback(path: Path, attempt: int, validation, num_steps: list[int]):
+    """A callback appending each validation's per-problem correct counts (`validation.last_correct`, of
+    `--val-samples`) and the problems' numbers of operations to `path`, one JSON line per validation, keyed by step:
+    what "newly solved" and pass@1 by difficulty are computed from. A resumed run's re-run validation appends a line
+    that replaces the earlier one (`read_counts`), so the counts always match the rows the report reads."""
+    from transformers import TrainerCallback
+
+    class Counts(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if "eval_pass@1" in (logs or {}):
+                line = {"step": logs.get("prorl/global_step", state.global_step), "_attempt": attempt,
+                        "num_samples": validation.settings.num_samples, "correct": validation.last_correct,
+                        "num_steps": num_steps}  # fmt: skip
+                with path.open("a") as file:
+                    file.write(json.dumps(line) + "\n")
+
+    return Counts()
+
+
 def run_worker(args) -> int:
     """One (arm, seed) run into `--run-dir`; 0 when finished, 143 when stopped by a signal (checkpoint written)."""
     import torch
@@ -340,12 +377,17 @@ def _run_worker(args) -> int:
         rollout_engine=cuda and args.rollout_engine == "on", plateau_metric="eval_pass@1", report_to=[], logging_steps=1, disable_tqdm=True,
         seed=args.seed, model_init_kwargs={"dtype": "bfloat16" if cuda else "float32"}, **device_kwargs(args),
     )  # fmt: skip
+    # 2048 sequences per generate call whatever n (8 problems at n = 256): the tiny model's KV cache for them is
+    # ~1.3 GB at 80 positions (8 layers, 4 KV heads of 64, bf16), so --per-gpu 4 workers fit one GPU
+    validator = ValidationCallback(
+        validation, "boxed_answer", eval_steps=args.eval_steps, num_generations=args.val_samples, temperature=1.0,
+        max_completion_length=args.max_completion_length, ks=ks_of(args), batch_size=max(1, 2048 // args.val_samples),
+        at_start=True, seed=VALIDATION_SEED,
+    )  # fmt: skip
     callbacks = [
-        ValidationCallback(validation, "boxed_answer", eval_steps=args.eval_steps, num_generations=args.val_samples,
-                           temperature=1.0, max_completion_length=args.max_completion_length, ks=ks_of(args),
-                           batch_size=max(1, 2048 // args.val_samples), at_start=True, seed=VALIDATION_SEED),
-        make_rows_callback(run_dir / "rows.jsonl", attempt),
-    ]  # fmt: skip
+        validator, make_rows_callback(run_dir / "rows.jsonl", attempt),
+        make_counts_callback(run_dir / "counts.jsonl", attempt, validator, list(validation["num_steps"])),
+    ]
     if arm == "plateau":
         callbacks.append(HardResetCallback(on_plateau=args.plateau_patience, min_delta=args.plateau_min_delta))
     targets = args.lora_targets.split(",")
@@ -398,6 +440,11 @@ def read_rows(path: Path) -> list[dict]:
         kept.pop(key, None)
         kept[key] = row
     return sorted(kept.values(), key=lambda row: row.get("prorl/global_step", 0))
+
+
+def read_counts(path: Path) -> dict[int, dict]:
+    """counts.jsonl by step; a resumed attempt's line for a step replaces the earlier one (as in `read_rows`)."""
+    return {line["step"]: line for line in read_jsonl(path)}
 
 
 def reset_steps(rows: list[dict]) -> list[float]:
@@ -565,7 +612,7 @@ def load_runs(out: Path) -> list[dict]:
         stopped = json.loads((folder / "stopped.json").read_text()) if (folder / "stopped.json").is_file() else None
         seconds = done["seconds"] if done else sum(attempt_seconds(read_jsonl(folder / "rows.jsonl")).values())
         runs.append({"arm": arm, "seed": int(seed), "done": done, "stopped": stopped, "rows": rows,
-                     "resets": reset_steps(rows),
+                     "resets": reset_steps(rows), "counts": read_counts(folder / "counts.jsonl"),
                      "evals": [row for row in rows if "eval_pass@1" in row], "seconds": seconds})  # fmt: skip
     return sorted(
         (run for run in runs if run["arm"] in ARMS), key=lambda run: (list(ARMS).index(run["arm"]), run["seed"])
@@ -631,7 +678,7 @@ def write_report(args, out: Path) -> dict:
     lines += ["", note, "",
               "## Paired differences (final, points; 95% CI, t with n - 1 degrees of freedom)", ""]  # fmt: skip
     pairs = {}
-    for x, y in [(x, y) for x, y in PAIRS if {x, y} <= set(args.arms)]:
+    for x, y in compared_pairs(args):
         by_seed = {run["seed"]: run for run in finished[y]}
         pairs_xy = [(run["seed"], run, by_seed[run["seed"]]) for run in finished[x] if run["seed"] in by_seed]
         for k in ks:
@@ -640,12 +687,13 @@ def write_report(args, out: Path) -> dict:
             if not diffs:
                 lines.append(f"- {label}: no seed with both runs finished")
                 continue
-            mean, low, high = t_interval(diffs)
-            pairs[f"{x}-{y}@{k}"] = {"mean": mean, "ci95": [low, high], "per_seed": diffs}
-            per_seed = ", ".join(f"s{seed} {100 * d:+.1f}" for (seed, _, _), d in zip(pairs_xy, diffs))
-            ci = "n/a" if math.isnan(low) else f"[{100 * low:+.1f}, {100 * high:+.1f}]"
-            lines.append(f"- {label}: {100 * mean:+.1f} pts, 95% CI {ci} (n={len(diffs)}); per seed: {per_seed}")
-    lines += ["", *common_step_lines(args, runs, ks)]
+            line, pairs[f"{x}-{y}@{k}"] = pair_line(label, [seed for seed, _, _ in pairs_xy], diffs)
+            lines.append(line)
+    outcomes, summary_outcomes, pairs_outcomes = outcome_lines(args, finished, n)
+    for arm, values in summary_outcomes.items():
+        summary[arm].update(values)
+    pairs.update(pairs_outcomes)
+    lines += ["", *outcomes, "", *common_step_lines(args, runs, ks)]
     lines += ["", "## Plateau of arm (a)", "", *plateau_lines(args, finished["one_phase"]), "",
               "## Hard resets (global step after which each happened)", ""]  # fmt: skip
     for run in runs:
@@ -665,6 +713,7 @@ def write_report(args, out: Path) -> dict:
         "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "seed", "run_dir", "warm_dir")},
         "runs": [{"arm": r["arm"], "seed": r["seed"], "finished": bool(r["done"]), "seconds": r["seconds"],
                   "resets": r["resets"], "final": r.get("final"), "best": r.get("best"),
+                  "outcomes": r.get("outcomes"),
                   "curves": {f"pass@{k}": ([e["prorl/global_step"] for e in r["evals"]],
                                            [e[f"eval_pass@{k}"] for e in r["evals"]]) for k in ks}} for r in runs],
     }  # fmt: skip
@@ -689,18 +738,131 @@ def common_step_lines(args, runs: list[dict], ks: list[int]) -> list[str]:
         lines.append(f"| {ARMS[arm]} | {len(rows)} | " + " | ".join(pct([r[f"eval_pass@{k}"] for r in rows]) for k in ks)
                      + " |")  # fmt: skip
     lines += ["", f"Paired differences at step {common} (points; 95% CI, t with n - 1 degrees of freedom):", ""]
-    for x, y in [(x, y) for x, y in PAIRS if {x, y} <= set(args.arms)]:
+    for x, y in compared_pairs(args):
         seeds = sorted(seed for arm, seed in at if arm == x and (y, seed) in at)
         for k in ks:
             diffs = [at[(x, seed)][f"eval_pass@{k}"] - at[(y, seed)][f"eval_pass@{k}"] for seed in seeds]
-            if not diffs:
-                continue
-            mean, low, high = t_interval(diffs)
-            ci = "n/a" if math.isnan(low) else f"[{100 * low:+.1f}, {100 * high:+.1f}]"
-            per_seed = ", ".join(f"s{seed} {100 * d:+.1f}" for seed, d in zip(seeds, diffs))
-            lines.append(f"- {ARMS[x][:3]} - {ARMS[y][:3]} pass@{k}: {100 * mean:+.1f} pts, 95% CI {ci} "
-                         f"(n={len(diffs)}); per seed: {per_seed}")  # fmt: skip
+            if diffs:
+                lines.append(pair_line(f"{ARMS[x][:3]} - {ARMS[y][:3]} pass@{k}", seeds, diffs)[0])
     return lines
+
+
+# ------------------------------------------------------------------------------------------- per-problem outcomes
+OUTCOMES = {"newly_solved": "newly solved", "newly_lost": "newly lost", "solved_start": "solved at step 0",
+            "solved_end": "solved at the end"}  # fmt: skip
+
+
+def newly_solved_and_lost(start: list[int], end: list[int]) -> tuple[int, int]:
+    """Problems with no correct sample at the start and at least one at the end (newly solved), and the reverse
+    (newly lost), from the correct counts of the same problems at two validations.
+
+    Example:
+        >>> newly_solved_and_lost([0, 0, 2, 1], [3, 0, 0, 1])
+        (1, 1)
+    """
+    if len(start) != len(end):
+        raise ValueError(f"correct counts of {len(start)} and of {len(end)} problems: not the same held-out set")
+    return sum(s == 0 < e for s, e in zip(start, end)), sum(e == 0 < s for s, e in zip(start, end))
+
+
+def pass1_by_operations(correct: list[int], num_samples: int, num_steps: list[int]) -> dict[int, float]:
+    """Mean pass@1 (correct / n, the unbiased estimate) of the problems of each number of operations.
+
+    Example:
+        >>> pass1_by_operations([4, 0, 2], 4, [1, 2, 2])
+        {1: 1.0, 2: 0.25}
+    """
+    buckets = defaultdict(list)
+    for count, steps in zip(correct, num_steps, strict=True):
+        buckets[steps].append(count / num_samples)
+    return {steps: sum(values) / len(values) for steps, values in sorted(buckets.items())}
+
+
+def problem_outcomes(run: dict, n: int) -> dict | None:
+    """A finished run's per-problem outcomes from counts.jsonl: its first validation (step 0, the warm start) against
+    its last. None when the file lacks either line (runs made before the counts were written, 2026-11-28). Counts
+    that disagree with the logged pass@1 or n are refused: the report would mix two held-out sets."""
+    first, last = (run["counts"].get(run["evals"][i]["prorl/global_step"]) for i in (0, -1))
+    if first is None or last is None:
+        return None
+    where = f"runs/{run['arm']}-s{run['seed']}/counts.jsonl"
+    for line, row in ((first, run["evals"][0]), (last, run["evals"][-1])):
+        from_counts = sum(line["correct"]) / (line["num_samples"] * len(line["correct"]))
+        if line["num_samples"] != n or abs(from_counts - row["eval_pass@1"]) > 1e-6:
+            raise SystemExit(
+                f"{where}, step {line['step']}: {line['num_samples']} samples and pass@1 {from_counts} from the "
+                f"counts, but the report's n is {n} and rows.jsonl logged pass@1 {row['eval_pass@1']}: the counts "
+                "are of another validation; run this (arm, seed) again."
+            )
+    solved, lost = newly_solved_and_lost(first["correct"], last["correct"])
+    return {"newly_solved": solved, "newly_lost": lost, "solved_start": sum(c > 0 for c in first["correct"]),
+            "solved_end": sum(c > 0 for c in last["correct"]), "num_steps": last["num_steps"],
+            "start_by_operations": pass1_by_operations(first["correct"], n, first["num_steps"]),
+            "by_operations": pass1_by_operations(last["correct"], n, last["num_steps"])}  # fmt: skip
+
+
+def number(values) -> str:
+    if not values:
+        return "-"
+    mean, se = mean_se(values)
+    return f"{mean:.1f}" + ("" if math.isnan(se) else f" ± {se:.1f}")
+
+
+def outcome_lines(args, finished: dict[str, list[dict]], n: int) -> tuple[list[str], dict, dict]:
+    """The report's per-problem sections: problems newly solved and lost per arm (mean ± s.e. across seeds, paired
+    differences as for pass@k) and the final pass@1 per number of operations; with their summary and pair records."""
+    arms = [arm for arm in ARMS if arm in args.arms]
+    for run in [run for arm in arms for run in finished[arm]]:
+        run["outcomes"] = problem_outcomes(run, n)
+    outcomes = {(arm, run["seed"]): run["outcomes"] for arm in arms for run in finished[arm]}
+    known = {key: value for key, value in outcomes.items() if value}
+    by_arm = {arm: [value for (name, _), value in known.items() if name == arm] for arm in arms}
+    lines = ["## Problems newly solved and newly lost (the final validation against the warm start)", ""]
+    if not known:
+        return [*lines, "No finished run has per-problem counts (counts.jsonl, written since 2026-11-28)."], {}, {}
+    operations = next(iter(known.values()))["num_steps"]
+    if any(value["num_steps"] != operations for value in known.values()):
+        raise SystemExit(
+            "The runs' counts.jsonl hold different held-out problems (their numbers of operations differ): these "
+            "runs were made with different --val-problems or task settings; report them apart."
+        )
+    lines += [
+        (f"Of {len(operations)} held-out problems x {n} samples: newly solved = 0 of {n} correct at step 0 (the warm "
+         "start: every run's first validation, same problems and sampling seed) and at least 1 at the final "
+         "validation; newly lost = the reverse. Problems, mean ± s.e. across seeds."), "",
+        table_row("arm", "runs", OUTCOMES.values()), "| --- " * (2 + len(OUTCOMES)) + "|",
+    ]  # fmt: skip
+    summary, pairs = {}, {}
+    for arm, values in by_arm.items():
+        summary[arm] = {key: mean_se([v[key] for v in values]) for key in OUTCOMES} if values else {}
+        lines.append(table_row(ARMS[arm], len(values), [number([v[key] for v in values]) for key in OUTCOMES]))
+    lines += ["", "Paired differences (problems; 95% CI, t with n - 1 degrees of freedom):", ""]
+    for x, y in compared_pairs(args):
+        seeds = sorted(seed for arm, seed in known if arm == x and (y, seed) in known)
+        for key in ("newly_solved", "newly_lost") if seeds else ():
+            diffs = [known[(x, seed)][key] - known[(y, seed)][key] for seed in seeds]
+            label = f"{ARMS[x][:3]} - {ARMS[y][:3]} {OUTCOMES[key]}"
+            line, pairs[f"{x}-{y}@{key}"] = pair_line(label, seeds, diffs, scale=1, unit="problems")
+            lines.append(line)
+    buckets = sorted(set(operations))
+    header = [f"{b} operation{'s' * (b > 1)} ({operations.count(b)} problems)" for b in buckets]
+    starts = [pct([v["start_by_operations"][b] for v in known.values()]) for b in buckets]
+    lines += ["", "## Final pass@1 by number of operations (%, mean ± s.e. across seeds)", "",
+              table_row("arm", "runs", header), "| --- " * (2 + len(buckets)) + "|",
+              table_row("warm start (step 0 of every run)", len(known), starts)]  # fmt: skip
+    for arm, values in by_arm.items():
+        finals = {b: [v["by_operations"][b] for v in values] for b in buckets}
+        if values:
+            summary[arm]["pass@1_by_operations"] = {b: mean_se(finals[b]) for b in buckets}
+        lines.append(table_row(ARMS[arm], len(values), [pct(finals[b]) for b in buckets]))
+    left_out = [f"{ARMS[arm][:3]} s{seed}" for (arm, seed), value in outcomes.items() if value is None]
+    if left_out:
+        lines += ["", f"Left out of both tables (no counts at their first and last validation): {', '.join(left_out)}."]
+    return lines, summary, pairs
+
+
+def table_row(label: str, count, cells) -> str:
+    return f"| {label} | {count} | " + " | ".join(cells) + " |"
 
 
 def settings_text(args, warm: dict, cpu: bool, n: int) -> str:

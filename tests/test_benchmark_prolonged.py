@@ -9,6 +9,8 @@ import shutil
 import pytest
 from _benchmarks import load_benchmark
 
+from prorl_trl.data.synthetic import make_arithmetic_dataset
+
 prolonged = load_benchmark("prolonged")
 
 
@@ -23,6 +25,31 @@ def test_mean_standard_error_and_t_interval_match_hand_computed_values():
     values = [float(i % 2) for i in range(50)]  # 49 dof: the 40-dof quantile, 2.021 (conservative)
     mean, low, _ = prolonged.t_interval(values)
     assert mean - low == pytest.approx(2.021 * prolonged.mean_se(values)[1])
+
+
+def test_pass_at_k_up_to_256_and_per_problem_outcomes_match_hand_computed_values(tmp_path):
+    """Issue 38: pass@1/8/64/256 below n and n itself; newly solved/lost and pass@1 per number of operations from
+    per-problem correct counts; counts that do not match the logged pass@1 are refused, missing ones left out."""
+    ks = {n: prolonged.ks_of(prolonged.parse_args(["--out", "x", "--val-samples", str(n)])) for n in (4, 64, 100, 512)}
+    assert ks == {4: [1, 4], 64: [1, 8, 64], 100: [1, 8, 64, 100], 512: [1, 8, 64, 256, 512]}
+    assert prolonged.ks_of(prolonged.parse_args(["--out", "x"])) == [1, 8, 64, 256]  # the GPU default n
+    assert prolonged.newly_solved_and_lost([0, 0, 2, 1, 0], [3, 0, 0, 1, 1]) == (2, 1)
+    with pytest.raises(ValueError, match="not the same held-out set"):
+        prolonged.newly_solved_and_lost([0, 1], [0])
+    assert prolonged.pass1_by_operations([4, 0, 2, 1], 4, [1, 2, 2, 3]) == {1: 1.0, 2: 0.25, 3: 0.25}
+    line = {"num_samples": 4, "num_steps": [1, 2, 2, 3]}
+    counts = {0: {**line, "step": 0, "correct": [0, 1, 0, 2]}, 8: {**line, "step": 8, "correct": [1, 0, 0, 4]}}
+    evals = [{"prorl/global_step": 0, "eval_pass@1": 3 / 16}, {"prorl/global_step": 8, "eval_pass@1": 5 / 16}]
+    run = {"arm": "prorl", "seed": 1, "counts": counts, "evals": evals}
+    outcomes = prolonged.problem_outcomes(run, 4)
+    assert {key: outcomes[key] for key in prolonged.OUTCOMES} == {
+        "newly_solved": 1, "newly_lost": 1, "solved_start": 2, "solved_end": 2}  # fmt: skip
+    assert outcomes["by_operations"] == {1: 0.25, 2: 0.0, 3: 1.0}
+    assert prolonged.problem_outcomes({**run, "counts": {0: counts[0]}}, 4) is None  # no line at the last step
+    with pytest.raises(SystemExit, match=r"runs/prorl-s1/counts.jsonl, step 8: .* another validation"):
+        prolonged.problem_outcomes({**run, "evals": [evals[0], {**evals[1], "eval_pass@1": 0.5}]}, 4)
+    with pytest.raises(SystemExit, match="the report's n is 8"):
+        prolonged.problem_outcomes(run, 8)
 
 
 def test_rows_of_a_resumed_run_keep_the_last_attempt_and_resets_sit_after_their_step(tmp_path):
@@ -60,13 +87,31 @@ def test_smoke_runs_four_arms_and_resume_continues_one_run_from_a_checkpoint(tmp
     assert resets[("prorl", 0)] == [1, 2, 3] and resets[("no_reset", 0)] == [] and resets[("one_phase", 0)] == []
     assert resets[("plateau", 0)], "smoke patience 1: pass@1 stays flat, so the plateau rule resets"
     assert set(result["pairs"]) >= {"prorl-one_phase@1", "prorl-no_reset@4", "plateau-one_phase@1"}
+    task = prolonged.task_of(prolonged.parse_args(["--smoke", "--out", "x"]))
+    held_out = list(make_arithmetic_dataset(4, seed=prolonged.VALIDATION_SEED, **task)["num_steps"])
+    for run in runs:  # one counts line per validation, the counts behind the logged pass@1 and pass@4
+        counts = prolonged.read_counts(tmp_path / "runs" / run / "counts.jsonl")
+        evals = {row["prorl/global_step"]: row for row in prolonged.read_rows(tmp_path / "runs" / run / "rows.jsonl")
+                 if "eval_pass@1" in row}  # fmt: skip
+        assert sorted(counts) == sorted(evals) == [0, 1, 2, 3, 4]
+        for step, line in counts.items():
+            assert line["num_samples"] == 4 and line["num_steps"] == held_out
+            assert evals[step]["eval_pass@1"] == pytest.approx(sum(line["correct"]) / 16)
+            assert evals[step]["eval_pass@4"] == pytest.approx(sum(c > 0 for c in line["correct"]) / 4)
+
+    # Counts as a GPU run with room writes them (the tiny smoke model solves nothing), with rows that match: the
+    # report's per-problem tables are checked against counts read back by hand after the resume below.
+    for run, start, end in (("one_phase-s0", [0, 1, 0, 2], [1, 0, 0, 4]), ("one_phase-s1", [0, 0, 0, 0], [0, 2, 0, 0]),
+                            ("prorl-s0", [0, 1, 0, 2], [2, 1, 3, 4])):  # fmt: skip
+        for step, correct in ((0, start), (4, end)):
+            write_validation(tmp_path / "runs" / run, step, correct)
 
     # Cut one run short: no done.json, and its last phase's checkpoint gone, so it resumes from phase 2's.
     cut = tmp_path / "runs" / "prorl-s1"
     (cut / "done.json").unlink()
     shutil.rmtree(cut / "trainer" / "phase-3")
     others = {run: (tmp_path / "runs" / run / "done.json").stat().st_mtime_ns for run in runs - {cut.name}}
-    prolonged.main(["--smoke", "--out", str(tmp_path), "--resume", "--launch", "subprocess", "--gpus", "1"])
+    result = prolonged.main(["--smoke", "--out", str(tmp_path), "--resume", "--launch", "subprocess", "--gpus", "1"])
     assert (cut / "done.json").is_file(), (tmp_path / "logs" / "prorl-s1.log").read_text()[-3000:]
     attempts = prolonged.read_jsonl(cut / "attempts.jsonl")
     assert len(attempts) == 2 and attempts[1]["resumed_from"].endswith("phase-2/checkpoint-1")
@@ -76,7 +121,43 @@ def test_smoke_runs_four_arms_and_resume_continues_one_run_from_a_checkpoint(tmp
         assert len(prolonged.read_jsonl(tmp_path / "runs" / run / "attempts.jsonl")) == 1
     evals = [row["prorl/global_step"] for row in prolonged.read_rows(cut / "rows.jsonl") if "eval_pass@1" in row]
     assert evals == [0, 1, 2, 3, 4]  # the re-run step's rows replace the first attempt's
-    assert "| (b) 4 phases + hard resets | 2 of 2 |" in (tmp_path / "prolonged.md").read_text()
+    report = (tmp_path / "prolonged.md").read_text()
+    assert "| (b) 4 phases + hard resets | 2 of 2 |" in report
+    assert prolonged.read_counts(cut / "counts.jsonl")[4]["_attempt"] == 1  # the re-run validation's counts
+    by_hand = {}
+    for run in runs:
+        counts = prolonged.read_counts(tmp_path / "runs" / run / "counts.jsonl")
+        start, end = counts[0]["correct"], counts[4]["correct"]
+        by_hand[run] = {"newly_solved": sum(s == 0 and e > 0 for s, e in zip(start, end)),
+                        "newly_lost": sum(s > 0 and e == 0 for s, e in zip(start, end)),
+                        "solved_start": sum(s > 0 for s in start), "solved_end": sum(e > 0 for e in end),
+                        2: sum(c / 4 for c, ops in zip(end, held_out) if ops == 2) / held_out.count(2)}  # fmt: skip
+    assert by_hand["one_phase-s0"]["newly_solved"] == by_hand["one_phase-s0"]["newly_lost"] == 1
+    assert "| (a) one phase | 2 | 1.0 ± 0.0 | 0.5 ± 0.5 | 1.0 ± 1.0 | 1.5 ± 0.5 |" in report
+    for entry in result["runs"]:
+        expected = by_hand[f"{entry['arm']}-s{entry['seed']}"]
+        assert all(entry["outcomes"][key] == expected[key] for key in prolonged.OUTCOMES), (entry, expected)
+        assert entry["outcomes"]["by_operations"][2] == pytest.approx(expected[2])
+    for arm in prolonged.ARMS:
+        row = next(line for line in report.split("## Final pass@1 by number")[1].splitlines()
+                   if line.startswith(f"| {prolonged.ARMS[arm]} | 2 |"))  # fmt: skip
+        assert row.split(" | ")[3] == prolonged.pct([by_hand[f"{arm}-s{seed}"][2] for seed in (0, 1)])
+    solved = result["pairs"]["prorl-one_phase@newly_solved"]["per_seed"]
+    assert solved == [by_hand[f"prorl-s{s}"]["newly_solved"] - by_hand[f"one_phase-s{s}"]["newly_solved"]
+                      for s in (0, 1)]  # fmt: skip
+    assert "- (b) - (a) newly solved: " in report and "- (d) - (a) newly lost: " in report
+
+
+def write_validation(run_dir, step, correct):
+    """Appends a counts line and the matching validation row for `step` (a later line replaces an earlier one)."""
+    line = {**prolonged.read_counts(run_dir / "counts.jsonl")[step], "correct": correct}
+    with (run_dir / "counts.jsonl").open("a") as file:
+        file.write(json.dumps(line) + "\n")
+    row = next(row for row in prolonged.read_rows(run_dir / "rows.jsonl")
+               if "eval_pass@1" in row and row["prorl/global_step"] == step)  # fmt: skip
+    row.update({"eval_pass@1": sum(correct) / 16, "eval_pass@4": sum(c > 0 for c in correct) / 4})
+    with (run_dir / "rows.jsonl").open("a") as file:
+        file.write(json.dumps(row) + "\n")
 
 
 def test_pilot_runs_arm_a_per_grid_point_with_one_warm_start_per_task(tmp_path):

@@ -88,6 +88,14 @@ def test_metrics_land_in_log_history_and_reach_on_log(trained):
     assert validation.last_metrics == {k: v for k, v in evals[-1].items() if k.startswith("eval_")}
 
 
+def test_per_problem_correct_counts_are_the_ones_behind_the_logged_pass_at_k(trained):
+    _, validation, _ = trained
+    correct, metrics = validation.last_correct, validation.last_metrics
+    assert len(correct) == 3 and all(0 <= c <= 2 for c in correct)  # 3 problems x 2 samples
+    assert metrics["eval_pass@1"] == pytest.approx(sum(c / 2 for c in correct) / 3)
+    assert metrics["eval_pass@2"] == pytest.approx(sum(c > 0 for c in correct) / 3)
+
+
 def test_trl_training_metrics_are_not_disturbed(trained):
     trainer, _, recorder = trained
     train_entries = [e for e in trainer.state.log_history if "loss" in e]

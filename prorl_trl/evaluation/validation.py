@@ -3,7 +3,9 @@
 It samples with the same code as `prorl-trl eval` (`sample_transformers`, `grade`, `pass_at_k`), so validation and
 offline evaluation numbers mean the same thing, and logs `eval_pass@1`, `eval_pass@<k>`, `eval_reward` (mean graded
 reward) and `eval_mean_length` as one `log_history` entry that every callback's `on_log` sees (the plateau rule
-watches `args.plateau_metric` there).
+watches `args.plateau_metric` there). The per-problem correct counts behind those numbers stay on the callback
+(`last_correct`, set before the entry is logged), not in the entry: `log_history` is printed and checkpointed, and a
+list per problem would swell both; a caller that wants them (which problems became solvable) reads them in `on_log`.
 
 How it logs: through `trainer.log`, so subclasses add their keys (ProRLTrainer's `prorl/*`), but with the model in
 eval mode, `trainer._metrics` swapped for empty buffers and `trainer.log_completions` off for the call. Reason:
@@ -97,6 +99,7 @@ class ValidationCallback(TrainerCallback):
         self.metric_prefix = metric_prefix
         self.trainer = trainer
         self.last_metrics: dict[str, float] | None = None
+        self.last_correct: list[int] | None = None  # correct samples of each problem (order of the dataset's rows)
         self._started = False
         self._engine = None  # validation's own RolloutEngine (its shapes differ from training's)
 
@@ -166,6 +169,12 @@ class ValidationCallback(TrainerCallback):
         table = np.array(gather_object(local) if accelerator.num_processes > 1 else local, dtype=float)
         n = settings.num_samples
         solved = table[:, 0].round().astype(int)
+        # gather_object concatenates the processes' strided shares (process p held rows p, p + P, ...)
+        processes, count = accelerator.num_processes, len(self.rows)
+        order = [i for p in range(processes) for i in range(p, count, processes)]
+        self.last_correct = [0] * count
+        for position, value in zip(order, solved.tolist()):
+            self.last_correct[position] = value
         metrics = {f"pass@{k}": float(pass_at_k_per_problem(np.full(len(solved), n), solved, k).mean()) for k in self.ks}
         scored = table[:, 2].sum()  # rewards that returned None are left out of the mean
         metrics["reward"] = float(table[:, 1].sum() / scored) if scored else float("nan")
