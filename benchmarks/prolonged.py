@@ -619,11 +619,16 @@ def load_runs(out: Path) -> list[dict]:
     )
 
 
-def pct(values) -> str:
+def number(values, scale: float = 1) -> str:
+    """Mean ± s.e. of `values` times `scale`, one decimal ("-" for none; no s.e. for one value)."""
     if not values:
         return "-"
     mean, se = mean_se(values)
-    return f"{100 * mean:.1f}" + ("" if math.isnan(se) else f" ± {100 * se:.1f}")
+    return f"{scale * mean:.1f}" + ("" if math.isnan(se) else f" ± {scale * se:.1f}")
+
+
+def pct(values) -> str:
+    return number(values, scale=100)
 
 
 def write_report(args, out: Path) -> dict:
@@ -799,13 +804,6 @@ def problem_outcomes(run: dict, n: int) -> dict | None:
             "solved_end": sum(c > 0 for c in last["correct"]), "num_steps": last["num_steps"],
             "start_by_operations": pass1_by_operations(first["correct"], n, first["num_steps"]),
             "by_operations": pass1_by_operations(last["correct"], n, last["num_steps"])}  # fmt: skip
-
-
-def number(values) -> str:
-    if not values:
-        return "-"
-    mean, se = mean_se(values)
-    return f"{mean:.1f}" + ("" if math.isnan(se) else f" ± {se:.1f}")
 
 
 def outcome_lines(args, finished: dict[str, list[dict]], n: int) -> tuple[list[str], dict, dict]:

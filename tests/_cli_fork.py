@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 LAUNCHER = [sys.executable, str(Path(__file__).resolve().parent / "_kill_launcher.py")]
@@ -77,8 +78,6 @@ def run(command: list[str], *, env: dict[str, str] | None = None, cwd: str | Pat
         timed_out = []
         timer = None
         if timeout is not None:
-            import threading
-
             timer = threading.Timer(timeout, lambda: (timed_out.append(True), os.kill(pid, signal.SIGKILL)))
             timer.start()
         returncode = int(server.stdout.readline())
