@@ -362,6 +362,35 @@ def test_a_slow_step_gets_a_heartbeat_and_logs_carry_the_eta(tmp_path, capsys):
     assert "step 1/10 (" in err and "s/step, ETA" in err and "loss 0.5, reward 0.25, boxed_answer 0.25" in err
 
 
+def test_the_heartbeat_stops_when_a_step_raises(tmp_path, capsys):
+    """HF calls no callback when a step raises: a caller that catches the error must not go on reading "still
+    running" lines about a step that ended (a real HF Trainer on the tiny model, its loss raising at step 1)."""
+    import time
+
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from prorl_trl.tiny import build_tiny
+    from prorl_trl.trainer.progress import use_run_progress
+
+    class StepFails(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            time.sleep(0.3)  # long enough for a heartbeat line: the thread was running
+            raise RuntimeError("the step failed")
+
+    model, _ = build_tiny()
+    rows = [{"input_ids": torch.tensor([1, 2, 3]), "labels": torch.tensor([1, 2, 3])}] * 4
+    args = TrainingArguments(output_dir=str(tmp_path), disable_tqdm=True, use_cpu=True, report_to=[], max_steps=2,
+                             per_device_train_batch_size=1, save_strategy="no")  # fmt: skip
+    trainer = StepFails(model=model, args=args, train_dataset=rows)
+    use_run_progress(trainer).heartbeat_seconds = 0.05
+    with pytest.raises(RuntimeError, match="the step failed"):
+        trainer.train()
+    assert "step 1/2: still running after" in capsys.readouterr().err
+    time.sleep(0.3)
+    assert "still running" not in capsys.readouterr().err
+
+
 def test_megabyte_prompts_are_dropped_without_tokenising(tmp_path):
     """4 prompts of 1 MB and 4 short ones: the length filter keeps the short ones and peak memory grows by well
     under the ~400 MB that tokenising one 1 MB prompt took (measured in a fresh process)."""

@@ -9,6 +9,7 @@ than `heartbeat_seconds` (a long generation: thousands of tokens x a large group
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import time
@@ -22,11 +23,26 @@ from ..console import duration, metrics_line
 
 
 def use_run_progress(trainer: Any) -> RunProgress:
-    """Swap a trainer's HF progress callbacks (a bar per `train()` call, a dict per log) for a `RunProgress`."""
+    """Swap a trainer's HF progress callbacks (a bar per `train()` call, a dict per log) for a `RunProgress`.
+
+    The trainer's `train` is wrapped so that the heartbeat stops when it returns or raises: HF calls no callback when
+    a step raises, and a caller that catches the error (a notebook, a retry) would otherwise read "still running"
+    lines about a step that ended long ago.
+    """
     trainer.remove_callback(ProgressCallback)
     trainer.remove_callback(PrinterCallback)
     progress = RunProgress()
     trainer.add_callback(progress)
+    train = trainer.train
+
+    @functools.wraps(train)
+    def train_then_stop_heartbeat(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return train(*args, **kwargs)
+        finally:
+            progress.stop_heartbeat()
+
+    trainer.train = train_then_stop_heartbeat
     return progress
 
 
@@ -71,7 +87,13 @@ class RunProgress(TrainerCallback):
         if self.bar is not None:
             self.bar.set_description(self.phase_name() or None)
 
+    def stop_heartbeat(self) -> None:
+        """End the current step's heartbeat thread, if any (a step ended, or raised)."""
+        if self._step_done is not None:
+            self._step_done.set()
+
     def on_step_begin(self, args, state, control, **kwargs):
+        self.stop_heartbeat()  # a step begun after one that raised inside the loop: one heartbeat at a time
         if state.is_world_process_zero and self.heartbeat_seconds > 0:
             self._step_done = threading.Event()
             step = self.global_step(state) + 1
@@ -87,8 +109,7 @@ class RunProgress(TrainerCallback):
                         f"{duration(time.time() - began)} (generating and scoring){usual}")  # fmt: skip
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self._step_done is not None:
-            self._step_done.set()
+        self.stop_heartbeat()
         if self.bar is not None and state.is_world_process_zero:
             self.bar.update(self.global_step(state) - self.bar.n)
 
@@ -116,8 +137,7 @@ class RunProgress(TrainerCallback):
         self._write(f"{where} ({timing}): {metrics_line(logs)}")
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self._step_done is not None:
-            self._step_done.set()
+        self.stop_heartbeat()
         if self.bar is not None and self.last_part():
             self.bar.close()
             self.bar = None
