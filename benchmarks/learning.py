@@ -144,8 +144,13 @@ def greedy_accuracy(model, tokenizer, rows, max_new_tokens: int = 40) -> float:
     return sum(score > 0 for score in scores) / len(scores)
 
 
-def warm_start(args, tokenizer, device_kwargs, out: Path, task: dict | None = None) -> tuple[Path, float, int, float]:
-    """SFT until `args.warm_start_accuracy` on `task` (make_arithmetic_dataset's settings; default `TASK`)."""
+def warm_start(args, tokenizer, device_kwargs, out: Path, task: dict | None = None,
+               deterministic: bool = False) -> tuple[Path, float, int, float]:
+    """SFT until `args.warm_start_accuracy` on `task` (make_arithmetic_dataset's settings; default `TASK`).
+
+    `deterministic`: HF's `full_determinism` (deterministic kernels, a fixed cuBLAS workspace), so the same settings
+    make the same weights again on another machine of the same kind: a study whose runs continue on a later machine
+    makes its warm start there again instead of carrying it."""
     task = TASK if task is None else task
     started = time.time()
     model = build_tiny_model(tokenizer, seed=args.seed, **(SMOKE_MODEL if args.smoke else GPU_MODEL))
@@ -165,6 +170,7 @@ def warm_start(args, tokenizer, device_kwargs, out: Path, task: dict | None = No
         save_strategy="no",
         report_to=[],
         seed=args.seed,
+        full_determinism=deterministic,
         disable_tqdm=True,
         **device_kwargs,
     )

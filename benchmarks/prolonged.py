@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import hashlib
 import itertools
 import json
 import math
@@ -99,6 +100,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     task.add_argument("--task-steps", default="1-3", help="operations per problem, 'low-high'")
     task.add_argument("--task-max-value", type=int, default=20, help="largest number in a problem")
     task.add_argument("--warm-start", help="a warm start folder made earlier (with warm_start.json), used as is")
+    task.add_argument("--warm-start-sha256", help="refuse to run unless the warm start's weights have this sha256 "
+                      "(runs continued on another machine, the warm start made again there; warm_start.json has it)")
     task.add_argument("--warm-start-accuracy", type=float, default=0.3, help="stop SFT at this greedy accuracy")
     task.add_argument("--max-sft-steps", type=int, help="SFT step cap (default 1500)")
     rl = p.add_argument_group("RL")
@@ -253,11 +256,34 @@ def run_warm_start(args) -> None:
     settings = argparse.Namespace(seed=0, smoke=args.smoke, warm_start_accuracy=args.warm_start_accuracy,
                                   max_sft_steps=args.max_sft_steps, max_new_tokens=args.max_completion_length)  # fmt: skip
     path, seconds, parameters, accuracy = learning.warm_start(
-        settings, build_tiny_tokenizer(), device_kwargs(args), warm.parent, task=task_of(args)
+        settings, build_tiny_tokenizer(), device_kwargs(args), warm.parent, task=task_of(args), deterministic=True
     )
     assert path == warm, (path, warm)
-    info = {"seconds": round(seconds, 1), "parameters": parameters, "greedy_accuracy": accuracy, "task": task_of(args)}
+    info = {"seconds": round(seconds, 1), "parameters": parameters, "greedy_accuracy": accuracy, "task": task_of(args),
+            "sha256": weights_sha256(warm)}  # fmt: skip
     (warm / "warm_start.json").write_text(json.dumps(info, indent=1))
+
+
+def weights_sha256(folder: Path) -> str:
+    """The sha256 of a saved model's weights files, in name order: two warm starts are the same iff these are."""
+    digest = hashlib.sha256()
+    for path in sorted(folder.glob("*.safetensors")):
+        with path.open("rb") as file:
+            for block in iter(lambda: file.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def check_warm_start_sha256(args, warm: Path) -> None:
+    """`--warm-start-sha256`: runs continue only from the warm start they began from (one made again elsewhere
+    must match the recorded weights bit for bit), refused before any run starts."""
+    if not args.warm_start_sha256 or not (warm / "warm_start.json").is_file():
+        return
+    found = weights_sha256(warm)
+    if found != args.warm_start_sha256:
+        raise SystemExit(f"the warm start in {warm} has weights sha256 {found}, not --warm-start-sha256 "
+                         f"{args.warm_start_sha256}: it is not the warm start these runs began from. Carry that one "
+                         f"(--warm-start) or start the runs again in a new --out.")  # fmt: skip
 
 
 def copy_warm_start(args, warm: Path) -> None:
@@ -535,6 +561,7 @@ def main(argv: list[str] | None = None) -> dict | int:
             copy_warm_start(args, warm)
         if not (warm / "warm_start.json").is_file():
             run_jobs(args, [("warm_start", worker_argv(argv, "warm_start", 0, None, warm))], deadline)
+        check_warm_start_sha256(args, warm)
         jobs = []
         for seed, arm in itertools.product(args.seeds, args.arms):
             run_dir = out / "runs" / f"{arm}-s{seed}"

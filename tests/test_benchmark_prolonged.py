@@ -190,7 +190,14 @@ def test_arms_split_over_calls_share_one_warm_start_and_gather_into_one_report(t
     printed = capsys.readouterr().out
     assert printed.index("prorl-s0 ended") < printed.index("one_phase-s0 started"), printed  # alone on its device
     warm = first / "warm_start"
-    prolonged.main([*common, "--out", str(second), "--arms", "no_reset,plateau", "--warm-start", str(warm)])
+    recorded = json.loads((warm / "warm_start.json").read_text())["sha256"]
+    assert recorded == prolonged.weights_sha256(warm)
+    with pytest.raises(SystemExit, match="not --warm-start-sha256 0{64}: it is not the warm start"):
+        prolonged.main([*common, "--out", str(tmp_path / "other"), "--arms", "no_reset", "--warm-start", str(warm),
+                        "--warm-start-sha256", "0" * 64])  # fmt: skip
+    assert not (tmp_path / "other" / "runs").exists()
+    prolonged.main([*common, "--out", str(second), "--arms", "no_reset,plateau", "--warm-start", str(warm),
+                    "--warm-start-sha256", recorded])  # fmt: skip
     assert (second / "warm_start" / "model.safetensors").read_bytes() == (warm / "model.safetensors").read_bytes()
     assert "warm_start started" not in capsys.readouterr().out  # copied, not trained again
     shutil.copytree(first / "warm_start", gathered / "warm_start")
@@ -209,6 +216,19 @@ def test_arms_split_over_calls_share_one_warm_start_and_gather_into_one_report(t
     assert "| (d) one phase + resets on a plateau | 0 of 1 (1 stopped: non-finite gradient) |" in report
     assert "(stopped before step 3: non-finite gradient)" in report
     assert {"prorl-one_phase@1", "prorl-no_reset@1"} <= set(result["pairs"])
+
+
+def test_the_warm_start_is_made_again_bit_for_bit(tmp_path):
+    """Runs continued on a later machine make their warm start there again (74 MB does not travel): the same
+    settings must give the same weights. Two warm starts of round 4's task made on one H200 without HF's
+    `full_determinism` differed (2026-11-28); with it they matched. Here on CPU, at the smoke's sizes."""
+    made = []
+    for name in ("a", "b"):
+        args = prolonged.parse_args(["--smoke", "--out", str(tmp_path / name)])
+        args.warm_dir = str(tmp_path / name / "warm_start")
+        prolonged.run_warm_start(args)
+        made.append(json.loads((tmp_path / name / "warm_start" / "warm_start.json").read_text())["sha256"])
+    assert made[0] == made[1] == prolonged.weights_sha256(tmp_path / "a" / "warm_start")
 
 
 def test_a_completion_cap_that_cuts_reference_solutions_is_refused_before_any_run(tmp_path):
