@@ -212,6 +212,11 @@ class ProRLConfig(GRPOConfig):
         reset_optimizer (`bool`, defaults to `True`): A reset starts a fresh optimizer state and LR schedule
             (ProRL v1). False keeps the moments (ProRL v2).
         reset_reference (`bool`, defaults to `True`): A reset moves the KL reference to the current policy.
+        reset_adapter (`bool`, defaults to `True`): With LoRA, a reset keeps the adapter's delta and starts a fresh
+            adapter. False keeps the live adapter training through the reset, which then only restarts the optimizer
+            and LR schedule (`reset_optimizer`): the prolonged study's "opt" arm. With LoRA and beta > 0 the KL
+            reference (the adapter-disabled model) then stays put, so it needs `reset_reference=False`; every phase
+            must keep one adapter shape. LoRA only.
         save_merged_on_reset (`bool`, defaults to `True`): Save the merged model under
             `<output_dir>/merged/reset-<k>/` at every reset.
         merged_save_dtype (`str`, defaults to `"auto"`): The dtype of merged saves (`merged/reset-<k>/`, `final/`),
@@ -300,6 +305,13 @@ class ProRLConfig(GRPOConfig):
     )
     reset_reference: bool = field(
         default=True, metadata={"help": "A hard reset moves the KL reference policy to the current policy."}
+    )
+    reset_adapter: bool = field(
+        default=True,
+        metadata={
+            "help": "With LoRA, a hard reset keeps the delta and starts a fresh adapter. False keeps the live adapter "
+            "(the reset then restarts only the optimizer/schedule; needs reset_reference=False when beta > 0)."
+        },
     )
     save_merged_on_reset: bool = field(
         default=True, metadata={"help": "Save the merged model under <output_dir>/merged/reset-<k>/ at each reset."}

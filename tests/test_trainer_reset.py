@@ -123,6 +123,58 @@ def test_reset_reference_false_with_lora_and_kl_is_refused(tmp_path):
         build(tmp_path, beta=0.05, reset_reference=False, phases=[PhaseConfig(max_steps=1), PhaseConfig(max_steps=1)])
 
 
+def test_reset_adapter_false_keeps_the_adapter_and_reference_and_restarts_only_the_optimizer(tmp_path):
+    """The prolonged study's "opt" arm: a reset that restarts the optimizer and warm-up alone. The live adapter's
+    weights, the policy and the KL reference (the adapter-disabled model) are bitwise unchanged; nothing is frozen."""
+    trainer = build(tmp_path, beta=0.05, reset_adapter=False, reset_reference=False, save_merged_on_reset=False)
+    trainer.train()
+    model = trainer.model
+    adapter = {name: p.detach().clone() for name, p in model.named_parameters() if "lora_" in name}
+    before = logits(model)
+    with model.disable_adapter():
+        reference = logits(model)
+    assert lora_b_norm(model) > 0 and (before - reference).abs().max() > 1e-4 and len(trainer.optimizer.state) > 0
+
+    trainer.hard_reset(reason="test")
+
+    assert all(torch.equal(p, adapter[name]) for name, p in model.named_parameters() if "lora_" in name)
+    assert torch.equal(logits(model), before)
+    with model.disable_adapter():
+        assert torch.equal(logits(model), reference)
+    assert len(trainer.optimizer.state) == 0 and trainer.prorl_resets == 1
+    assert not (tmp_path / "run" / "frozen").exists()
+
+
+def test_reset_adapter_false_across_a_phase_boundary_keeps_training_the_same_adapter(tmp_path):
+    phases = [PhaseConfig(max_steps=2), PhaseConfig(max_steps=1)]
+    trainer = build(tmp_path, phases=phases, beta=0.05, reset_adapter=False, reset_reference=False,
+                    save_merged_on_reset=False)  # fmt: skip
+    trainer.train()
+    assert trainer.prorl_resets == 1
+    assert adam_steps(trainer) == 1  # the optimizer restarted at the boundary, on the same Parameters
+    assert lora_b_norm(trainer.model) > 0 and not (tmp_path / "run" / "frozen").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"beta": 0.05, "reset_adapter": False}, "reset_adapter=False with LoRA and beta > 0 needs reset_reference=False"),
+        ({"reset_adapter": False, "phases": [PhaseConfig(max_steps=1), PhaseConfig(max_steps=1, lora_r=8)]},
+         "the phases give it different shapes"),
+        ({"reset_adapter": False, "peft": False}, "reset_adapter=False applies to LoRA runs only"),
+    ],
+    ids=["reference-cannot-move", "shape-change", "full-finetuning"],
+)
+def test_reset_adapter_false_settings_that_cannot_hold_are_refused(tmp_path, tiny_dir, overrides, message):
+    from transformers import AutoTokenizer
+
+    overrides = {"phases": [PhaseConfig(max_steps=1), PhaseConfig(max_steps=1)], **overrides}
+    if not overrides.pop("peft", True):
+        overrides.update(model=str(tiny_dir), tokenizer=AutoTokenizer.from_pretrained(tiny_dir), peft=False)
+    with pytest.raises(ValueError, match=message):
+        build(tmp_path, max_steps=-1, **overrides)
+
+
 class Probe(TrainerCallback):
     """Runs after HardResetCallback (registered later): records the state right after each step's reset check."""
 

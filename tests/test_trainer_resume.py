@@ -34,10 +34,10 @@ class StopAt(TrainerCallback):
         return control
 
 
-def run(out_dir, callbacks=(), resume=None):
+def run(out_dir, callbacks=(), resume=None, **overrides):
     model, tokenizer = tiny_model()
-    phases = [PhaseConfig(max_steps=2), PhaseConfig(max_steps=3, temperature=0.8, lora_r=2)]
-    args = tiny_args(out_dir, phases=phases, save_strategy="steps", save_steps=1)
+    phases = [PhaseConfig(max_steps=2), PhaseConfig(max_steps=3, temperature=0.8, lora_r=overrides.pop("lora_r", 2))]
+    args = tiny_args(out_dir, phases=phases, save_strategy="steps", save_steps=1, **overrides)
     trainer = ProRLTrainer(
         model=model, processing_class=tokenizer, reward_funcs=[parity], args=args, train_dataset=prompts_dataset(),
         peft_config=lora(), callbacks=list(callbacks),
@@ -69,6 +69,22 @@ def test_resume_in_phase_two_matches_uninterrupted_run(tmp_path):
     assert [e["loss"] for e in resumed.prorl_log_history if "loss" in e] == pytest.approx(
         [e["loss"] for e in reference.prorl_log_history if "loss" in e], abs=1e-6
     )
+
+
+def test_resume_after_a_reset_that_kept_the_adapter_matches_uninterrupted_run(tmp_path):
+    """reset_adapter=False (the prolonged study's "opt" arm): the reset froze nothing and saved no merged base, and
+    the checkpoint after it still resumes, since the adapter it kept is in the checkpoint itself."""
+    settings = {"lora_r": 4, "reset_adapter": False, "save_merged_on_reset": False}
+    run(tmp_path / "a", **settings)
+    with pytest.raises(Interrupt):
+        run(tmp_path / "b", callbacks=[StopAt(3)], **settings)
+    state = json.loads((tmp_path / "b" / "run" / "phase-1" / "checkpoint-1" / "prorl_state.json").read_text())
+    assert state["resets"] == 1 and state["adapter_resets"] == 0 and not state["frozen_factors"]
+    resumed = run(tmp_path / "b", resume=True, **settings)
+    assert resumed.prorl_resets == 1 and resumed.prorl_global_step == 5
+    want = load_file(tmp_path / "a" / "run" / "final" / "model.safetensors")
+    got = load_file(tmp_path / "b" / "run" / "final" / "model.safetensors")
+    assert want.keys() == got.keys() and max((want[k] - got[k]).abs().max().item() for k in want) < 1e-6
 
 
 def test_resume_needs_a_prorl_checkpoint(tmp_path):

@@ -47,12 +47,12 @@ def check_before_init(
             "That head already scores tokens in tiles without materialising the full logits (docs/performance.md), "
             "so drop fused_linear_cross_entropy; Liger's layer kernels (RMSNorm, RoPE, SwiGLU) still apply."
         )
-    if is_peft and args.beta != 0.0 and not args.reset_reference and resets_possible(phases, callbacks):
+    check_adapter_reset(args, phases, peft_config, is_peft, callbacks)
+    if is_peft and not args.reset_adapter and len({phase.lora_shape for phase in phases}) > 1:
         raise ValueError(
-            "reset_reference=False with LoRA and beta > 0 is not supported: TRL's reference is the adapter-disabled "
-            "base, and a hard reset merges the adapter into that base, so the reference moves with it. Either keep "
-            "reset_reference=True (ProRL v1/v2 both reset the reference), use full fine-tuning (a separate "
-            "reference model is kept), or disable hard resets."
+            "reset_adapter=False keeps one adapter through the whole run, but the phases give it different shapes "
+            "(lora_r / lora_alpha / lora_target_modules): a new shape needs a new adapter. Give every phase the same "
+            "LoRA shape, or keep reset_adapter=True."
         )
     longest = max(phase.max_completion_length for phase in phases)
     if args.use_vllm and args.vllm_max_model_length is not None and longest >= args.vllm_max_model_length:
@@ -228,3 +228,32 @@ def check_process_group(args: ProRLConfig) -> None:
             "(recipe: `training.use_cpu: true`, or `--training.use_cpu true`) so they join one over gloo; on GPUs "
             "check that every process sees a GPU."
         )
+
+
+def check_adapter_reset(
+    args: ProRLConfig, phases: list[ResolvedPhase], peft_config: Any, is_peft: bool, callbacks: list
+) -> None:
+    """With LoRA, TRL's KL reference is the adapter-disabled model: a reset moves it exactly when it freezes (or
+    merges) the adapter, so `reset_reference` must agree with `reset_adapter` when beta > 0."""
+    if not resets_possible(phases, callbacks):
+        return
+    if not args.reset_adapter and not is_peft:
+        raise ValueError(
+            "reset_adapter=False applies to LoRA runs only: a full fine-tuning run has no adapter to keep or renew. "
+            "Remove reset_adapter, or train with a peft_config."
+        )
+    if not is_peft or args.beta == 0.0 or args.reset_reference == args.reset_adapter:
+        return
+    if args.reset_adapter:
+        raise ValueError(
+            "reset_reference=False with LoRA and beta > 0 is not supported: TRL's reference is the adapter-disabled "
+            "base, and a hard reset freezes (or merges) the adapter into it, so the reference moves with it. Either "
+            "keep reset_reference=True (ProRL v1/v2 both reset the reference), set reset_adapter=False as well (the "
+            "reset then restarts only the optimizer), use full fine-tuning (a separate reference model is kept), or "
+            "disable hard resets."
+        )
+    raise ValueError(
+        "reset_adapter=False with LoRA and beta > 0 needs reset_reference=False: TRL's reference is the "
+        "adapter-disabled model, and with the adapter kept through the reset nothing moves it. Set "
+        "reset_reference=False (the reset then restarts only the optimizer), or keep reset_adapter=True."
+    )

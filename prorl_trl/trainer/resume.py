@@ -72,6 +72,7 @@ def prepare_resume(trainer: Any, resume_from_checkpoint: str | bool | None) -> P
         supersede_after(trainer.args.output_dir, checkpoint)
     trainer.accelerator.wait_for_everyone()
     trainer.prorl_resets = state["resets"]
+    trainer.prorl_adapter_resets = state.get("adapter_resets", state["resets"])
     trainer.prorl_nonfinite_skips = list(state.get("nonfinite_skips") or [])
     trainer.prorl_on_demand_resets = list(state.get("on_demand_resets") or [])
     trainer.prorl_reset_hashes = dict(state.get("reset_files_sha256") or {})
@@ -130,7 +131,8 @@ def restore_reset_deltas(trainer: Any, state: dict[str, Any], checkpoint: Path) 
     hashes = state.get("reset_files_sha256") or {}  # none in checkpoints from before they were recorded
     is_lora = hasattr(reset_ops.unwrap_model(trainer.model), "peft_config")
     recorded = state.get("lora_reset_mode", "merge")  # checkpoints from before frozen factors merged
-    if is_lora and state["resets"] > 0 and recorded != trainer.args.lora_reset_mode:
+    adapter_resets = state.get("adapter_resets", state["resets"])  # reset_adapter=False resets keep no deltas apart
+    if is_lora and adapter_resets > 0 and recorded != trainer.args.lora_reset_mode:
         raise ValueError(
             f"{checkpoint} was written by a run with lora_reset_mode={recorded!r}, and this one has "
             f"{trainer.args.lora_reset_mode!r}: its earlier phases' LoRA deltas are kept the other way. Resume with "
@@ -158,9 +160,9 @@ def restore_reset_deltas(trainer: Any, state: dict[str, Any], checkpoint: Path) 
         if trainer.ref_model is not None and trainer.args.reset_reference:
             load_merged_base(trainer.ref_model, path)
         trainer.prorl_merged_path = str(path)
-    elif is_lora and state["resets"] > 0:
+    elif is_lora and adapter_resets > 0:
         raise ValueError(
-            f"{checkpoint} comes after {state['resets']} hard reset(s) that merged the LoRA deltas into the base "
+            f"{checkpoint} comes after {adapter_resets} hard reset(s) that merged the LoRA deltas into the base "
             "weights, but the merged base was not saved (save_merged_on_reset: false), so the earlier phases' "
             "learning cannot be restored. Resume from a checkpoint before the first reset, or restart the run."
         )

@@ -210,6 +210,7 @@ class ProRLStateCallback(TrainerCallback):
                 "global_step_offset": trainer._global_step_offset,
                 "global_step": trainer.prorl_global_step,
                 "resets": trainer.prorl_resets,
+                "adapter_resets": trainer.prorl_adapter_resets,  # resets with deltas to restore (reset_adapter)
                 "nonfinite_skips": trainer.prorl_nonfinite_skips,  # `max_nonfinite_skips` bounds the whole run
                 "on_demand_resets": trainer.prorl_on_demand_resets,  # phase ends a resume rebuilds (`on_demand`)
                 # paths relative to the run folder, so a moved or copied run finds its own files (`reset.provenance`)

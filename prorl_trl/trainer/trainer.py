@@ -164,6 +164,7 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         self._base_seed = args.seed
         self.current_phase: ResolvedPhase = self.phases[0]
         self.prorl_resets = 0
+        self.prorl_adapter_resets = 0  # resets that froze or merged the adapter (not those with reset_adapter=False)
         self.prorl_log_history: list[dict[str, Any]] = []
         self.prorl_merged_path: str | None = None
         self.prorl_merge_delta_lost: float | None = None  # the last reset's `MergeRounding.lost_fraction` (LoRA)
