@@ -57,8 +57,10 @@ ARMS = {
     "prorl": "(b) 4 phases + hard resets",
     "no_reset": "(c) 4 phases, no reset",
     "plateau": "(d) one phase + resets on a plateau",
+    "opt": "opt: (c) + a fresh optimizer at each boundary",  # a knob arm: one part of (b)'s reset, compared with (c)
 }
-PAIRS = (("prorl", "one_phase"), ("prorl", "no_reset"), ("plateau", "one_phase"))
+PAIRS = (("prorl", "one_phase"), ("prorl", "no_reset"), ("plateau", "one_phase"), ("opt", "no_reset"))
+SCHEDULED = ("prorl", "no_reset", "opt")  # the arms on the 4-phase schedule
 PILOT_HEADER = (
     "| setting | start pass@1 | start pass@n | mid | final | best | gain over the last half | plateaued? "
     "| final pass@n | curve (step:%) |"
@@ -298,10 +300,11 @@ def copy_warm_start(args, warm: Path) -> None:
 def phases_of(arm: str, args) -> list:
     from prorl_trl.config import PhaseConfig
 
-    if arm in ("one_phase", "plateau"):
+    if arm not in SCHEDULED:
         return [PhaseConfig(name="single", max_steps=args.steps)]
     return [
-        PhaseConfig(name=f"phase-{i}", max_steps=args.steps // 4, hard_reset=arm == "prorl" and i > 0, top_p=top_p,
+        PhaseConfig(name=f"phase-{i}", max_steps=args.steps // 4, hard_reset=arm in ("prorl", "opt") and i > 0,
+                    top_p=top_p,
                     temperature=temperature, num_generations=args.num_generations * group)
         for i, (top_p, temperature, group) in enumerate(SCHEDULE)
     ]  # fmt: skip
@@ -393,7 +396,8 @@ def _run_worker(args) -> int:
     train = make_arithmetic_dataset(256 if args.smoke else max(20000, args.steps * args.prompts_per_step),
                                     seed=args.seed + 1, **task).filter(lambda row: row["prompt"] not in held_out)  # fmt: skip
     config = ProRLConfig(
-        output_dir=str(run_dir / "trainer"), phases=phases_of(arm, args), hard_reset_between_phases=arm == "prorl",
+        output_dir=str(run_dir / "trainer"), phases=phases_of(arm, args), hard_reset_between_phases=arm in ("prorl", "opt"),
+        reset_adapter=arm != "opt", reset_reference=arm != "opt",  # opt: the optimizer and warm-up restart alone
         learning_rate=args.learning_rate, lr_scheduler_type="constant_with_warmup", warmup_steps=args.warmup_steps,
         per_device_train_batch_size=args.prompts_per_step * args.num_generations,
         num_generations=args.num_generations, max_completion_length=args.max_completion_length, temperature=1.0,
@@ -903,10 +907,11 @@ def settings_text(args, warm: dict, cpu: bool, n: int) -> str:
         f"{args.prompts_per_step} prompts x {args.num_generations} completions (at most {args.max_completion_length} "
         f"tokens); LoRA r{args.lora_rank} (alpha {2 * args.lora_rank}) on {args.lora_targets} over the "
         f"{'float32' if cpu else 'bf16'} warm start, exact (frozen) resets ({parts}); lr {args.learning_rate:g} (constant, "
-        f"{args.warmup_steps} warm-up steps per phase), beta {args.beta:g}{clamp}, DAPO loss, clip 0.2/0.28, {guard_text}. (b), (c): "
+        f"{args.warmup_steps} warm-up steps per phase), beta {args.beta:g}{clamp}, DAPO loss, clip 0.2/0.28, {guard_text}. (b), (c), opt: "
         f"phases of {args.steps // 4} steps, top_p 0.7 -> 0.9 -> 1.0 -> 1.0 with T 1.2 and twice the group (the "
         "prompts per generation batch kept: 2 optimizer steps per generation batch); (b) hard-resets (adapter, "
-        f"optimizer, reference) at each boundary. (d): a reset after {args.plateau_patience} validations without a "
+        f"optimizer, reference) at each boundary; opt starts only a fresh optimizer state and LR schedule there (the "
+        f"adapter and the KL reference carry on). (d): a reset after {args.plateau_patience} validations without a "
         f"{100 * args.plateau_min_delta:g}-point pass@1 gain. Validation every {args.eval_steps} steps: "
         f"{args.val_problems} held-out problems x {n} samples at T 1.0 (one sampling seed for all runs). Data: seed S "
         "gives every arm the same problems, in the same order for phase 0 and for all of (a) and (d)."
@@ -974,7 +979,7 @@ def write_plots(args, out: Path, runs: list[dict], n: int) -> list[Path]:
 
     arms = [arm for arm in ARMS if any(run["arm"] == arm for run in runs)]
     marks = {ARMS[arm]: [s for run in runs if run["arm"] == arm for s in run["resets"]] for arm in arms}
-    if {"prorl", "no_reset"} & set(arms):
+    if set(SCHEDULED) & set(arms):
         marks[None] = [args.steps // 4 * i for i in (1, 2, 3)]
     window = max(1, args.steps // 60)
     figures = (("pass1", "eval_pass@1", "Validation pass@1", 1), (f"pass{n}", f"eval_pass@{n}",
