@@ -61,6 +61,7 @@ ARMS = {
 }
 PAIRS = (("prorl", "one_phase"), ("prorl", "no_reset"), ("plateau", "one_phase"), ("opt", "no_reset"))
 SCHEDULED = ("prorl", "no_reset", "opt")  # the arms on the 4-phase schedule
+RESET_AT_BOUNDARIES = ("prorl", "opt")  # ... and those of them that reset at its boundaries
 PILOT_HEADER = (
     "| setting | start pass@1 | start pass@n | mid | final | best | gain over the last half | plateaued? "
     "| final pass@n | curve (step:%) |"
@@ -303,9 +304,8 @@ def phases_of(arm: str, args) -> list:
     if arm not in SCHEDULED:
         return [PhaseConfig(name="single", max_steps=args.steps)]
     return [
-        PhaseConfig(name=f"phase-{i}", max_steps=args.steps // 4, hard_reset=arm in ("prorl", "opt") and i > 0,
-                    top_p=top_p,
-                    temperature=temperature, num_generations=args.num_generations * group)
+        PhaseConfig(name=f"phase-{i}", max_steps=args.steps // 4, hard_reset=arm in RESET_AT_BOUNDARIES and i > 0,
+                    top_p=top_p, temperature=temperature, num_generations=args.num_generations * group)
         for i, (top_p, temperature, group) in enumerate(SCHEDULE)
     ]  # fmt: skip
 
@@ -396,7 +396,7 @@ def _run_worker(args) -> int:
     train = make_arithmetic_dataset(256 if args.smoke else max(20000, args.steps * args.prompts_per_step),
                                     seed=args.seed + 1, **task).filter(lambda row: row["prompt"] not in held_out)  # fmt: skip
     config = ProRLConfig(
-        output_dir=str(run_dir / "trainer"), phases=phases_of(arm, args), hard_reset_between_phases=arm in ("prorl", "opt"),
+        output_dir=str(run_dir / "trainer"), phases=phases_of(arm, args), hard_reset_between_phases=arm in RESET_AT_BOUNDARIES,
         reset_adapter=arm != "opt", reset_reference=arm != "opt",  # opt: the optimizer and warm-up restart alone
         learning_rate=args.learning_rate, lr_scheduler_type="constant_with_warmup", warmup_steps=args.warmup_steps,
         per_device_train_batch_size=args.prompts_per_step * args.num_generations,

@@ -47,13 +47,7 @@ def check_before_init(
             "That head already scores tokens in tiles without materialising the full logits (docs/performance.md), "
             "so drop fused_linear_cross_entropy; Liger's layer kernels (RMSNorm, RoPE, SwiGLU) still apply."
         )
-    check_adapter_reset(args, phases, peft_config, is_peft, callbacks)
-    if is_peft and not args.reset_adapter and len({phase.lora_shape for phase in phases}) > 1:
-        raise ValueError(
-            "reset_adapter=False keeps one adapter through the whole run, but the phases give it different shapes "
-            "(lora_r / lora_alpha / lora_target_modules): a new shape needs a new adapter. Give every phase the same "
-            "LoRA shape, or keep reset_adapter=True."
-        )
+    check_adapter_reset(args, phases, is_peft, callbacks)
     longest = max(phase.max_completion_length for phase in phases)
     if args.use_vllm and args.vllm_max_model_length is not None and longest >= args.vllm_max_model_length:
         raise ValueError(
@@ -230,11 +224,16 @@ def check_process_group(args: ProRLConfig) -> None:
         )
 
 
-def check_adapter_reset(
-    args: ProRLConfig, phases: list[ResolvedPhase], peft_config: Any, is_peft: bool, callbacks: list
-) -> None:
+def check_adapter_reset(args: ProRLConfig, phases: list[ResolvedPhase], is_peft: bool, callbacks: list) -> None:
     """With LoRA, TRL's KL reference is the adapter-disabled model: a reset moves it exactly when it freezes (or
-    merges) the adapter, so `reset_reference` must agree with `reset_adapter` when beta > 0."""
+    merges) the adapter, so `reset_reference` must agree with `reset_adapter` when beta > 0. A kept adapter also
+    keeps its shape."""
+    if is_peft and not args.reset_adapter and len({phase.lora_shape for phase in phases}) > 1:
+        raise ValueError(
+            "reset_adapter=False keeps one adapter through the whole run, but the phases give it different shapes "
+            "(lora_r / lora_alpha / lora_target_modules): a new shape needs a new adapter. Give every phase the same "
+            "LoRA shape, or keep reset_adapter=True."
+        )
     if not resets_possible(phases, callbacks):
         return
     if not args.reset_adapter and not is_peft:

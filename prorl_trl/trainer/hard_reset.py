@@ -125,7 +125,8 @@ def run_hard_reset(trainer: Any, reason: str = "manual", lora_phase: ResolvedPha
     model = reset_ops.unwrap_model(trainer.model)
     engine = trainer._engine
     new_params, rounding, kept, probe = False, None, None, None
-    if hasattr(model, "peft_config") and not trainer.args.reset_adapter:
+    keeps_adapter = hasattr(model, "peft_config") and not trainer.args.reset_adapter
+    if keeps_adapter:
         if trainer.args.reset_reference:  # a TRL "ref" adapter can still move; the adapter-disabled base cannot
             reset_ops.reset_reference_adapter(model)
     elif hasattr(model, "peft_config"):
@@ -169,7 +170,7 @@ def run_hard_reset(trainer: Any, reason: str = "manual", lora_phase: ResolvedPha
         done = f"; {kept.describe()}"
     else:
         done = f"; {rounding.describe()}" if rounding is not None and rounding.delta_sq > 0 else ""
-    if hasattr(model, "peft_config") and not trainer.args.reset_adapter:
+    if keeps_adapter:
         done += "; the adapter kept (reset_adapter=False)"
     step = trainer.prorl_global_step
     trainer.announce(f"ProRL hard reset #{trainer.prorl_resets} at global step {step} ({reason}){done}.")

@@ -72,7 +72,7 @@ def prepare_resume(trainer: Any, resume_from_checkpoint: str | bool | None) -> P
         supersede_after(trainer.args.output_dir, checkpoint)
     trainer.accelerator.wait_for_everyone()
     trainer.prorl_resets = state["resets"]
-    trainer.prorl_adapter_resets = state.get("adapter_resets", state["resets"])
+    trainer.prorl_adapter_resets = adapter_resets_of(state)
     trainer.prorl_nonfinite_skips = list(state.get("nonfinite_skips") or [])
     trainer.prorl_on_demand_resets = list(state.get("on_demand_resets") or [])
     trainer.prorl_reset_hashes = dict(state.get("reset_files_sha256") or {})
@@ -122,6 +122,12 @@ def recorded_merged_path(trainer: Any, recorded: str | None, checkpoint: Path) -
     return str(path) if path.resolve().is_relative_to(run_dir.resolve()) else None
 
 
+def adapter_resets_of(state: dict[str, Any]) -> int:
+    """The resets whose LoRA deltas a resume restores: those with reset_adapter=False kept the adapter itself, which
+    the checkpoint holds (checkpoints from before the count was recorded: every reset)."""
+    return state.get("adapter_resets", state["resets"])
+
+
 def restore_reset_deltas(trainer: Any, state: dict[str, Any], checkpoint: Path) -> None:
     """Put the earlier phases' LoRA deltas of a checkpoint back: its frozen factors or its merged base, both read
     from the run folder the checkpoint is in now (a moved run finds its own) and checked against the sha256
@@ -131,7 +137,7 @@ def restore_reset_deltas(trainer: Any, state: dict[str, Any], checkpoint: Path) 
     hashes = state.get("reset_files_sha256") or {}  # none in checkpoints from before they were recorded
     is_lora = hasattr(reset_ops.unwrap_model(trainer.model), "peft_config")
     recorded = state.get("lora_reset_mode", "merge")  # checkpoints from before frozen factors merged
-    adapter_resets = state.get("adapter_resets", state["resets"])  # reset_adapter=False resets keep no deltas apart
+    adapter_resets = adapter_resets_of(state)
     if is_lora and adapter_resets > 0 and recorded != trainer.args.lora_reset_mode:
         raise ValueError(
             f"{checkpoint} was written by a run with lora_reset_mode={recorded!r}, and this one has "
