@@ -144,6 +144,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.solo_arms = [arm for arm in str(args.solo_arms).split(",") if arm]
     if set(args.arms + args.solo_arms) - set(ARMS):
         p.error(f"--arms, --solo-arms: choose from {list(ARMS)}")
+    if args.pilot and args.warm_start_sha256:
+        p.error("--warm-start-sha256 names one warm start, and --pilot trains one per task: drop one of the two")
     if args.steps % 4 or (args.steps // 4) % args.eval_steps:
         p.error(f"--steps ({args.steps}) must be 4 phases of a multiple of --eval-steps ({args.eval_steps})")
     return args

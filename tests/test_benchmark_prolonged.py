@@ -234,6 +234,13 @@ def test_the_warm_start_is_made_again_bit_for_bit(tmp_path):
     assert made[0] == made[1] == prolonged.weights_sha256(tmp_path / "a" / "warm_start")
 
 
+def test_a_pilot_refuses_a_warm_start_sha256_it_could_not_check(tmp_path, capsys):
+    """A pilot trains one warm start per task, so one recorded sha256 would be accepted and never checked."""
+    with pytest.raises(SystemExit):
+        prolonged.parse_args(["--out", str(tmp_path), "--pilot", "--warm-start-sha256", "0" * 64])
+    assert "--pilot trains one per task" in capsys.readouterr().err
+
+
 def test_a_completion_cap_that_cuts_reference_solutions_is_refused_before_any_run(tmp_path):
     """The round-4 pilot's 3-5 operation task on numbers to 99 ran at the default cap of 48 tokens, which cuts about a
     quarter of its reference solutions: its "never solved" counted the cap. Such a cap is refused, for a study and
