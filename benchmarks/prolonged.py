@@ -18,7 +18,10 @@
    (a) one_phase: top_p 0.7, T 1.0 throughout; (b) prorl: 4 phases with a hard reset (optimizer and reference) at
    each boundary, top_p 0.7 -> 0.9 -> 1.0 -> (1.0, T 1.2, twice the group: 2 optimizer steps per generation batch,
    the prompts per generation batch kept); (c) no_reset: (b)'s phases without resets; (d) plateau: (a) plus
-   `HardResetCallback(on_plateau=--plateau-patience)` on validation pass@1.
+   `HardResetCallback(on_plateau=--plateau-patience)` on validation pass@1. Knob arms, each (c) plus one part of
+   (b)'s reset at the boundaries (`RESET_PARTS`), compared with (c): opt (a fresh optimizer state and warm-up), ref (the
+   KL reference moved to the policy: a reference-only copy of the live delta), adapter (a fresh adapter, the old one
+   frozen for the policy only, the optimizer's moments and schedule kept).
 3. Every `--eval-steps`, `ValidationCallback` samples `--val-samples` completions (T 1.0) for `--val-problems` held-out
    problems: unbiased pass@1/8/64/256 (those below n) and pass@n, never solved = 1 - pass@n. Workers append every log
    entry to `OUT/runs/<arm>-s<seed>/rows.jsonl` and each validation's per-problem correct counts to `counts.jsonl`
@@ -57,11 +60,17 @@ ARMS = {
     "prorl": "(b) 4 phases + hard resets",
     "no_reset": "(c) 4 phases, no reset",
     "plateau": "(d) one phase + resets on a plateau",
-    "opt": "opt: (c) + a fresh optimizer at each boundary",  # a knob arm: one part of (b)'s reset, compared with (c)
+    # the knob arms: one part of (b)'s reset at each boundary of (c)'s schedule, each compared with (c)
+    "opt": "opt: (c) + a fresh optimizer at each boundary",
+    "ref": "ref: (c) + the KL reference moved to the policy at each boundary",
+    "adapter": "adapter: (c) + a fresh adapter at each boundary (the old one frozen for the policy)",
 }
-PAIRS = (("prorl", "one_phase"), ("prorl", "no_reset"), ("plateau", "one_phase"), ("opt", "no_reset"))
-SCHEDULED = ("prorl", "no_reset", "opt")  # the arms on the 4-phase schedule
-RESET_AT_BOUNDARIES = ("prorl", "opt")  # ... and those of them that reset at its boundaries
+PAIRS = (("prorl", "one_phase"), ("prorl", "no_reset"), ("plateau", "one_phase"), ("opt", "no_reset"),
+         ("ref", "no_reset"), ("adapter", "no_reset"))  # fmt: skip
+SCHEDULED = ("prorl", "no_reset", "opt", "ref", "adapter")  # the arms on the 4-phase schedule
+RESET_AT_BOUNDARIES = ("prorl", "opt", "ref", "adapter")  # ... and those of them that reset at its boundaries
+# (reset_adapter, reset_optimizer, reset_reference) of the resets an arm makes; (b) and (d) reset all three
+RESET_PARTS = {"opt": (False, True, False), "ref": (False, False, True), "adapter": (True, False, False)}
 PILOT_HEADER = (
     "| setting | start pass@1 | start pass@n | mid | final | best | gain over the last half | plateaued? "
     "| final pass@n | curve (step:%) |"
@@ -223,6 +232,11 @@ def t_interval(values) -> tuple[float, float, float]:
 
 def compared_pairs(args) -> list[tuple[str, str]]:
     return [(x, y) for x, y in PAIRS if {x, y} <= set(args.arms)]
+
+
+def short(arm: str) -> str:
+    """The arm's label in pairs: "(a)" .. "(d)", or the knob's name."""
+    return ARMS[arm].split(" ")[0].rstrip(":")
 
 
 def pair_line(label: str, seeds: list[int], diffs: list[float], scale: float = 100,
@@ -399,7 +413,7 @@ def _run_worker(args) -> int:
                                     seed=args.seed + 1, **task).filter(lambda row: row["prompt"] not in held_out)  # fmt: skip
     config = ProRLConfig(
         output_dir=str(run_dir / "trainer"), phases=phases_of(arm, args), hard_reset_between_phases=arm in RESET_AT_BOUNDARIES,
-        reset_adapter=arm != "opt", reset_reference=arm != "opt",  # opt: the optimizer and warm-up restart alone
+        **dict(zip(("reset_adapter", "reset_optimizer", "reset_reference"), RESET_PARTS.get(arm, (True, True, True)))),
         learning_rate=args.learning_rate, lr_scheduler_type="constant_with_warmup", warmup_steps=args.warmup_steps,
         per_device_train_batch_size=args.prompts_per_step * args.num_generations,
         num_generations=args.num_generations, max_completion_length=args.max_completion_length, temperature=1.0,
@@ -721,7 +735,7 @@ def write_report(args, out: Path) -> dict:
         pairs_xy = [(run["seed"], run, by_seed[run["seed"]]) for run in finished[x] if run["seed"] in by_seed]
         for k in ks:
             diffs = [a["final"][k] - b["final"][k] for _, a, b in pairs_xy]
-            label = f"{ARMS[x][:3]} - {ARMS[y][:3]} pass@{k}"
+            label = f"{short(x)} - {short(y)} pass@{k}"
             if not diffs:
                 lines.append(f"- {label}: no seed with both runs finished")
                 continue
@@ -781,7 +795,7 @@ def common_step_lines(args, runs: list[dict], ks: list[int]) -> list[str]:
         for k in ks:
             diffs = [at[(x, seed)][f"eval_pass@{k}"] - at[(y, seed)][f"eval_pass@{k}"] for seed in seeds]
             if diffs:
-                lines.append(pair_line(f"{ARMS[x][:3]} - {ARMS[y][:3]} pass@{k}", seeds, diffs)[0])
+                lines.append(pair_line(f"{short(x)} - {short(y)} pass@{k}", seeds, diffs)[0])
     return lines
 
 
@@ -872,7 +886,7 @@ def outcome_lines(args, finished: dict[str, list[dict]], n: int) -> tuple[list[s
         seeds = sorted(seed for arm, seed in known if arm == x and (y, seed) in known)
         for key in ("newly_solved", "newly_lost") if seeds else ():
             diffs = [known[(x, seed)][key] - known[(y, seed)][key] for seed in seeds]
-            label = f"{ARMS[x][:3]} - {ARMS[y][:3]} {OUTCOMES[key]}"
+            label = f"{short(x)} - {short(y)} {OUTCOMES[key]}"
             line, pairs[f"{x}-{y}@{key}"] = pair_line(label, seeds, diffs, scale=1, unit="problems")
             lines.append(line)
     buckets = sorted(set(operations))
@@ -886,7 +900,7 @@ def outcome_lines(args, finished: dict[str, list[dict]], n: int) -> tuple[list[s
         if values:
             summary[arm]["pass@1_by_operations"] = {b: mean_se(finals[b]) for b in buckets}
         lines.append(table_row(ARMS[arm], len(values), [pct(finals[b]) for b in buckets]))
-    left_out = [f"{ARMS[arm][:3]} s{seed}" for (arm, seed), value in outcomes.items() if value is None]
+    left_out = [f"{short(arm)} s{seed}" for (arm, seed), value in outcomes.items() if value is None]
     if left_out:
         lines += ["", f"Left out of both tables (no counts at their first and last validation): {', '.join(left_out)}."]
     return lines, summary, pairs

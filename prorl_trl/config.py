@@ -211,12 +211,14 @@ class ProRLConfig(GRPOConfig):
         hard_reset_between_phases (`bool`, defaults to `True`): Hard-reset at every phase boundary.
         reset_optimizer (`bool`, defaults to `True`): A reset starts a fresh optimizer state and LR schedule
             (ProRL v1). False keeps the moments (ProRL v2).
-        reset_reference (`bool`, defaults to `True`): A reset moves the KL reference to the current policy.
+        reset_reference (`bool`, defaults to `True`): A reset moves the KL reference to the current policy. With
+            LoRA, False keeps the reference (the adapter-disabled model): the frozen delta then acts in the policy's
+            forward only (`lora_reset_mode="frozen"`, one process or DDP).
         reset_adapter (`bool`, defaults to `True`): With LoRA, a reset keeps the adapter's delta and starts a fresh
-            adapter. False keeps the live adapter training through the reset, which then only restarts the optimizer
-            and LR schedule (`reset_optimizer`): the prolonged study's "opt" arm. With LoRA and beta > 0 the KL
-            reference (the adapter-disabled model) then stays put, so it needs `reset_reference=False`; every phase
-            must keep one adapter shape. LoRA only.
+            adapter. False keeps the live adapter training through the reset; with `reset_reference=True` and beta > 0
+            the reference then gets a copy of the live delta acting in its forward only, so it equals the policy.
+            Each part of a reset (adapter, `reset_optimizer`, `reset_reference`) can so be taken alone: the prolonged
+            study's knob arms. Every phase must keep one adapter shape. LoRA only.
         save_merged_on_reset (`bool`, defaults to `True`): Save the merged model under
             `<output_dir>/merged/reset-<k>/` at every reset.
         merged_save_dtype (`str`, defaults to `"auto"`): The dtype of merged saves (`merged/reset-<k>/`, `final/`),
@@ -310,7 +312,7 @@ class ProRLConfig(GRPOConfig):
         default=True,
         metadata={
             "help": "With LoRA, a hard reset keeps the delta and starts a fresh adapter. False keeps the live adapter "
-            "(the reset then restarts only the optimizer/schedule; needs reset_reference=False when beta > 0)."
+            "(the reset then restarts only what reset_optimizer / reset_reference ask for)."
         },
     )
     save_merged_on_reset: bool = field(

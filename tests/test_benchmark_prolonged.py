@@ -76,7 +76,9 @@ def test_smoke_runs_every_arm_and_resume_continues_one_run_from_a_checkpoint(tmp
     report = (tmp_path / "prolonged.md").read_text()
     for label in prolonged.ARMS.values():
         assert f"| {label} | 2 of 2 |" in report
-    for pair in ("(b) - (a) pass@1", "(b) - (c) pass@1", "(d) - (a) pass@1", "(b) - (a) pass@4", "opt - (c) pass@1"):
+    pairs = ("(b) - (a) pass@1", "(b) - (c) pass@1", "(d) - (a) pass@1", "(b) - (a) pass@4", "opt - (c) pass@1",
+             "ref - (c) pass@1", "adapter - (c) pass@1")
+    for pair in pairs:
         assert f"- {pair}: " in report and "95% CI [" in report.split(f"- {pair}: ")[1].splitlines()[0]
     assert "## Plateau of arm (a)" in report and "Gain over the last half" in report
     runs = {f"{arm}-s{seed}" for arm in prolonged.ARMS for seed in (0, 1)}
@@ -86,10 +88,15 @@ def test_smoke_runs_every_arm_and_resume_continues_one_run_from_a_checkpoint(tmp
     resets = {(run["arm"], run["seed"]): run["resets"] for run in result["runs"]}
     assert resets[("prorl", 0)] == [1, 2, 3] and resets[("no_reset", 0)] == [] and resets[("one_phase", 0)] == []
     assert resets[("plateau", 0)], "smoke patience 1: pass@1 stays flat, so the plateau rule resets"
-    assert resets[("opt", 0)] == [1, 2, 3]  # the same boundaries as (b), each a reset of the optimizer alone
-    assert set(result["pairs"]) >= {"prorl-one_phase@1", "prorl-no_reset@4", "plateau-one_phase@1", "opt-no_reset@1"}
-    frozen = {arm: (tmp_path / "runs" / f"{arm}-s0" / "trainer" / "frozen").is_dir() for arm in ("prorl", "opt")}
-    assert frozen == {"prorl": True, "opt": False}  # opt's resets froze nothing: its adapter carried on
+    for knob in ("opt", "ref", "adapter"):  # the same boundaries as (b), each a reset of one part alone
+        assert resets[(knob, 0)] == [1, 2, 3], knob
+    assert set(result["pairs"]) >= {"prorl-one_phase@1", "prorl-no_reset@4", "plateau-one_phase@1", "opt-no_reset@1",
+                                    "ref-no_reset@1", "adapter-no_reset@1"}  # fmt: skip
+    frozen = {arm: (tmp_path / "runs" / f"{arm}-s0" / "trainer" / "frozen").is_dir()
+              for arm in ("prorl", "opt", "ref", "adapter")}  # fmt: skip
+    # opt's resets froze nothing (its adapter carried on); ref's kept the reference's copy, adapter's the old adapter
+    # (which forwards each acts in: tests/test_reset_knobs.py)
+    assert frozen == {"prorl": True, "opt": False, "ref": True, "adapter": True}
     task = prolonged.task_of(prolonged.parse_args(["--smoke", "--out", "x"]))
     held_out = list(make_arithmetic_dataset(4, seed=prolonged.VALIDATION_SEED, **task)["num_steps"])
     for run in runs:  # one counts line per validation, the counts behind the logged pass@1 and pass@4

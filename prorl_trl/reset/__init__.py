@@ -22,6 +22,9 @@ of a delta a merge rounds away), `dense` (dequantised weights), `distributed`, `
 from .distributed import broadcast_adapter
 from .engine import FSDP2, REPLICATED, ZERO2, ZERO3, Engine, engine_of, refresh_master_weights
 from .frozen import (
+    BOTH,
+    POLICY,
+    REFERENCE,
     FreezeReport,
     FrozenDelta,
     freeze_lora_delta,
@@ -30,6 +33,7 @@ from .frozen import (
     frozen_state_dict,
     keep_out_of_ddp_broadcasts,
     load_frozen_,
+    snapshot_reference_delta,
 )
 from .gathered import gathered_state_dict, iter_policy_weights, load_state_
 from .lora import adapter_needs_rebuild, lora_parameters, merge_lora_in_place, reinit_adapter, targeted_module_names
@@ -59,6 +63,7 @@ from .support import (
 
 __all__ = [
     "ADAPTER_NAME",
+    "BOTH",
     "FSDP2",
     "REPLICATED",
     "ZERO2",
@@ -68,6 +73,8 @@ __all__ = [
     "FrozenDelta",
     "LOST_FRACTION_WARNING",
     "MergeRounding",
+    "POLICY",
+    "REFERENCE",
     "ResetNotSupportedError",
     "adapter_needs_rebuild",
     "broadcast_adapter",
@@ -101,6 +108,7 @@ __all__ = [
     "restore_zero_optimizer",
     "save_merged",
     "save_merged_model",
+    "snapshot_reference_delta",
     "snapshot_zero_optimizer",
     "superset_lora_config",
     "sync_reference",

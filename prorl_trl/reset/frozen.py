@@ -72,6 +72,12 @@ from .support import (
 )
 
 FROZEN_MODULE = "prorl_frozen"  # the child of a base layer that holds its frozen factors
+# Which forwards a layer's frozen parts act in (`FrozenDelta.acts_in`). A full hard reset's parts act in both: the
+# policy and TRL's LoRA reference (the adapter-disabled model) move together. One part of the reset alone needs
+# parts that act in one: a fresh adapter with the reference kept (the old adapter frozen for the policy only), or a
+# reference reset with the adapter kept (a copy of the live delta for the reference only).
+BOTH, POLICY, REFERENCE = "both", "policy", "reference"
+ACTS_IN = (BOTH, POLICY, REFERENCE)  # saved as this index (`frozen_state_dict`)
 
 
 class FrozenDelta(nn.Module):
@@ -83,8 +89,11 @@ class FrozenDelta(nn.Module):
     Parameters: no optimizer, DDP reducer, FSDP shard or ZeRO partition ever sees them, and they never train.
     """
 
-    def __init__(self):
+    def __init__(self, acts_in: str = BOTH):
         super().__init__()
+        if acts_in not in ACTS_IN:
+            raise ValueError(f"FrozenDelta: acts_in must be one of {ACTS_IN}, got {acts_in!r}.")
+        self.acts_in = acts_in  # the forwards the parts act in: every one, the policy's, or the reference's
         self.scalings: list[float] = []
         self.used: list[int] = []  # per part, the rank holding factors (the rest is zero room for later resets)
         self.register_buffer("bias", None, persistent=False)
@@ -118,11 +127,23 @@ class FrozenDelta(nn.Module):
         lora_a = getattr(lora_layer, "lora_A", {})
         return lora_a["default"].weight.dtype if "default" in lora_a else down.dtype
 
+    def acts_now(self) -> bool:
+        """Whether the parts act in the forward running now. The policy's forward is the LoRA layer's with its
+        "default" adapter active; TRL's reference disables the adapters (or activates its "ref" adapter)."""
+        if self.acts_in == BOTH:
+            return True
+        lora_layer = self._lora_layer() if self._lora_layer is not None else None
+        policy = lora_layer is not None and is_policy_forward(lora_layer)
+        return policy if self.acts_in == POLICY else not policy
+
     def add_to(self, output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """`output` plus every part's product, one after the other, each computed as PEFT computes the live adapter's
         output in this context (`lora_B(lora_A(x)) * scaling` on the input cast to the adapter's dtype, under autocast
         where autocast is on; cast to the output's dtype first for a bitsandbytes layer outside autocast) and added
-        as PEFT adds it (promoted: a bf16 output plus float32 parts is a float32 sum)."""
+        as PEFT adds it (promoted: a bf16 output plus float32 parts is a float32 sum). Parts that do not act in this
+        forward (`acts_now`) add nothing."""
+        if not self.acts_now():
+            return output
         autocast = torch.is_autocast_enabled(x.device.type)
         inputs: dict[torch.dtype, torch.Tensor] = {}  # the input cast once per dtype, not once per part
         for down, up, scaling in self.parts:
@@ -196,6 +217,11 @@ class FrozenDelta(nn.Module):
         return self
 
 
+def is_policy_forward(lora_layer: nn.Module) -> bool:
+    """Whether a PEFT LoRA layer runs as the policy: adapters enabled and the "default" adapter active."""
+    return not lora_layer.disable_adapters and ADAPTER_NAME in lora_layer.active_adapters
+
+
 def _copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to(tensor.dtype if tensor.is_floating_point() else torch.float32).clone().contiguous()
 
@@ -263,6 +289,7 @@ def attach_frozen_delta(
     consolidate: bool = False,
     room_for: int = 0,
     used: int | None = None,
+    acts_in: str = BOTH,
 ) -> FrozenDelta:
     """Append a part (`down` r x in, `up` out x r, `scaling`; `bias`, unscaled, for a LoRA bias) to the base layer's
     frozen delta, creating it (and its hook) on first use; copied in their dtype onto the base layer's device.
@@ -270,12 +297,27 @@ def attach_frozen_delta(
     a plain `nn.Linear`, and each part's output is cast first where it is a bitsandbytes layer (as PEFT computes
     those). `consolidate`: join the float32 parts into one (`FrozenDelta.consolidate`), with zero room for `room_for`
     more parts of this one's rank. `used`: the rank of this part that holds factors (a saved part with room). Parts
-    beyond min(in, out) in total rank are refactored into one (`refactor`)."""
+    beyond min(in, out) in total rank are refactored into one (`refactor`). `acts_in`: the forwards the part acts in
+    (`BOTH`, `POLICY`, `REFERENCE`); one layer's parts all act in the same ones, and the one-forward kinds need the
+    LoRA layer that tells the forwards apart."""
+    if acts_in not in ACTS_IN:
+        raise ValueError(f"attach_frozen_delta: acts_in must be one of {ACTS_IN}, got {acts_in!r}.")
+    if acts_in != BOTH and lora_layer is None:
+        raise ValueError(
+            f"A frozen LoRA part that acts in the {acts_in}'s forward only needs the LoRA layer around its base layer "
+            "(PEFT's disabled adapters tell the reference's forward from the policy's); this layer has none."
+        )
     device = _device_of(base_layer)
     frozen = frozen_delta_of(base_layer)
+    if frozen is not None and frozen.acts_in != acts_in and frozen.scalings:
+        raise ValueError(
+            f"This layer's frozen LoRA parts act in {frozen.acts_in} forward(s), and a part acting in {acts_in} "
+            "cannot join them: a run keeps one kind of reset (reset_adapter / reset_reference) from start to end."
+        )
     if frozen is None:
-        frozen = FrozenDelta()
+        frozen = FrozenDelta(acts_in)
         base_layer.add_module(FROZEN_MODULE, frozen)
+    frozen.acts_in = acts_in
     frozen.append(down.to(device), up.to(device), scaling, used)
     if bias is not None:
         bias = bias.to(device=device, dtype=torch.float32) * scaling
@@ -335,6 +377,7 @@ def freeze_lora_delta(
     active_layers: frozenset[str] | None = None,
     consolidate: bool = False,
     room_for: int = 0,
+    acts_in: str = BOTH,
 ) -> FreezeReport:
     """Move the "default" adapter's delta into each layer's frozen factors; the base weights are not written.
 
@@ -346,7 +389,8 @@ def freeze_lora_delta(
     factors. A layer PEFT holds merged (`merge_adapter` without `unmerge_adapter`) is unmerged first. `consolidate`:
     each layer's float32 parts are joined into one (see the module docstring: one part's cost, float32 rounding),
     with zero room for `room_for` later resets of the same rank, written in place then (the rollout engine's graphs
-    stay valid).
+    stay valid). `acts_in=POLICY`: the delta stays in the policy only, so TRL's LoRA reference (the adapter-disabled
+    model) does not move (`reset_reference=False`).
     """
     check_lora_supported(model)
     if engine == FSDP2:
@@ -366,8 +410,41 @@ def freeze_lora_delta(
                 continue
             frozen = attach_frozen_delta(
                 layer.get_base_layer(), down[keep], up[:, keep], layer.scaling[ADAPTER_NAME], bias, lora_layer=layer,
-                consolidate=consolidate, room_for=room_for,
+                consolidate=consolidate, room_for=room_for, acts_in=acts_in,
             )  # fmt: skip
+        report.layers += 1
+        report.rank_added += int(keep.sum())
+        report.frozen_rank = max(report.frozen_rank, frozen.rank)
+    return report
+
+
+@torch.no_grad()
+def snapshot_reference_delta(model: nn.Module) -> FreezeReport:
+    """A reference reset that keeps the adapter: TRL's LoRA reference (the adapter-disabled model) becomes the policy
+    as it is now, while the policy's own forward is unchanged. Each layer's reference-only part is replaced by a copy
+    of the live "default" delta (`acts_in=REFERENCE`), added as PEFT adds the adapter, so the reference's outputs equal
+    the policy's bit for bit. One process or DDP (the factors are read whole from local Parameters)."""
+    check_lora_supported(model)
+    report = FreezeReport()
+    for _, layer in lora_layers(peft_model_of(model).get_base_model()):
+        base = layer.get_base_layer()
+        old = frozen_delta_of(base)
+        if old is not None and old.acts_in != REFERENCE:
+            raise ValueError(
+                f"This layer's frozen LoRA parts act in {old.acts_in} forward(s): a reference-only reset cannot join "
+                "them (a run keeps one kind of reset, reset_adapter / reset_reference, from start to end)."
+            )
+        if old is not None:
+            delattr(base, FROZEN_MODULE)
+        if ADAPTER_NAME in layer.merged_adapters:
+            layer.unmerge()
+        down, up, bias = _live_factors(layer)
+        keep = up.abs().sum(0) > 0
+        if not bool(keep.any()) and (bias is None or not bool(bias.any())):
+            continue
+        frozen = attach_frozen_delta(
+            base, down[keep], up[:, keep], layer.scaling[ADAPTER_NAME], bias, lora_layer=layer, acts_in=REFERENCE
+        )
         report.layers += 1
         report.rank_added += int(keep.sum())
         report.frozen_rank = max(report.frozen_rank, frozen.rank)
@@ -392,7 +469,8 @@ def keep_out_of_ddp_broadcasts(model: nn.Module) -> list[str]:
 # ------------------------------------------------------------------------------------------- saving and loading
 def frozen_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every frozen factor on the CPU, keyed `<layer>.prorl_frozen.<part>.<down|up|scaling>` (and
-    `<layer>.prorl_frozen.bias`) with the layer's `from_pretrained` name: what `load_frozen_` reads back. `scaling` is
+    `<layer>.prorl_frozen.bias`) with the layer's `from_pretrained` name: what `load_frozen_` reads back (and
+    `<layer>.prorl_frozen.acts_in`, an index into `ACTS_IN`, where the parts act in one forward only). `scaling` is
     a one-element float64 tensor, so safetensors can hold it. A part with room for later resets is saved with its
     room (a resumed run computes with the same shapes) and its used rank as `<part>.rank`."""
     state = {}
@@ -406,6 +484,8 @@ def frozen_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
                 state[f"{prefix}{index}.rank"] = torch.tensor([used], dtype=torch.int64)
         if frozen.bias is not None:
             state[prefix + "bias"] = frozen.bias.detach().cpu().contiguous()
+        if frozen.acts_in != BOTH:
+            state[prefix + "acts_in"] = torch.tensor([ACTS_IN.index(frozen.acts_in)], dtype=torch.int64)
     return state
 
 
@@ -431,6 +511,10 @@ def load_frozen_(model: nn.Module, state: dict[str, torch.Tensor]) -> int:
         prefix = f"{name}.{FROZEN_MODULE}."
         base, wrapper = layers[name]
         out_features, in_features = _base_shape(base)
+        code = state.get(prefix + "acts_in")
+        code = 0 if code is None else int(code.item())
+        if not 0 <= code < len(ACTS_IN):
+            raise ValueError(f"The saved frozen LoRA factors of {name!r} say acts_in {code}, not 0-{len(ACTS_IN) - 1}.")
         index = 0
         while f"{prefix}{index}.down" in state:
             down, up = state[f"{prefix}{index}.down"], state[f"{prefix}{index}.up"]
@@ -444,7 +528,9 @@ def load_frozen_(model: nn.Module, state: dict[str, torch.Tensor]) -> int:
             used = None if used is None else int(used.item())
             if used is not None and not 0 <= used <= down.shape[0]:
                 raise ValueError(f"The saved frozen LoRA part {index} of {name!r} says rank {used} of {down.shape[0]}.")
-            frozen = attach_frozen_delta(base, down, up, scaling, lora_layer=wrapper, used=used)
+            frozen = attach_frozen_delta(
+                base, down, up, scaling, lora_layer=wrapper, used=used, acts_in=ACTS_IN[code]
+            )
             index += 1
         if prefix + "bias" in state:
             frozen.bias = state[prefix + "bias"].to(device=_device_of(base), dtype=torch.float32)

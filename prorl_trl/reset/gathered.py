@@ -20,7 +20,7 @@ from torch import nn
 
 from .dense import dense_weight, is_quantized_weight
 from .engine import full_value, gathered, rank, reshard, write_full_
-from .frozen import FROZEN_MODULE, frozen_delta_of
+from .frozen import FROZEN_MODULE, REFERENCE, frozen_delta_of
 from .rounding import MergeRounding
 from .support import ADAPTER_NAME, base_model_of, canonical_name
 
@@ -79,6 +79,8 @@ def iter_policy_weights(
         params = dict(module.named_parameters(recurse=False))
         layer = owners.get(module_name)
         frozen = frozen_delta_of(module)
+        if frozen is not None and frozen.acts_in == REFERENCE:
+            frozen = None  # the reference's own copy of the live delta (a reference reset): not part of the policy
         extra = []
         if layer is not None:
             lora_b = layer.lora_B[ADAPTER_NAME]

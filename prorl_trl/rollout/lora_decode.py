@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..reset.frozen import frozen_delta_of
+from ..reset.frozen import REFERENCE, frozen_delta_of
 from . import fused_mlp
 from .fused_weights import FusedLinear
 
@@ -95,15 +95,15 @@ def frozen_factors(module: torch.nn.Module) -> list[LoraFactors]:
     forward hook adds them, before the live adapter; empty without any, or with a frozen LoRA bias, which only the hook
     reproduces (`_reproducible` then keeps the module out of this path)."""
     frozen = frozen_delta_of(base_linear(module))
-    if frozen is None or frozen.bias is not None:
-        return []
+    if frozen is None or frozen.bias is not None or frozen.acts_in == REFERENCE:
+        return []  # a reference-only part (a reference reset that kept the adapter) is not the policy's
     return [LoraFactors(down, up, scaling) for down, up, scaling in frozen.parts]
 
 
 def _reproducible(module: torch.nn.Module) -> bool:
     """Whether a raw base output plus `frozen_factors` is the base layer's output (no frozen bias)."""
     frozen = frozen_delta_of(base_linear(module))
-    return frozen is None or frozen.bias is None
+    return frozen is None or frozen.bias is None or frozen.acts_in == REFERENCE
 
 
 def stage_of(module: torch.nn.Module, live: LoraFactors | None) -> list[LoraFactors]:

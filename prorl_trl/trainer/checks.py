@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from ..config import ProRLConfig, ResolvedPhase, peft_lora_shape
-from ..reset import FSDP2, ZERO2, ZERO3, Engine, ResetNotSupportedError, check_engine_support
+from ..reset import FSDP2, ZERO2, ZERO3, Engine, ResetNotSupportedError, check_engine_support, engine_of
 from ..rollout.vllm_sync import shadowed_by_generation_kwargs
 from .callbacks import HardResetCallback, SamplingScheduleCallback
 from .sampling import SAMPLING_KEYS
@@ -225,9 +225,11 @@ def check_process_group(args: ProRLConfig) -> None:
 
 
 def check_adapter_reset(args: ProRLConfig, phases: list[ResolvedPhase], is_peft: bool, callbacks: list) -> None:
-    """With LoRA, TRL's KL reference is the adapter-disabled model: a reset moves it exactly when it freezes (or
-    merges) the adapter, so `reset_reference` must agree with `reset_adapter` when beta > 0. A kept adapter also
-    keeps its shape."""
+    """The parts of a LoRA reset that can be taken alone. TRL's LoRA reference is the adapter-disabled model, so a
+    reset that freezes the adapter but keeps the reference keeps the frozen delta for the policy only, and a reference
+    reset that keeps the adapter gives the reference a copy of the live delta (`prorl_trl.reset.frozen`'s one-forward
+    parts). Both need frozen factors in one process or DDP: a merge moves the base, which both forwards share, and the
+    sharded engines do not hold one-forward parts. A kept adapter also keeps its shape."""
     if is_peft and not args.reset_adapter and len({phase.lora_shape for phase in phases}) > 1:
         raise ValueError(
             "reset_adapter=False keeps one adapter through the whole run, but the phases give it different shapes "
@@ -243,16 +245,16 @@ def check_adapter_reset(args: ProRLConfig, phases: list[ResolvedPhase], is_peft:
         )
     if not is_peft or args.beta == 0.0 or args.reset_reference == args.reset_adapter:
         return
-    if args.reset_adapter:
+    knob = "reset_reference=False" if args.reset_adapter else "reset_adapter=False with reset_reference=True"
+    if args.reset_adapter and args.lora_reset_mode != "frozen":
         raise ValueError(
-            "reset_reference=False with LoRA and beta > 0 is not supported: TRL's reference is the adapter-disabled "
-            "base, and a hard reset freezes (or merges) the adapter into it, so the reference moves with it. Either "
-            "keep reset_reference=True (ProRL v1/v2 both reset the reference), set reset_adapter=False as well (the "
-            "reset then restarts only the optimizer), use full fine-tuning (a separate reference model is kept), or "
-            "disable hard resets."
+            f"{knob} with LoRA and beta > 0 needs lora_reset_mode='frozen': TRL's reference is the adapter-disabled "
+            "base, and a merge writes the adapter into that base, so the reference would move with it. Set "
+            "lora_reset_mode: frozen (the delta is then kept for the policy only), or keep reset_reference=True."
         )
-    raise ValueError(
-        "reset_adapter=False with LoRA and beta > 0 needs reset_reference=False: TRL's reference is the "
-        "adapter-disabled model, and with the adapter kept through the reset nothing moves it. Set "
-        "reset_reference=False (the reset then restarts only the optimizer), or keep reset_adapter=True."
-    )
+    if engine_of(args).sharded:
+        raise ValueError(
+            f"{knob} with LoRA and beta > 0 keeps a delta that acts in only one of the policy's and the reference's "
+            "forwards, which runs in one process or under DDP, not under DeepSpeed ZeRO or FSDP. Launch without "
+            "them, or reset every part (reset_adapter and reset_reference both True)."
+        )

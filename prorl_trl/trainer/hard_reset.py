@@ -127,8 +127,11 @@ def run_hard_reset(trainer: Any, reason: str = "manual", lora_phase: ResolvedPha
     new_params, rounding, kept, probe = False, None, None, None
     keeps_adapter = hasattr(model, "peft_config") and not trainer.args.reset_adapter
     if keeps_adapter:
-        if trainer.args.reset_reference:  # a TRL "ref" adapter can still move; the adapter-disabled base cannot
+        if trainer.args.reset_reference and "ref" in model.peft_config:  # TRL's "ref" adapter := the policy's
             reset_ops.reset_reference_adapter(model)
+        elif trainer.args.reset_reference and trainer.args.beta != 0.0:  # the adapter-disabled model := the policy
+            kept = reset_ops.snapshot_reference_delta(model)
+            reset_ops.keep_out_of_ddp_broadcasts(trainer.model_wrapped)
     elif hasattr(model, "peft_config"):
         trainer.prorl_adapter_resets += 1
         probe = ResetProbe.take(trainer)
@@ -138,7 +141,8 @@ def run_hard_reset(trainer: Any, reason: str = "manual", lora_phase: ResolvedPha
         if trainer.args.lora_reset_mode == "frozen":
             joined = trainer.args.consolidate_frozen_parts
             room_for = frozen_room(trainer, target) if joined else 0
-            kept = reset_ops.freeze_lora_delta(model, engine.kind, active, joined, room_for)
+            acts_in = reset_ops.BOTH if trainer.args.reset_reference else reset_ops.POLICY  # the reference stays
+            kept = reset_ops.freeze_lora_delta(model, engine.kind, active, joined, room_for, acts_in)
             reset_ops.keep_out_of_ddp_broadcasts(trainer.model_wrapped)
         elif engine.sharded:
             rounding = reset_ops.merge_lora_sharded(model, engine.kind, active)
@@ -171,7 +175,11 @@ def run_hard_reset(trainer: Any, reason: str = "manual", lora_phase: ResolvedPha
     else:
         done = f"; {rounding.describe()}" if rounding is not None and rounding.delta_sq > 0 else ""
     if keeps_adapter:
-        done += "; the adapter kept (reset_adapter=False)"
+        done = "; the adapter kept (reset_adapter=False)"
+        if kept is not None:
+            done += ", the KL reference moved to the policy (a copy of its delta)"
+    elif kept is not None and not trainer.args.reset_reference:
+        done += ", for the policy only (reset_reference=False: the KL reference stays)"
     step = trainer.prorl_global_step
     trainer.announce(f"ProRL hard reset #{trainer.prorl_resets} at global step {step} ({reason}){done}.")
     if probe is not None:
