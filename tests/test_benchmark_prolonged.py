@@ -206,10 +206,11 @@ def test_arms_split_over_calls_share_one_warm_start_and_gather_into_one_report(t
         prolonged.main([*common, "--out", str(tmp_path / "other"), "--arms", "no_reset", "--warm-start", str(warm),
                         "--warm-start-sha256", "0" * 64])  # fmt: skip
     assert not (tmp_path / "other" / "runs").exists()
-    prolonged.main([*common, "--out", str(second), "--arms", "no_reset,plateau", "--warm-start", str(warm),
+    inline = [*common[:3], "--launch", "inline"]  # the second call in-process: worker processes are tested above
+    prolonged.main([*inline, "--out", str(second), "--arms", "no_reset,plateau", "--warm-start", str(warm),
                     "--warm-start-sha256", recorded])  # fmt: skip
     assert (second / "warm_start" / "model.safetensors").read_bytes() == (warm / "model.safetensors").read_bytes()
-    assert "warm_start started" not in capsys.readouterr().out  # copied, not trained again
+    assert "[prolonged] warm_start" not in capsys.readouterr().out  # copied, not trained again
     shutil.copytree(first / "warm_start", gathered / "warm_start")
     for part in (first, second):
         for run in (part / "runs").iterdir():
