@@ -151,3 +151,15 @@ def test_one_forward_resets_that_cannot_hold_are_refused(tmp_path, monkeypatch):
     for knobs in ({"reset_reference": False}, {"reset_adapter": False}):
         with pytest.raises(ValueError, match="not under DeepSpeed ZeRO or FSDP"):
             build(tmp_path, max_steps=-1, phases=phases, **knobs)
+
+
+def test_a_resume_with_other_reset_parts_is_refused_before_training(tmp_path):
+    """A checkpoint whose frozen parts act in the policy's forward only (reset_reference=False) resumed with
+    reset_reference=True: its reference is not what the settings say, and the next reset could not join the parts."""
+    phases = [PhaseConfig(max_steps=1), PhaseConfig(max_steps=1)]
+    common = dict(max_steps=-1, phases=phases, reset_optimizer=False, save_merged_on_reset=False,
+                  save_strategy="steps", save_steps=1)  # fmt: skip
+    build(tmp_path, reset_reference=False, **common).train()
+    changed = build(tmp_path, reset_reference=True, **common)
+    with pytest.raises(ValueError, match="act in the policy forward"):
+        changed.train(resume_from_checkpoint=True)

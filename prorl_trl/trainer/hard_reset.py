@@ -103,6 +103,20 @@ def frozen_room(trainer: Any, target: ResolvedPhase) -> int:
     return planned
 
 
+def frozen_kind(trainer: Any) -> str | None:
+    """The forwards this run's frozen parts act in (`prorl_trl.reset.frozen`): `BOTH` for a full reset (and without a
+    KL term, beta = 0, where no forward is the reference's), `POLICY` where the reference stays
+    (`reset_reference=False`), `REFERENCE` where the adapter stays and the reference moves; None where its resets
+    freeze nothing (the adapter and the reference both kept, or TRL's "ref" adapter moved instead)."""
+    model = reset_ops.unwrap_model(trainer.model)
+    if trainer.args.reset_adapter:
+        keeps_reference = not trainer.args.reset_reference and trainer.args.beta != 0.0
+        return reset_ops.POLICY if keeps_reference else reset_ops.BOTH
+    if trainer.args.reset_reference and trainer.args.beta != 0.0 and "ref" not in getattr(model, "peft_config", {}):
+        return reset_ops.REFERENCE
+    return None
+
+
 def run_hard_reset(trainer: Any, reason: str = "manual", lora_phase: ResolvedPhase | None = None) -> None:
     """Keep the LoRA delta (frozen factors, or merged: `lora_reset_mode`), start a fresh adapter, reset optimizer
     and reference (per switches).
@@ -129,7 +143,7 @@ def run_hard_reset(trainer: Any, reason: str = "manual", lora_phase: ResolvedPha
     if keeps_adapter:
         if trainer.args.reset_reference and "ref" in model.peft_config:  # TRL's "ref" adapter := the policy's
             reset_ops.reset_reference_adapter(model)
-        elif trainer.args.reset_reference and trainer.args.beta != 0.0:  # the adapter-disabled model := the policy
+        elif frozen_kind(trainer) == reset_ops.REFERENCE:  # the adapter-disabled model := the policy
             kept = reset_ops.snapshot_reference_delta(model)
             reset_ops.keep_out_of_ddp_broadcasts(trainer.model_wrapped)
     elif hasattr(model, "peft_config"):
@@ -141,8 +155,7 @@ def run_hard_reset(trainer: Any, reason: str = "manual", lora_phase: ResolvedPha
         if trainer.args.lora_reset_mode == "frozen":
             joined = trainer.args.consolidate_frozen_parts
             room_for = frozen_room(trainer, target) if joined else 0
-            acts_in = reset_ops.BOTH if trainer.args.reset_reference else reset_ops.POLICY  # the reference stays
-            kept = reset_ops.freeze_lora_delta(model, engine.kind, active, joined, room_for, acts_in)
+            kept = reset_ops.freeze_lora_delta(model, engine.kind, active, joined, room_for, frozen_kind(trainer))
             reset_ops.keep_out_of_ddp_broadcasts(trainer.model_wrapped)
         elif engine.sharded:
             rounding = reset_ops.merge_lora_sharded(model, engine.kind, active)
@@ -178,7 +191,7 @@ def run_hard_reset(trainer: Any, reason: str = "manual", lora_phase: ResolvedPha
         done = "; the adapter kept (reset_adapter=False)"
         if kept is not None:
             done += ", the KL reference moved to the policy (a copy of its delta)"
-    elif kept is not None and not trainer.args.reset_reference:
+    elif kept is not None and frozen_kind(trainer) == reset_ops.POLICY:
         done += ", for the policy only (reset_reference=False: the KL reference stays)"
     step = trainer.prorl_global_step
     trainer.announce(f"ProRL hard reset #{trainer.prorl_resets} at global step {step} ({reason}){done}.")

@@ -29,7 +29,7 @@ from ..reset.checkpoint import (
     verify_checkpoint,
 )
 from ..reset.provenance import RunFilesError, base_model_difference, resolve_in_run, verify_files
-from .hard_reset import adapter_differs, reinit_adapter
+from .hard_reset import adapter_differs, frozen_kind, reinit_adapter
 from .phase_switch import announce_phase
 from .reset_probe import load_probe_rows
 from .state import find_checkpoint, resume_state, resumed_log_history, resumed_phase, resumed_phase_complete
@@ -128,6 +128,22 @@ def adapter_resets_of(state: dict[str, Any]) -> int:
     return state.get("adapter_resets", state["resets"])
 
 
+def check_frozen_kind(trainer: Any, checkpoint: Path) -> None:
+    """Refuse frozen parts that act in other forwards than this run's resets make (`reset_adapter` /
+    `reset_reference` changed since the checkpoint): the next reset could not join them, and the reference the
+    loaded parts define is not the one this run's settings describe."""
+    found = {frozen.acts_in for _, _, frozen in reset_ops.frozen_layers(trainer.model)}
+    expected = frozen_kind(trainer)
+    if found and found != {expected}:
+        raise ValueError(
+            f"{checkpoint}'s frozen LoRA parts act in the {'/'.join(sorted(found))} forward(s), but this run's resets "
+            f"(reset_adapter={trainer.args.reset_adapter}, reset_reference={trainer.args.reset_reference}) "
+            f"{'keep no frozen part' if expected is None else f'make parts for the {expected} forward(s)'}: the "
+            "checkpoint's KL reference is not the one these settings describe. Resume with the settings the run was "
+            "started with."
+        )
+
+
 def restore_reset_deltas(trainer: Any, state: dict[str, Any], checkpoint: Path) -> None:
     """Put the earlier phases' LoRA deltas of a checkpoint back: its frozen factors or its merged base, both read
     from the run folder the checkpoint is in now (a moved run finds its own) and checked against the sha256
@@ -157,6 +173,7 @@ def restore_reset_deltas(trainer: Any, state: dict[str, Any], checkpoint: Path) 
             )
         verify_files(hashes, run_dir, checkpoint, "the frozen LoRA factors of its earlier phases")
         reset_ops.load_frozen_(trainer.model, load_file(str(path)))
+        check_frozen_kind(trainer, checkpoint)
         reset_ops.keep_out_of_ddp_broadcasts(trainer.model_wrapped)
         trainer.prorl_frozen_path = state["frozen_factors"]
     elif state.get("merged_base"):
