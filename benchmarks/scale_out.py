@@ -59,6 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from _common import ROOT, device_name, fmt, utc_now  # first: the repository on sys.path
@@ -507,9 +508,19 @@ def worker(args) -> None:
 
 # ------------------------------------------------------------------------------------------------------ driver
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports (held open together while chosen, so launches started at once never share one)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def launch_devices(processes: int, visible: str | None) -> str | None:
@@ -520,7 +531,7 @@ def launch_devices(processes: int, visible: str | None) -> str | None:
 
 
 def launch(engine: str, processes: int, modes: tuple, smoke: bool, out: Path, workdir: Path, timeout: float,
-           memory_tokens: int, log: Path) -> str | None:
+           memory_tokens: int, log: Path, port: int | None = None) -> str | None:
     """One `accelerate launch` of the worker, its output in `log`; returns None, or why it failed (and prints the
     log's tail)."""
     script = str(Path(__file__).resolve())
@@ -528,7 +539,7 @@ def launch(engine: str, processes: int, modes: tuple, smoke: bool, out: Path, wo
             "--memory-tokens", str(memory_tokens)] + (["--smoke"] if smoke else [])  # fmt: skip
     config = ROOT / "recipes" / "accelerate" / CONFIGS[engine]
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-               "--num_processes", str(processes), "--main_process_port", str(free_port())]  # fmt: skip
+               "--num_processes", str(processes), "--main_process_port", str(port or free_port())]  # fmt: skip
     float32 = [mode in FLOAT32_MODES for mode in modes]
     if any(float32) and not all(float32):
         raise ValueError(f"A case runs {FLOAT32_MODES} without mixed precision and nothing else; got {modes}.")
@@ -662,6 +673,29 @@ def table(results: list[dict], skipped: list[str], smoke: bool, started: float) 
     return "\n".join(lines)
 
 
+def run_case(case: tuple, tmp: str, started: float, port: int | None = None) -> tuple[list[dict], str | None]:
+    """One case's launch: (its results, every mode present, an error where it wrote none; or the case skipped)."""
+    engine, processes, modes, estimate = case
+    left = args_cli.budget - (time.time() - started)
+    if left < min(estimate, 60) or (not args_cli.smoke and left < 0.6 * estimate):
+        return [], f"{engine} x{processes} ({','.join(modes)})"
+    name = f"{engine}-{processes}" + ("-fp32" if set(modes) <= set(FLOAT32_MODES) else "")  # one per case
+    out = Path(tmp) / f"{name}.jsonl"
+    timeout = min(left - 5, 2.5 * estimate)  # a hung collective must not eat the rest of the budget
+    log = (args_cli.json_dir or Path(tmp)) / f"{name}.log"
+    failure = launch(engine, processes, modes, args_cli.smoke, out, Path(tmp) / f"work-{name}",
+                     timeout, args_cli.memory_tokens, log, port)  # fmt: skip
+    landed = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    for mode in modes:
+        if not any(r["mode"] == mode for r in landed):
+            landed.append({"engine": engine, "processes": processes, "mode": mode,
+                           "error": f"no result ({failure or 'worker wrote nothing'})"})  # fmt: skip
+    for result in landed:
+        if result.get("final_dir"):
+            result["final_loads"] = load_final(Path(result.pop("final_dir")))
+    return landed, None
+
+
 def main(argv: list[str] | None = None) -> int:
     global args_cli
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -690,31 +724,25 @@ def main(argv: list[str] | None = None) -> int:
         cases = [(e, n, tuple(m for m in args_cli.modes.split(",") if m in modes), t) for e, n, modes, t in cases]
         cases = [c for c in cases if c[2]]
     results, skipped = [], []
+
+    def record(landed: list[dict], skip: str | None) -> None:  # after each case: a later case's hang loses nothing
+        results.extend(landed)
+        skipped.extend([skip] if skip else [])
+        if args_cli.json_dir:
+            args_cli.json_dir.mkdir(parents=True, exist_ok=True)
+            (args_cli.json_dir / "scale_out.json").write_text(json.dumps(results, indent=1))
+        print(table(results, skipped, args_cli.smoke, started), flush=True)
+
     with tempfile.TemporaryDirectory(prefix="scale_out_") as tmp:
-        for engine, processes, modes, estimate in cases:
-            left = args_cli.budget - (time.time() - started)
-            if left < min(estimate, 60) or (not args_cli.smoke and left < 0.6 * estimate):
-                skipped.append(f"{engine} x{processes} ({','.join(modes)})")
-                continue
-            name = f"{engine}-{processes}" + ("-fp32" if set(modes) <= set(FLOAT32_MODES) else "")  # one per case
-            out = Path(tmp) / f"{name}.jsonl"
-            timeout = min(left - 5, 2.5 * estimate)  # a hung collective must not eat the rest of the budget
-            log = (args_cli.json_dir or Path(tmp)) / f"{name}.log"
-            failure = launch(engine, processes, modes, args_cli.smoke, out, Path(tmp) / f"work-{name}",
-                             timeout, args_cli.memory_tokens, log)  # fmt: skip
-            landed = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
-            for mode in modes:
-                if not any(r["mode"] == mode for r in landed):
-                    landed.append({"engine": engine, "processes": processes, "mode": mode,
-                                   "error": f"no result ({failure or 'worker wrote nothing'})"})  # fmt: skip
-            for result in landed:
-                if result.get("final_dir"):
-                    result["final_loads"] = load_final(Path(result.pop("final_dir")))
-            results += landed
-            if args_cli.json_dir:
-                args_cli.json_dir.mkdir(parents=True, exist_ok=True)
-                (args_cli.json_dir / "scale_out.json").write_text(json.dumps(results, indent=1))
-            print(table(results, skipped, args_cli.smoke, started), flush=True)
+        if args_cli.smoke:  # CPU cases at once: their gloo ranks wait on each other most of the time, so two launches
+            # fill two cores where one left them half idle (ZeRO-2 then ZeRO-3 took 72 s on 2 idle cores)
+            ports = free_ports(len(cases))
+            with ThreadPoolExecutor(max(len(cases), 1)) as pool:
+                for outcome in list(pool.map(lambda case, port: run_case(case, tmp, started, port), cases, ports)):
+                    record(*outcome)
+        else:  # GPU cases take the GPUs in turn, each within what is left of the budget
+            for case in cases:
+                record(*run_case(case, tmp, started))
     text = table(results, skipped, args_cli.smoke, started)
     print(text)
     if args_cli.out:

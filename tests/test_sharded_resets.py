@@ -6,7 +6,7 @@
 * ZeRO-2/3: whole ProRLTrainer runs under `accelerate launch --config_file recipes/accelerate/zero{2,3}.yaml`
   (benchmarks/scale_out.py --smoke: full fine-tuning, and LoRA with a shape change at each phase boundary reset both
   ways (frozen factors, the default, and a merge), an in-loop reset, a kill after reset 1 and a resume from disk).
-  About 20 s (FSDP2) + 150 s (ZeRO) on 2 idle cores.
+  About 20 s (FSDP2) + 65 s (ZeRO: the two launches at once) on 2 idle cores.
 """
 
 import json
