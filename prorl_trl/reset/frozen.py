@@ -418,37 +418,19 @@ def freeze_lora_delta(
     return report
 
 
-@torch.no_grad()
 def snapshot_reference_delta(model: nn.Module) -> FreezeReport:
     """A reference reset that keeps the adapter: TRL's LoRA reference (the adapter-disabled model) becomes the policy
-    as it is now, while the policy's own forward is unchanged. Each layer's reference-only part is replaced by a copy
-    of the live "default" delta (`acts_in=REFERENCE`), added as PEFT adds the adapter, so the reference's outputs equal
-    the policy's bit for bit. One process or DDP (the factors are read whole from local Parameters)."""
-    check_lora_supported(model)
-    report = FreezeReport()
-    for _, layer in lora_layers(peft_model_of(model).get_base_model()):
-        base = layer.get_base_layer()
-        old = frozen_delta_of(base)
-        if old is not None and old.acts_in != REFERENCE:
+    as it is now, while the policy's own forward is unchanged. The last reset's reference-only parts are dropped and
+    the live "default" delta is frozen again as the reference's alone (`acts_in=REFERENCE`), added as PEFT adds the
+    adapter, so the reference's outputs equal the policy's bit for bit."""
+    for _, base, frozen in frozen_layers(model):
+        if frozen.acts_in != REFERENCE:
             raise ValueError(
-                f"This layer's frozen LoRA parts act in {old.acts_in} forward(s): a reference-only reset cannot join "
-                "them (a run keeps one kind of reset, reset_adapter / reset_reference, from start to end)."
+                f"This layer's frozen LoRA parts act in {frozen.acts_in} forward(s): a reference-only reset cannot "
+                "join them (a run keeps one kind of reset, reset_adapter / reset_reference, from start to end)."
             )
-        if old is not None:
-            delattr(base, FROZEN_MODULE)
-        if ADAPTER_NAME in layer.merged_adapters:
-            layer.unmerge()
-        down, up, bias = _live_factors(layer)
-        keep = up.abs().sum(0) > 0
-        if not bool(keep.any()) and (bias is None or not bool(bias.any())):
-            continue
-        frozen = attach_frozen_delta(
-            base, down[keep], up[:, keep], layer.scaling[ADAPTER_NAME], bias, lora_layer=layer, acts_in=REFERENCE
-        )
-        report.layers += 1
-        report.rank_added += int(keep.sum())
-        report.frozen_rank = max(report.frozen_rank, frozen.rank)
-    return report
+        delattr(base, FROZEN_MODULE)
+    return freeze_lora_delta(model, acts_in=REFERENCE)
 
 
 def keep_out_of_ddp_broadcasts(model: nn.Module) -> list[str]:
