@@ -163,3 +163,28 @@ def test_a_resume_with_other_reset_parts_is_refused_before_training(tmp_path):
     changed = build(tmp_path, reset_reference=True, **common)
     with pytest.raises(ValueError, match="act in the policy forward"):
         changed.train(resume_from_checkpoint=True)
+
+
+def test_reference_reset_alone_with_trls_ref_adapter_makes_the_reference_the_policy(tmp_path):
+    """A PeftModel passed in with beta > 0: TRL's reference is its "ref" adapter (a copy of the adapter at the start),
+    not the adapter-disabled base. The reference reset must still make the reference the current policy."""
+    from peft import get_peft_model
+    from trl.trainer.utils import use_adapter
+
+    model, tokenizer = tiny_model()
+    args = tiny_args(tmp_path, max_steps=2, beta=0.05, reset_adapter=False, reset_optimizer=False,
+                     save_merged_on_reset=False)  # fmt: skip
+    trainer = ProRLTrainer(model=get_peft_model(model, lora()), processing_class=tokenizer,
+                           reward_funcs=[Recorder(), parity], args=args, train_dataset=prompts_dataset())  # fmt: skip
+    peft_model = trainer.model
+    assert "ref" in peft_model.peft_config
+    trainer.train()
+
+    def reference():
+        with use_adapter(peft_model, adapter_name="ref"):  # as TRL computes the reference's log-probs
+            return logits(peft_model)
+
+    policy = logits(peft_model)
+    assert (policy - reference()).abs().max() > 1e-4
+    trainer.hard_reset(reason="test")
+    assert torch.equal(logits(peft_model), policy) and torch.equal(reference(), policy)

@@ -107,14 +107,11 @@ def frozen_kind(trainer: Any) -> str | None:
     """The forwards this run's frozen parts act in (`prorl_trl.reset.frozen`): `BOTH` for a full reset (and without a
     KL term, beta = 0, where no forward is the reference's), `POLICY` where the reference stays
     (`reset_reference=False`), `REFERENCE` where the adapter stays and the reference moves; None where its resets
-    freeze nothing (the adapter and the reference both kept, or TRL's "ref" adapter moved instead)."""
-    model = reset_ops.unwrap_model(trainer.model)
+    freeze nothing (the adapter and the reference both kept, or no KL term)."""
     if trainer.args.reset_adapter:
         keeps_reference = not trainer.args.reset_reference and trainer.args.beta != 0.0
         return reset_ops.POLICY if keeps_reference else reset_ops.BOTH
-    if trainer.args.reset_reference and trainer.args.beta != 0.0 and "ref" not in getattr(model, "peft_config", {}):
-        return reset_ops.REFERENCE
-    return None
+    return reset_ops.REFERENCE if trainer.args.reset_reference and trainer.args.beta != 0.0 else None
 
 
 def run_hard_reset(trainer: Any, reason: str = "manual", lora_phase: ResolvedPhase | None = None) -> None:
@@ -140,10 +137,10 @@ def run_hard_reset(trainer: Any, reason: str = "manual", lora_phase: ResolvedPha
     engine = trainer._engine
     new_params, rounding, kept, probe = False, None, None, None
     keeps_adapter = hasattr(model, "peft_config") and not trainer.args.reset_adapter
+    kind = frozen_kind(trainer)
     if keeps_adapter:
-        if trainer.args.reset_reference and "ref" in model.peft_config:  # TRL's "ref" adapter := the policy's
-            reset_ops.reset_reference_adapter(model)
-        elif frozen_kind(trainer) == reset_ops.REFERENCE:  # the adapter-disabled model := the policy
+        if kind == reset_ops.REFERENCE:  # the reference := the policy: a TRL "ref" adapter zeroed (else the
+            reset_ops.reset_reference_adapter(model)  # adapter-disabled base), plus a copy of the live delta for it
             kept = reset_ops.snapshot_reference_delta(model)
             reset_ops.keep_out_of_ddp_broadcasts(trainer.model_wrapped)
     elif hasattr(model, "peft_config"):
@@ -155,7 +152,7 @@ def run_hard_reset(trainer: Any, reason: str = "manual", lora_phase: ResolvedPha
         if trainer.args.lora_reset_mode == "frozen":
             joined = trainer.args.consolidate_frozen_parts
             room_for = frozen_room(trainer, target) if joined else 0
-            kept = reset_ops.freeze_lora_delta(model, engine.kind, active, joined, room_for, frozen_kind(trainer))
+            kept = reset_ops.freeze_lora_delta(model, engine.kind, active, joined, room_for, kind)
             reset_ops.keep_out_of_ddp_broadcasts(trainer.model_wrapped)
         elif engine.sharded:
             rounding = reset_ops.merge_lora_sharded(model, engine.kind, active)
@@ -191,7 +188,7 @@ def run_hard_reset(trainer: Any, reason: str = "manual", lora_phase: ResolvedPha
         done = "; the adapter kept (reset_adapter=False)"
         if kept is not None:
             done += ", the KL reference moved to the policy (a copy of its delta)"
-    elif kept is not None and frozen_kind(trainer) == reset_ops.POLICY:
+    elif kept is not None and kind == reset_ops.POLICY:
         done += ", for the policy only (reset_reference=False: the KL reference stays)"
     step = trainer.prorl_global_step
     trainer.announce(f"ProRL hard reset #{trainer.prorl_resets} at global step {step} ({reason}){done}.")
