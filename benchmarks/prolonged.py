@@ -114,6 +114,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     task.add_argument("--warm-start", help="a warm start folder made earlier (with warm_start.json), used as is")
     task.add_argument("--warm-start-sha256", help="refuse to run unless the warm start's weights have this sha256 "
                       "(runs continued on another machine, the warm start made again there; warm_start.json has it)")
+    task.add_argument("--export-warm-start", metavar="DIR",
+                      help="make or check OUT's warm start, write a bfloat16 copy of it to DIR and stop: half the "
+                      "bytes, to carry to another machine; GPU runs read the warm start in bfloat16, so a run from the "
+                      "copy is the run from the original")  # fmt: skip
     task.add_argument("--warm-start-accuracy", type=float, default=0.3, help="stop SFT at this greedy accuracy")
     task.add_argument("--max-sft-steps", type=int, help="SFT step cap (default 1500)")
     rl = p.add_argument_group("RL")
@@ -299,10 +303,34 @@ def check_warm_start_sha256(args, warm: Path) -> None:
     if not args.warm_start_sha256 or not (warm / "warm_start.json").is_file():
         return
     found = weights_sha256(warm)
+    info = json.loads((warm / "warm_start.json").read_text())
+    if info.get("dtype") == "bfloat16" and not device_kwargs(args)["bf16"]:
+        raise SystemExit(f"the warm start in {warm} is a bfloat16 copy, and runs on this device read the warm start "
+                         f"in float32: carry the float32 original (its sha256 is {info['made_from_sha256']})")  # fmt: skip
+    if found == info.get("sha256") and info.get("made_from_sha256") == args.warm_start_sha256:
+        return  # the bfloat16 copy of that warm start, intact
     if found != args.warm_start_sha256:
         raise SystemExit(f"the warm start in {warm} has weights sha256 {found}, not --warm-start-sha256 "
                          f"{args.warm_start_sha256}: it is not the warm start these runs began from. Carry that one "
                          f"(--warm-start) or start the runs again in a new --out.")  # fmt: skip
+
+
+def export_bf16_warm_start(warm: Path, dest: Path) -> dict:
+    """A bfloat16 copy of `warm` in `dest/warm_start`: the weights cast as `from_pretrained(dtype=bfloat16)` casts them
+    (so GPU runs read the same numbers), its own sha256, and `made_from_sha256` naming the float32 original."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    info = json.loads((warm / "warm_start.json").read_text())
+    if info.get("dtype") == "bfloat16":
+        raise SystemExit(f"the warm start in {warm} is already a bfloat16 copy")
+    copy = dest / "warm_start"
+    if copy.exists():
+        raise SystemExit(f"{copy} exists: --export-warm-start writes a new folder, give another DIR")
+    AutoModelForCausalLM.from_pretrained(warm, dtype=torch.bfloat16).save_pretrained(copy)
+    info = {**info, "dtype": "bfloat16", "made_from_sha256": info["sha256"], "sha256": weights_sha256(copy)}
+    (copy / "warm_start.json").write_text(json.dumps(info, indent=1))
+    return info
 
 
 def copy_warm_start(args, warm: Path) -> None:
@@ -582,6 +610,10 @@ def main(argv: list[str] | None = None) -> dict | int:
         if not (warm / "warm_start.json").is_file():
             run_jobs(args, [("warm_start", worker_argv(argv, "warm_start", 0, None, warm))], deadline)
         check_warm_start_sha256(args, warm)
+        if args.export_warm_start:
+            if (warm / "warm_start.json").is_file():
+                print(json.dumps(export_bf16_warm_start(warm, Path(args.export_warm_start))), flush=True)
+            return 0
         jobs = []
         for seed, arm in itertools.product(args.seeds, args.arms):
             run_dir = out / "runs" / f"{arm}-s{seed}"

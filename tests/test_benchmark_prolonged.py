@@ -242,6 +242,42 @@ def test_the_warm_start_is_made_again_bit_for_bit(tmp_path):
     assert made[0] == made[1] == prolonged.weights_sha256(tmp_path / "a" / "warm_start")
 
 
+def test_a_bfloat16_copy_of_the_warm_start_is_what_gpu_runs_read_and_cpu_runs_refuse(tmp_path, monkeypatch):
+    """A float32 warm start of round 4 (74 MB) does not fit a 64 MiB carry; its bfloat16 copy does. GPU runs load
+    the warm start with `dtype=bfloat16`, so the copy must hold exactly those numbers, pass `--warm-start-sha256` of
+    the original, and be refused where runs read float32 (CPU) or when damaged."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    args = prolonged.parse_args(["--smoke", "--out", str(tmp_path / "a")])
+    warm = tmp_path / "a" / "warm_start"
+    args.warm_dir = str(warm)
+    prolonged.run_warm_start(args)
+    original = json.loads((warm / "warm_start.json").read_text())["sha256"]
+    info = prolonged.export_bf16_warm_start(warm, tmp_path / "carry")
+    copy = tmp_path / "carry" / "warm_start"
+    assert info["made_from_sha256"] == original != info["sha256"] == prolonged.weights_sha256(copy)
+    read = {name: AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).state_dict()
+            for name, folder in (("original", warm), ("copy", copy))}  # fmt: skip
+    assert read["original"].keys() == read["copy"].keys()
+    assert all(torch.equal(read["original"][k], read["copy"][k]) for k in read["original"])
+    args.warm_start_sha256 = original
+    with pytest.raises(SystemExit, match="is a bfloat16 copy, and runs on this device read the warm start in float32"):
+        prolonged.check_warm_start_sha256(args, copy)
+    monkeypatch.setattr(prolonged, "device_kwargs", lambda args: {"bf16": True})
+    prolonged.check_warm_start_sha256(args, copy)  # accepted where runs read bfloat16
+    args.warm_start_sha256 = "0" * 64
+    with pytest.raises(SystemExit, match="not --warm-start-sha256"):
+        prolonged.check_warm_start_sha256(args, copy)
+    args.warm_start_sha256 = original
+    weights = next(copy.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
+    with pytest.raises(SystemExit, match="not --warm-start-sha256"):
+        prolonged.check_warm_start_sha256(args, copy)
+    with pytest.raises(SystemExit, match="exists"):
+        prolonged.export_bf16_warm_start(warm, tmp_path / "carry")
+
+
 def test_a_pilot_refuses_a_warm_start_sha256_it_could_not_check(tmp_path, capsys):
     """A pilot trains one warm start per task, so one recorded sha256 would be accepted and never checked."""
     with pytest.raises(SystemExit):
