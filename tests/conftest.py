@@ -62,4 +62,3 @@ def tiny():
     from prorl_trl.tiny import build_tiny
 
     return build_tiny(seed=0)
-
