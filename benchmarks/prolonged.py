@@ -611,8 +611,10 @@ def main(argv: list[str] | None = None) -> dict | int:
             run_jobs(args, [("warm_start", worker_argv(argv, "warm_start", 0, None, warm))], deadline)
         check_warm_start_sha256(args, warm)
         if args.export_warm_start:
-            if (warm / "warm_start.json").is_file():
-                print(json.dumps(export_bf16_warm_start(warm, Path(args.export_warm_start))), flush=True)
+            if not (warm / "warm_start.json").is_file():
+                raise SystemExit(f"--export-warm-start: no warm start in {warm} to copy (its training did not finish: "
+                                 f"{out / 'logs' / 'warm_start.log'}); nothing was written to {args.export_warm_start}")  # fmt: skip
+            print(json.dumps(export_bf16_warm_start(warm, Path(args.export_warm_start))), flush=True)
             return 0
         jobs = []
         for seed, arm in itertools.product(args.seeds, args.arms):

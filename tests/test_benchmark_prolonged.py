@@ -278,6 +278,15 @@ def test_a_bfloat16_copy_of_the_warm_start_is_what_gpu_runs_read_and_cpu_runs_re
         prolonged.export_bf16_warm_start(warm, tmp_path / "carry")
 
 
+def test_export_without_a_finished_warm_start_is_refused_not_skipped(tmp_path):
+    """`--export-warm-start` when the warm start did not get made (here: its time limit already past) says so and exits
+    non-zero; it does not end as a success that wrote nothing."""
+    with pytest.raises(SystemExit, match="--export-warm-start: no warm start in .* to copy"):
+        prolonged.main(["--smoke", "--out", str(tmp_path / "o"), "--launch", "inline", "--time-limit=-1",
+                        "--export-warm-start", str(tmp_path / "carry")])  # fmt: skip
+    assert not (tmp_path / "carry").exists()
+
+
 def test_a_pilot_refuses_a_warm_start_sha256_it_could_not_check(tmp_path, capsys):
     """A pilot trains one warm start per task, so one recorded sha256 would be accepted and never checked."""
     with pytest.raises(SystemExit):
