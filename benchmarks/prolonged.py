@@ -2,6 +2,7 @@
 
     python benchmarks/prolonged.py --out runs/prolonged --gpus 4 --per-gpu 4 --time-limit 500 --resume  # GPU; repeat
                                                    # the same command (10-minute calls) until every run is finished
+                                                   # (--mps --per-gpu 8: twice the runs per GPU at small shapes)
     python benchmarks/prolonged.py --out runs/prolonged --report-only   # the report again, from rows + settings.json
     python benchmarks/prolonged.py --out runs/pilot --pilot --pilot-grid 'task_steps=1-2,1-3;learning_rate=1e-4,3e-5'
     python benchmarks/prolonged.py --out /tmp/prolonged --smoke                        # CPU, tiny model, < 90 s
@@ -43,6 +44,7 @@ import hashlib
 import itertools
 import json
 import math
+import os
 import shutil
 import signal
 import subprocess
@@ -102,6 +104,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--per-gpu", type=int, default=4, help="concurrent workers per GPU")
     p.add_argument("--solo-arms", default="", help="comma separated arms whose runs each get a GPU to themselves")
     p.add_argument("--launch", choices=("subprocess", "inline"), help="workers as processes (default) or in-process")
+    p.add_argument("--mps", action="store_true",
+                   help="the workers share each GPU through an NVIDIA MPS daemon of this study's own (its pipe and "
+                   "log under OUT/mps; started before the workers, quit after them): their kernels then run side by "
+                   "side instead of in turns. On one H200 at round 4's shape, 8 runs took 0.66 s per step with it "
+                   "and 4 runs took 0.56 s without it, so twice the runs per GPU")  # fmt: skip
     p.add_argument("--time-limit", type=float, help="seconds: then stop workers with a checkpoint and report")
     p.add_argument("--resume", action="store_true", help="skip finished runs, continue the others from checkpoints")
     p.add_argument("--report-only", action="store_true", help="rebuild the report from OUT/runs/*/rows.jsonl")
@@ -159,6 +166,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--arms, --solo-arms: choose from {list(ARMS)}")
     if args.pilot and args.warm_start_sha256:
         p.error("--warm-start-sha256 names one warm start, and --pilot trains one per task: drop one of the two")
+    if args.mps and args.launch == "inline":
+        p.error("--mps shares a GPU among worker processes, and --launch inline (the --smoke default) starts none: "
+                "add --launch subprocess or drop --mps")
     if args.steps % 4 or (args.steps // 4) % args.eval_steps:
         p.error(f"--steps ({args.steps}) must be 4 phases of a multiple of --eval-steps ({args.eval_steps})")
     return args
@@ -261,8 +271,6 @@ def device_kwargs(args) -> dict:
 
 
 def run_device(args) -> str:
-    import os
-
     import torch
 
     return device_name() if torch.cuda.is_available() and not args.smoke else f"CPU ({os.cpu_count()} cores)"
@@ -548,11 +556,10 @@ def run_jobs(args, jobs: list[tuple[str, list[str]]], deadline: float) -> None:
                 print(f"[prolonged] {name}", flush=True)
                 run_worker(parse_args(job))
         return
-    import os
-
     import torch
 
     gpus = args.gpus or max(torch.cuda.device_count(), 1)
+    mps_env = start_mps_daemon(Path(args.out)) if args.mps and jobs else {}
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()] or list(range(gpus))
     threads = max(1, (os.cpu_count() or 1) // (gpus * args.per_gpu))  # CPU threads shared fairly
     stopping, stop_sent = [], None
@@ -579,7 +586,8 @@ def run_jobs(args, jobs: list[tuple[str, list[str]]], deadline: float) -> None:
                 if load[gpu] + weight > args.per_gpu:
                     break
                 pending.pop(0)
-                env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(visible[gpu]), "OMP_NUM_THREADS": str(threads)}
+                env = {**os.environ, **mps_env, "CUDA_VISIBLE_DEVICES": str(visible[gpu]),
+                       "OMP_NUM_THREADS": str(threads)}  # fmt: skip
                 with (Path(args.out) / "logs" / f"{name}.log").open("a") as log:
                     process = subprocess.Popen([sys.executable, __file__, *job], stdout=log, stderr=subprocess.STDOUT,
                                                env=env)  # fmt: skip
@@ -589,6 +597,48 @@ def run_jobs(args, jobs: list[tuple[str, list[str]]], deadline: float) -> None:
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+        if mps_env:
+            quit_mps_daemon(mps_env)
+
+
+MPS_CONTROL = "nvidia-cuda-mps-control"
+
+
+def mps_control() -> str:
+    """The MPS control program's path; a clear refusal where there is none, before any work."""
+    control = shutil.which(MPS_CONTROL)
+    if control is None:
+        raise SystemExit(f"--mps: {MPS_CONTROL} is not on PATH (it comes with NVIDIA's driver): run without --mps, "
+                         "or where the driver's tools are installed")  # fmt: skip
+    return control
+
+
+def start_mps_daemon(out: Path) -> dict[str, str]:
+    """Starts an MPS control daemon private to this study and returns the environment its clients need. Without MPS,
+    processes on one GPU take turns on it, so at this study's small kernels the GPU is full at about 4 runs; with
+    it their kernels share the multiprocessors. The pipe and log folders sit in OUT, so nothing is written outside
+    it and no other user's daemon is touched; a daemon left by an earlier call that was killed is quit first."""
+    control, folder = mps_control(), (out / "mps").resolve()
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(folder / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(folder / "log")}
+    if len(env["CUDA_MPS_PIPE_DIRECTORY"]) > 90:  # the pipe's unix socket path must stay under 108 bytes
+        raise SystemExit(f"--mps: the MPS pipe folder {folder / 'pipe'} is too long for a socket path (at most 90 "
+                         "characters): use a shorter --out")  # fmt: skip
+    for path in env.values():
+        Path(path).mkdir(parents=True, exist_ok=True)
+    if (folder / "pipe" / "control").exists():
+        quit_mps_daemon(env)
+    started = subprocess.run([control, "-d"], env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+    if started.returncode:
+        raise SystemExit(f"--mps: `{MPS_CONTROL} -d` failed (exit {started.returncode}): "
+                         f"{(started.stdout + started.stderr).strip()}; its log: {folder / 'log'}")  # fmt: skip
+    print(f"[prolonged] MPS daemon started (pipe {env['CUDA_MPS_PIPE_DIRECTORY']})", flush=True)
+    return env
+
+
+def quit_mps_daemon(env: dict[str, str]) -> None:
+    """Asks the study's MPS daemon to quit (it stops its server once no client is left)."""
+    subprocess.run([mps_control()], input="quit\n", env={**os.environ, **env}, capture_output=True, text=True,
+                   timeout=60)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict | int:
@@ -596,6 +646,8 @@ def main(argv: list[str] | None = None) -> dict | int:
     args = parse_args(argv)
     if args.worker:
         return run_worker(args)
+    if args.mps and not args.report_only:
+        mps_control()  # refused before anything is written
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     deadline = time.time() + (args.time_limit or math.inf)

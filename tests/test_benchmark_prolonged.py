@@ -4,6 +4,7 @@ checkpoint in a worker process without touching the others."""
 
 import json
 import math
+import os
 import shutil
 
 import pytest
@@ -311,3 +312,37 @@ def test_a_completion_cap_that_cuts_reference_solutions_is_refused_before_any_ru
     assert not (tmp_path / "pilot" / "pilot").exists()
     prolonged.check_completion_cap(prolonged.parse_args(
         ["--out", str(tmp_path), "--task-steps", "3-5", "--task-max-value", "99", "--max-completion-length", "80"]))
+
+
+def test_mps_is_refused_before_any_work_where_it_cannot_run(tmp_path, monkeypatch, capsys):
+    """`--mps` needs worker processes and NVIDIA's MPS control program: without either it is refused with what to do,
+    before the output folder is made, instead of being accepted and quietly running without MPS."""
+    with pytest.raises(SystemExit):
+        prolonged.parse_args(["--out", str(tmp_path / "o"), "--smoke", "--mps"])
+    assert "--launch inline (the --smoke default) starts none" in capsys.readouterr().err
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(SystemExit, match="--mps: nvidia-cuda-mps-control is not on PATH"):
+        prolonged.main(["--out", str(tmp_path / "o"), "--smoke", "--launch", "subprocess", "--mps"])
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_mps_daemon_is_the_studys_own_and_quit_after_its_workers(tmp_path, monkeypatch):
+    """The CPU machine has no NVIDIA driver, so a stand-in control program records how it is called: the daemon is
+    started (`-d`) once before the workers with its pipe and log folders inside OUT, and told `quit` after them."""
+    calls = tmp_path / "calls.txt"
+    control = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    control.parent.mkdir()
+    control.write_text('#!/bin/sh\n{ echo "$* | $CUDA_MPS_PIPE_DIRECTORY | $CUDA_MPS_LOG_DIRECTORY"; '
+                       '[ "$1" = "-d" ] || cat; } >> "$MPS_CALLS"\n')  # fmt: skip
+    control.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{control.parent}:{os.environ['PATH']}")
+    monkeypatch.setenv("MPS_CALLS", str(calls))
+    out = tmp_path / "o"
+    (out / "logs").mkdir(parents=True)
+    args = prolonged.parse_args(["--out", str(out), "--launch", "subprocess", "--mps", "--gpus", "1"])
+    prolonged.run_jobs(args, [("report", ["--out", str(out / "empty"), "--report-only"])], deadline=math.inf)
+    mps = (out / "mps").resolve()
+    assert calls.read_text().splitlines() == [f"-d | {mps}/pipe | {mps}/log", f" | {mps}/pipe | {mps}/log", "quit"]
+    assert "No warm start in" in (out / "logs" / "report.log").read_text()  # the job ran, between start and quit
+    prolonged.run_jobs(args, [], deadline=math.inf)  # nothing to run: no daemon
+    assert len(calls.read_text().splitlines()) == 3
