@@ -1037,7 +1037,51 @@ def plateau_lines(args, runs: list[dict]) -> list[str]:
                      f" within 1 point of its best ({100 * max(values):.1f}) from step {near}")  # fmt: skip
     mean, low, high = t_interval(gains)
     ci = "" if math.isnan(low) else f", 95% CI [{100 * low:+.1f}, {100 * high:+.1f}]"
-    return [f"Gain over the last half: {100 * mean:+.1f} pts{ci} (n={len(gains)}).", "", *lines]
+    return [f"Gain over the last half: {100 * mean:+.1f} pts{ci} (n={len(gains)}).", "", *lines, "",
+            *last_third_lines(args, runs)]  # fmt: skip
+
+
+PLATEAU_MAX_GAIN = 0.01  # the pre-set criterion (2026-11-29, before any round-4 run finished): see last_third_gains
+
+
+def last_third_gains(args, runs: list[dict]) -> dict[str, list[float]]:
+    """Per seed, what (a) still gained over the last third of its steps: validation pass@1 at the end minus at the
+    first validation at or after 2/3 of the steps, and the mean training reward of the last sixth of the steps minus
+    that of the sixth before it. Arm (a) has plateaued, by the criterion set before round 4's runs finished, when the
+    mean validation gain across seeds is under `PLATEAU_MAX_GAIN` and its 95% CI holds 0: flat pooled pass@1 over
+    the last third, not merely too few seeds to see a rise (the mean bound) nor a fall read as flat (the CI)."""
+    start, sixth = math.ceil(2 * args.steps / 3), args.steps / 6
+    gains = {"pass@1": [], "reward": []}
+    for run in runs:
+        evals = {row["prorl/global_step"]: row["eval_pass@1"] for row in run["evals"]}
+        first = min((step for step in evals if step >= start), default=None)
+        if first is None or first == max(evals):
+            continue
+        gains["pass@1"].append(evals[max(evals)] - evals[first])
+        rewards = [(row["prorl/global_step"], row["reward"]) for row in run["rows"] if "reward" in row]
+        last = [r for step, r in rewards if step > args.steps - sixth]
+        before = [r for step, r in rewards if args.steps - 2 * sixth < step <= args.steps - sixth]
+        if last and before:
+            gains["reward"].append(sum(last) / len(last) - sum(before) / len(before))
+    return gains
+
+
+def last_third_lines(args, runs: list[dict]) -> list[str]:
+    gains = last_third_gains(args, runs)
+    if not gains["pass@1"]:
+        return ["Over the last third: no run has a validation inside it before its last."]
+    mean, low, high = t_interval(gains["pass@1"])
+    flat = not math.isnan(low) and mean < PLATEAU_MAX_GAIN and low <= 0 <= high
+    lines = [f"Over the last third (from step {math.ceil(2 * args.steps / 3)}), pooled across seeds: validation "
+             f"pass@1 {100 * mean:+.2f} pts, 95% CI [{100 * low:+.2f}, {100 * high:+.2f}] (n={len(gains['pass@1'])}); "
+             f"plateaued by the pre-set criterion (mean gain under {100 * PLATEAU_MAX_GAIN:g} pt and its CI holding "
+             f"0): **{'yes' if flat else 'no'}**."]  # fmt: skip
+    if gains["reward"]:
+        mean, low, high = t_interval(gains["reward"])
+        ci = "n/a" if math.isnan(low) else f"[{low:+.4f}, {high:+.4f}]"
+        lines.append(f"Training reward, last sixth minus the sixth before: {mean:+.4f}, 95% CI {ci} "
+                     f"(n={len(gains['reward'])}).")  # fmt: skip
+    return lines
 
 
 def moving_average(values: list[float], window: int) -> list[float]:

@@ -82,6 +82,7 @@ def test_smoke_runs_every_arm_and_resume_continues_one_run_from_a_checkpoint(tmp
     for pair in pairs:
         assert f"- {pair}: " in report and "95% CI [" in report.split(f"- {pair}: ")[1].splitlines()[0]
     assert "## Plateau of arm (a)" in report and "Gain over the last half" in report
+    assert "Over the last third (from step 3), pooled across seeds: validation pass@1" in report
     runs = {f"{arm}-s{seed}" for arm in prolonged.ARMS for seed in (0, 1)}
     assert {p.parent.name for p in (tmp_path / "runs").glob("*/rows.jsonl")} == runs
     assert all((tmp_path / "runs" / run / "done.json").is_file() for run in runs)
@@ -346,3 +347,30 @@ def test_the_mps_daemon_is_the_studys_own_and_quit_after_its_workers(tmp_path, m
     assert "No warm start in" in (out / "logs" / "report.log").read_text()  # the job ran, between start and quit
     prolonged.run_jobs(args, [], deadline=math.inf)  # nothing to run: no daemon
     assert len(calls.read_text().splitlines()) == 3
+
+
+def test_the_plateau_criterion_reads_pooled_pass_at_1_over_the_last_third(tmp_path):
+    """Round 4's pre-set criterion, against hand-computed values: per seed, pass@1 at the end minus at the first
+    validation from step 1,000 of 1,500 (here 1,125); plateaued when the mean is under 1 point and its 95% CI holds 0.
+    A steady rise is not a plateau, nor is a single seed (no interval)."""
+    args = prolonged.parse_args(["--out", str(tmp_path), "--steps", "1500", "--eval-steps", "375"])
+
+    def run(at_1125, at_1500, reward_before=0.1, reward_last=0.1):
+        evals = [{"prorl/global_step": step, "eval_pass@1": value}
+                 for step, value in ((0, 0.02), (375, 0.03), (750, 0.04), (1125, at_1125), (1500, at_1500))]  # fmt: skip
+        rewards = [{"prorl/global_step": step, "reward": reward_before if step <= 1250 else reward_last}
+                   for step in range(1001, 1501)]  # fmt: skip
+        return {"evals": evals, "rows": rewards + [{"prorl/global_step": 1000, "reward": 9.0}]}
+
+    flat = [run(0.045, 0.050, 0.1, 0.2), run(0.050, 0.048), run(0.040, 0.046)]  # gains +0.5, -0.2, +0.6 points
+    gains = prolonged.last_third_gains(args, flat)
+    assert gains["pass@1"] == pytest.approx([0.005, -0.002, 0.006])
+    assert gains["reward"] == pytest.approx([0.1, 0.0, 0.0])  # steps 1,001-1,250 against 1,251-1,500; 1,000 is out
+    lines = prolonged.last_third_lines(args, flat)
+    # mean 0.3 pts, s.e. sqrt(19e-6 / 3) = 0.2517 pts, t(2) 4.303: [-0.78, +1.38]
+    assert "pass@1 +0.30 pts, 95% CI [-0.78, +1.38] (n=3)" in lines[0] and lines[0].endswith("**yes**.")
+    rising = [run(0.040, 0.060), run(0.045, 0.062), run(0.050, 0.071)]
+    assert prolonged.last_third_lines(args, rising)[0].endswith("**no**.")  # +1.9 pts, CI above 0
+    assert prolonged.last_third_lines(args, flat[:1])[0].endswith("**no**.")
+    report = prolonged.plateau_lines(args, [{**run, "seed": seed} for seed, run in enumerate(flat)])
+    assert "Gain over the last half" in report[0] and any(line.startswith("Over the last third") for line in report)
