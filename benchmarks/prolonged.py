@@ -38,6 +38,7 @@ task where (a) plateaus: `OUT/pilot.md` (plateaued: gain over the last half <= 2
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import hashlib
@@ -559,7 +560,9 @@ def run_jobs(args, jobs: list[tuple[str, list[str]]], deadline: float) -> None:
     import torch
 
     gpus = args.gpus or max(torch.cuda.device_count(), 1)
-    mps_env = start_mps_daemon(Path(args.out)) if args.mps and jobs else {}
+    if args.mps and not hasattr(args, "mps_env"):
+        raise RuntimeError("--mps: run_jobs called outside study_mps(), so its workers would run without MPS")
+    mps_env = getattr(args, "mps_env", {})
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()] or list(range(gpus))
     threads = max(1, (os.cpu_count() or 1) // (gpus * args.per_gpu))  # CPU threads shared fairly
     stopping, stop_sent = [], None
@@ -597,8 +600,6 @@ def run_jobs(args, jobs: list[tuple[str, list[str]]], deadline: float) -> None:
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-        if mps_env:
-            quit_mps_daemon(mps_env)
 
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
@@ -611,6 +612,20 @@ def mps_control() -> str:
         raise SystemExit(f"--mps: {MPS_CONTROL} is not on PATH (it comes with NVIDIA's driver): run without --mps, "
                          "or where the driver's tools are installed")  # fmt: skip
     return control
+
+
+@contextlib.contextmanager
+def study_mps(args, out: Path):
+    """With `--mps` (and work to do), one MPS daemon for the whole call: the warm start's job and the runs' jobs, or
+    a pilot's, all run under it (`args.mps_env`, what `run_jobs` gives its workers); it is quit when the call ends."""
+    if not args.mps or args.report_only:
+        yield
+        return
+    args.mps_env = start_mps_daemon(out)
+    try:
+        yield
+    finally:
+        quit_mps_daemon(args.mps_env)
 
 
 def start_mps_daemon(out: Path) -> dict[str, str]:
@@ -651,6 +666,12 @@ def main(argv: list[str] | None = None) -> dict | int:
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     deadline = time.time() + (args.time_limit or math.inf)
+    with study_mps(args, out):
+        return run_study(args, argv, out, deadline)
+
+
+def run_study(args, argv: list[str], out: Path, deadline: float) -> dict | int:
+    """The warm start (made, copied or checked), the runs not yet finished, then the report (or the pilot's)."""
     if args.pilot:
         return run_pilot(args, argv, out, deadline)
     if not args.report_only:

@@ -328,8 +328,9 @@ def test_mps_is_refused_before_any_work_where_it_cannot_run(tmp_path, monkeypatc
 
 
 def test_the_mps_daemon_is_the_studys_own_and_quit_after_its_workers(tmp_path, monkeypatch):
-    """The CPU machine has no NVIDIA driver, so a stand-in control program records how it is called: the daemon is
-    started (`-d`) once before the workers with its pipe and log folders inside OUT, and told `quit` after them."""
+    """The CPU machine has no NVIDIA driver, so a stand-in control program records how it is called: one daemon per
+    call of the study (`-d`), its pipe and log folders inside OUT, serving every batch of workers (the warm start's,
+    then the runs'), and told `quit` once at the end. Workers never start outside it."""
     calls = tmp_path / "calls.txt"
     control = tmp_path / "bin" / "nvidia-cuda-mps-control"
     control.parent.mkdir()
@@ -341,11 +342,19 @@ def test_the_mps_daemon_is_the_studys_own_and_quit_after_its_workers(tmp_path, m
     out = tmp_path / "o"
     (out / "logs").mkdir(parents=True)
     args = prolonged.parse_args(["--out", str(out), "--launch", "subprocess", "--mps", "--gpus", "1"])
-    prolonged.run_jobs(args, [("report", ["--out", str(out / "empty"), "--report-only"])], deadline=math.inf)
+    job = ("report", ["--out", str(out / "empty"), "--report-only"])
+    with pytest.raises(RuntimeError, match="would run without MPS"):
+        prolonged.run_jobs(args, [job], deadline=math.inf)
+    with prolonged.study_mps(args, out):
+        prolonged.run_jobs(args, [job], deadline=math.inf)
+        prolonged.run_jobs(args, [job], deadline=math.inf)
     mps = (out / "mps").resolve()
     assert calls.read_text().splitlines() == [f"-d | {mps}/pipe | {mps}/log", f" | {mps}/pipe | {mps}/log", "quit"]
-    assert "No warm start in" in (out / "logs" / "report.log").read_text()  # the job ran, between start and quit
-    prolonged.run_jobs(args, [], deadline=math.inf)  # nothing to run: no daemon
+    log = (out / "logs" / "report.log").read_text()
+    assert log.count("No warm start in") == 2  # both batches ran, between the start and the quit
+    with prolonged.study_mps(prolonged.parse_args(["--out", str(out), "--mps", "--report-only", "--launch",
+                                                   "subprocess"]), out):  # fmt: skip
+        pass  # a report needs no workers: no daemon
     assert len(calls.read_text().splitlines()) == 3
 
 
