@@ -48,6 +48,7 @@ import math
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -151,6 +152,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     val.add_argument("--val-problems", type=int, help="held-out problems (default 200)")
     val.add_argument("--val-samples", type=int,
                      help="samples per problem, the n of pass@k (default 256; 2048 sequences per generate call)")
+    val.add_argument("--step-split", action="store_true",
+                     help="time every training step's parts (generation with its rollout, log-prob forwards, loss "
+                     "forward, backward, optimizer, other; `_step_split.StepSplit`, the device synchronised at each "
+                     "part's edges) into runs/<run>/split.jsonl; the report gives each arm's medians")  # fmt: skip
     internal = p.add_argument_group("worker (set by the parent)")
     internal.add_argument("--worker", help="'warm_start' or an arm")
     internal.add_argument("--seed", type=int, default=0)
@@ -379,6 +384,47 @@ def make_rows_callback(path: Path, attempt: int):
     return Rows()
 
 
+def make_split_callback(path: Path, attempt: int, device):
+    """`--step-split`: a `StepSplit` that appends each step's split to `path` as the step closes (one JSON line: the
+    training call it belongs to, its seconds, completion tokens and `split_of`'s parts), so a run stopped at a time
+    limit keeps what it measured. A step with a validation in it has the validation in "other"."""
+    from _step_split import StepSplit, split_of
+
+    class SplitRows(StepSplit):
+        def _close_step(self) -> None:
+            closed = len(self._steps)
+            super()._close_step()
+            if len(self._steps) > closed:
+                step = self._steps[-1]
+                row = {"call": len(self.calls), "_attempt": attempt, "seconds": round(step["seconds"], 4),
+                       "tokens": step["tokens"], **{k: round(v, 4) for k, v in split_of(step).items()}}  # fmt: skip
+                with path.open("a") as file:
+                    file.write(json.dumps(row) + "\n")
+
+    return SplitRows(device)
+
+
+def split_lines(runs: list[dict]) -> list[str]:
+    """The report's step split (`--step-split`): per arm, the median seconds of each part over every timed step of
+    its runs, and the median step."""
+    from _step_split import PARTS
+
+    columns = (*PARTS, "other")
+    lines = []
+    for arm in ARMS:
+        steps = [step for run in runs if run["arm"] == arm for step in run["split"]]
+        if steps:
+            medians = [statistics.median(step[column] for step in steps) for column in columns]
+            total = statistics.median(step["seconds"] for step in steps)
+            cells = " | ".join(f"{median:.3f}" for median in medians)
+            lines.append(f"| {ARMS[arm]} | {len(steps)} | {total:.3f} | {cells} |")
+    if not lines:
+        return []
+    return ["## Where a training step goes (`--step-split`; median seconds over the timed steps)", "",
+            "| arm | steps | step | " + " | ".join(columns) + " |", "| --- " * (len(columns) + 3) + "|", *lines,
+            "", "The parts' medians need not add up to the step's; a step with a validation has it in other."]  # fmt: skip
+
+
 def make_counts_callback(path: Path, attempt: int, validation, num_steps: list[int]):
     """A callback appending each validation's per-problem correct counts (`validation.last_correct`, of
     `--val-samples`) and the problems' numbers of operations to `path`, one JSON line per validation, keyed by step:
@@ -473,12 +519,19 @@ def _run_worker(args) -> int:
     ]
     if arm == "plateau":
         callbacks.append(HardResetCallback(on_plateau=args.plateau_patience, min_delta=args.plateau_min_delta))
+    if args.step_split:
+        import torch
+
+        split = make_split_callback(run_dir / "split.jsonl", attempt, torch.device("cuda" if cuda else "cpu"))
+        callbacks.append(split)
     targets = args.lora_targets.split(",")
     trainer = ProRLTrainer(
         model=args.warm_dir, reward_funcs=[get_reward("boxed_answer")], args=config, train_dataset=train,
         processing_class=build_tiny_tokenizer(), callbacks=callbacks,
         peft_config=LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules=targets),
     )  # fmt: skip
+    if args.step_split:
+        split.attach(trainer)
     try:
         with stop_on_signals(trainer):
             trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
@@ -767,6 +820,7 @@ def load_runs(out: Path) -> list[dict]:
         seconds = done["seconds"] if done else sum(attempt_seconds(read_jsonl(folder / "rows.jsonl")).values())
         runs.append({"arm": arm, "seed": int(seed), "done": done, "stopped": stopped, "rows": rows,
                      "resets": reset_steps(rows), "counts": read_counts(folder / "counts.jsonl"),
+                     "split": read_jsonl(folder / "split.jsonl"),
                      "evals": [row for row in rows if "eval_pass@1" in row], "seconds": seconds})  # fmt: skip
     return sorted(
         (run for run in runs if run["arm"] in ARMS), key=lambda run: (list(ARMS).index(run["arm"]), run["seed"])
@@ -853,6 +907,8 @@ def write_report(args, out: Path) -> dict:
         summary[arm].update(values)
     pairs.update(pairs_outcomes)
     lines += ["", *outcomes, "", *common_step_lines(args, runs, ks)]
+    split = split_lines(runs)
+    lines += ["", *split] if split else []
     lines += ["", "## Plateau of arm (a)", "", *plateau_lines(args, finished["one_phase"]), "",
               "## Hard resets (global step after which each happened)", ""]  # fmt: skip
     for run in runs:

@@ -383,3 +383,21 @@ def test_the_plateau_criterion_reads_pooled_pass_at_1_over_the_last_third(tmp_pa
     assert prolonged.last_third_lines(args, flat[:1])[0].endswith("**no**.")
     report = prolonged.plateau_lines(args, [{**run, "seed": seed} for seed, run in enumerate(flat)])
     assert "Gain over the last half" in report[0] and any(line.startswith("Over the last third") for line in report)
+
+
+def test_step_split_times_every_training_step_of_every_phase_into_the_report(tmp_path):
+    """`--step-split` writes each training step's parts to the run's split.jsonl as it goes (so a run stopped at its
+    time limit keeps them) and the report gives each arm's medians: (b) has one step in each of its 4 phases."""
+    prolonged.main(["--smoke", "--out", str(tmp_path), "--arms", "one_phase,prorl", "--seeds", "0", "--step-split"])
+    from _step_split import PARTS  # on sys.path once load_benchmark has run
+
+    parts = (*PARTS, "other")
+    for arm, calls in (("one_phase", [0, 0, 0, 0]), ("prorl", [0, 1, 2, 3])):
+        rows = prolonged.read_jsonl(tmp_path / "runs" / f"{arm}-s0" / "split.jsonl")
+        assert [row["call"] for row in rows] == calls, arm
+        for row in rows:
+            assert row["tokens"] > 0 and row["generation"] > 0 and row["backward"] > 0 and row["optimizer"] > 0
+            assert sum(row[part] for part in parts) == pytest.approx(row["seconds"], abs=1e-3)
+    report = (tmp_path / "prolonged.md").read_text()
+    assert "## Where a training step goes" in report
+    assert "| (a) one phase | 4 |" in report and "| (b) 4 phases + hard resets | 4 |" in report
