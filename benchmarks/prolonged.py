@@ -519,11 +519,6 @@ def _run_worker(args) -> int:
     ]
     if arm == "plateau":
         callbacks.append(HardResetCallback(on_plateau=args.plateau_patience, min_delta=args.plateau_min_delta))
-    if args.step_split:
-        import torch
-
-        split = make_split_callback(run_dir / "split.jsonl", attempt, torch.device("cuda" if cuda else "cpu"))
-        callbacks.append(split)
     targets = args.lora_targets.split(",")
     trainer = ProRLTrainer(
         model=args.warm_dir, reward_funcs=[get_reward("boxed_answer")], args=config, train_dataset=train,
@@ -531,6 +526,10 @@ def _run_worker(args) -> int:
         peft_config=LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules=targets),
     )  # fmt: skip
     if args.step_split:
+        import torch
+
+        split = make_split_callback(run_dir / "split.jsonl", attempt, torch.device("cuda" if cuda else "cpu"))
+        trainer.add_callback(split)
         split.attach(trainer)
     try:
         with stop_on_signals(trainer):
@@ -1121,13 +1120,17 @@ def plateau_lines(args, runs: list[dict]) -> list[str]:
 PLATEAU_MAX_GAIN = 0.01  # the pre-set criterion (2026-11-29, before any round-4 run finished): see last_third_gains
 
 
+def last_third_start(args) -> int:
+    return math.ceil(2 * args.steps / 3)
+
+
 def last_third_gains(args, runs: list[dict]) -> dict[str, list[float]]:
     """Per seed, what (a) still gained over the last third of its steps: validation pass@1 at the end minus at the
     first validation at or after 2/3 of the steps, and the mean training reward of the last sixth of the steps minus
     that of the sixth before it. Arm (a) has plateaued, by the criterion set before round 4's runs finished, when the
     mean validation gain across seeds is under `PLATEAU_MAX_GAIN` and its 95% CI holds 0: flat pooled pass@1 over
     the last third, not merely too few seeds to see a rise (the mean bound) nor a fall read as flat (the CI)."""
-    start, sixth = math.ceil(2 * args.steps / 3), args.steps / 6
+    start, sixth = last_third_start(args), args.steps / 6
     gains = {"pass@1": [], "reward": []}
     for run in runs:
         evals = {row["prorl/global_step"]: row["eval_pass@1"] for row in run["evals"]}
@@ -1149,7 +1152,7 @@ def last_third_lines(args, runs: list[dict]) -> list[str]:
         return ["Over the last third: no run has a validation inside it before its last."]
     mean, low, high = t_interval(gains["pass@1"])
     flat = not math.isnan(low) and mean < PLATEAU_MAX_GAIN and low <= 0 <= high
-    lines = [f"Over the last third (from step {math.ceil(2 * args.steps / 3)}), pooled across seeds: validation "
+    lines = [f"Over the last third (from step {last_third_start(args)}), pooled across seeds: validation "
              f"pass@1 {100 * mean:+.2f} pts, 95% CI [{100 * low:+.2f}, {100 * high:+.2f}] (n={len(gains['pass@1'])}); "
              f"plateaued by the pre-set criterion (mean gain under {100 * PLATEAU_MAX_GAIN:g} pt and its CI holding "
              f"0): **{'yes' if flat else 'no'}**."]  # fmt: skip
