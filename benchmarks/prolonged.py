@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import fcntl
 import functools
 import hashlib
 import itertools
@@ -615,6 +616,7 @@ def run_jobs(args, jobs: list[tuple[str, list[str]]], deadline: float) -> None:
     if args.mps and not hasattr(args, "mps_env"):
         raise RuntimeError("--mps: run_jobs called outside study_mps(), so its workers would run without MPS")
     mps_env = getattr(args, "mps_env", {})
+    lock_fds = (args.lock_fd,) if hasattr(args, "lock_fd") else ()  # the study's lock, held by its workers too
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()] or list(range(gpus))
     threads = max(1, (os.cpu_count() or 1) // (gpus * args.per_gpu))  # CPU threads shared fairly
     stopping, stop_sent = [], None
@@ -645,7 +647,7 @@ def run_jobs(args, jobs: list[tuple[str, list[str]]], deadline: float) -> None:
                        "OMP_NUM_THREADS": str(threads)}  # fmt: skip
                 with (Path(args.out) / "logs" / f"{name}.log").open("a") as log:
                     process = subprocess.Popen([sys.executable, __file__, *job], stdout=log, stderr=subprocess.STDOUT,
-                                               env=env)  # fmt: skip
+                                               env=env, pass_fds=lock_fds)  # fmt: skip
                 running[process] = (name, gpu, weight)
                 print(f"[prolonged] {name} started on GPU {gpu}", flush=True)
             time.sleep(0.5)
@@ -655,6 +657,7 @@ def run_jobs(args, jobs: list[tuple[str, list[str]]], deadline: float) -> None:
 
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
+STUDY_LOCK = "study.lock"  # OUT/study.lock: `study_lock`
 
 
 def mps_control() -> str:
@@ -718,8 +721,39 @@ def main(argv: list[str] | None = None) -> dict | int:
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     deadline = time.time() + (args.time_limit or math.inf)
-    with study_mps(args, out):
+    with study_lock(args, out), study_mps(args, out):
         return run_study(args, argv, out, deadline)
+
+
+@contextlib.contextmanager
+def study_lock(args, out: Path):
+    """One call at a time per OUT: two calls would run the same runs twice into the same folders. The lock is a
+    `flock` on OUT/study.lock that every worker inherits (`args.lock_fd`, passed to it), so it holds for as long as
+    any of the call's processes lives, even where the parent was killed and its workers went on. `--report-only`
+    only reads, and takes none."""
+    if args.report_only:
+        yield
+        return
+    handle = (out / STUDY_LOCK).open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise SystemExit(f"{out} is in use by another prolonged.py call ({holder}), or by its workers: a second call "
+                         "would train the same runs into the same folders. Wait for it to end, or stop it and its "
+                         "workers, then call again (with --resume to go on); or use another --out") from None  # fmt: skip
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}, started {datetime.datetime.now().isoformat(timespec='seconds')}\n")
+    handle.flush()
+    args.lock_fd = handle.fileno()
+    try:
+        yield
+    finally:
+        del args.lock_fd
+        handle.close()
 
 
 def run_study(args, argv: list[str], out: Path, deadline: float) -> dict | int:

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 from _benchmarks import load_benchmark
@@ -401,3 +402,42 @@ def test_step_split_times_every_training_step_of_every_phase_into_the_report(tmp
     report = (tmp_path / "prolonged.md").read_text()
     assert "## Where a training step goes" in report
     assert "| (a) one phase | 4 |" in report and "| (b) 4 phases + hard resets | 4 |" in report
+
+
+def test_a_second_call_on_the_same_out_is_refused_while_any_process_of_the_first_lives(tmp_path, monkeypatch):
+    """Two calls on one OUT would train the same runs twice into the same folders. A call holds OUT/study.lock;
+    its workers inherit the lock, so a call whose parent was killed still holds it through them. A report only
+    reads and needs no lock."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "o"
+    (out / "logs").mkdir(parents=True)
+    args = prolonged.parse_args(["--out", str(out), "--launch", "subprocess", "--gpus", "1"])
+    with prolonged.study_lock(args, out):
+        with pytest.raises(SystemExit, match=rf"{out} is in use by another prolonged.py call \(pid {os.getpid()}"):
+            prolonged.main(["--out", str(out), "--smoke"])
+        assert not (out / "settings.json").exists()  # refused before anything was written
+        with pytest.raises(SystemExit, match="No warm start in"):  # a report goes past the lock (and finds no runs)
+            prolonged.main(["--out", str(out), "--report-only"])
+        second_call = ("second", ["--out", str(out), "--smoke"])
+        prolonged.run_jobs(args, [second_call], deadline=math.inf)  # a worker sees the lock it holds as taken
+        assert "is in use by another prolonged.py call" in (out / "logs" / "second.log").read_text()
+        python = sys.executable
+        stand_in = tmp_path / "bin" / "python"  # lists the files a worker has open
+        stand_in.parent.mkdir()
+        stand_in.write_text('#!/bin/sh\nls -l /proc/$$/fd > "$0.fds"\n')
+        stand_in.chmod(0o755)
+        monkeypatch.setattr(sys, "executable", str(stand_in))
+        prolonged.run_jobs(args, [("worker", [])], deadline=math.inf)
+        monkeypatch.undo()
+        assert str((out / "study.lock").resolve()) in Path(f"{stand_in}.fds").read_text()
+        worker = subprocess.Popen([python, "-c", "import time; time.sleep(60)"], pass_fds=(args.lock_fd,))
+    try:
+        with pytest.raises(SystemExit, match="is in use"):  # the parent let go; its worker still holds the lock
+            prolonged.main(["--out", str(out), "--smoke"])
+    finally:
+        worker.kill()
+        worker.wait()
+    with prolonged.study_lock(args, out):  # free again once the worker is gone
+        assert (out / "study.lock").read_text().startswith(f"pid {os.getpid()}, started ")
