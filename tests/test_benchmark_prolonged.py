@@ -6,6 +6,8 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -408,9 +410,6 @@ def test_a_second_call_on_the_same_out_is_refused_while_any_process_of_the_first
     """Two calls on one OUT would train the same runs twice into the same folders. A call holds OUT/study.lock;
     its workers inherit the lock, so a call whose parent was killed still holds it through them. A report only
     reads and needs no lock."""
-    import subprocess
-    import sys
-
     out = tmp_path / "o"
     (out / "logs").mkdir(parents=True)
     args = prolonged.parse_args(["--out", str(out), "--launch", "subprocess", "--gpus", "1"])
