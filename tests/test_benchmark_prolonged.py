@@ -95,6 +95,7 @@ def test_smoke_runs_every_arm_and_resume_continues_one_run_from_a_checkpoint(tmp
     assert resets[("plateau", 0)], "smoke patience 1: pass@1 stays flat, so the plateau rule resets"
     for knob in ("opt", "ref", "adapter"):  # the same boundaries as (b), each a reset of one part alone
         assert resets[(knob, 0)] == [1, 2, 3], knob
+    assert_replicates_reads_the_study(tmp_path)
     assert set(result["pairs"]) >= {"prorl-one_phase@1", "prorl-no_reset@4", "plateau-one_phase@1", "opt-no_reset@1",
                                     "ref-no_reset@1", "adapter-no_reset@1"}  # fmt: skip
     frozen = {arm: (tmp_path / "runs" / f"{arm}-s0" / "trainer" / "frozen").is_dir()
@@ -161,6 +162,30 @@ def test_smoke_runs_every_arm_and_resume_continues_one_run_from_a_checkpoint(tmp
     assert solved == [by_hand[f"prorl-s{s}"]["newly_solved"] - by_hand[f"one_phase-s{s}"]["newly_solved"]
                       for s in (0, 1)]  # fmt: skip
     assert "- (b) - (a) newly solved: " in report and "- (d) - (a) newly lost: " in report
+
+
+def assert_replicates_reads_the_study(study):
+    """benchmarks/replicates.py on a real study: on CPU every arm of a seed is one run through phase 0 (step 1 in the
+    smoke), and a copy of the study with one logged loss changed differs at that step and nowhere before."""
+    replicates = load_benchmark("replicates")
+    within = replicates.main([f"cpu={study}", "--through", "1"]).split("## Arms of one seed")[1]
+    pairs = [line for line in within.splitlines() if line.startswith("| cpu |")]
+    assert len(pairs) == 2 * math.comb(len(prolonged.ARMS), 2) and all(line.endswith("| 1 | none |") for line in pairs)
+    copy = study / "copy"
+    shutil.copytree(study / "runs", copy / "runs")
+    rows = (copy / "runs" / "prorl-s0" / "rows.jsonl").read_text().splitlines()
+    at = next(i for i, line in enumerate(rows) if '"loss"' in line and json.loads(line)["prorl/global_step"] == 3)
+    changed = json.loads(rows[at])
+    changed["loss"] += 1e-12
+    rows[at] = json.dumps(changed)
+    (copy / "runs" / "prorl-s0" / "rows.jsonl").write_text("\n".join(rows) + "\n")
+    across = replicates.main([f"a={study}", f"b={copy}", "--through", "4", "--export", str(copy / "rows.csv.gz")])
+    lines = [line for line in across.split("## Arms of one seed")[0].splitlines() if "| a vs b |" in line]
+    assert len(lines) == 2 * len(prolonged.ARMS)
+    assert [line.split(" | ")[3] for line in lines if line.startswith("| prorl-s0 |")] == ["3"]
+    assert all(line.split(" | ")[3] == "none" for line in lines if not line.startswith("| prorl-s0 |"))
+    assert replicates.main(["--rows", str(copy / "rows.csv.gz"), "--through", "4"]) == across  # the export reads back
+    shutil.rmtree(copy)
 
 
 def write_validation(run_dir, step, correct):
