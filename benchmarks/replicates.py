@@ -10,8 +10,8 @@ same run on a bitwise-reproducible stack:
   step 1;
 - **within a study**: the arms of one seed up to `--through`, the end of their shared first phase (one warm start,
   data order, sampling settings, adapter and optimizer until the first boundary; `prolonged.py`'s phases).
-Two rows differ when any of `COMPARED` differs as logged (17 significant digits). Why it matters: the study's paired
-differences pair arms by seed; if runs are not reproducible, pairs share their data and warm start but not their
+Two rows differ when any of `COMPARED` differs as logged (full float precision; NaN equals NaN). Why it matters:
+the study pairs arms by seed; if runs are not reproducible, pairs share their data and warm start but not their
 trajectory through phase 0, and two runs of one configuration show how far validation moves from numerics alone.
 """
 
@@ -21,7 +21,6 @@ import argparse
 import csv
 import gzip
 import itertools
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -72,7 +71,8 @@ def training(rows: list[dict]) -> dict[tuple[str, str], dict[int, tuple]]:
     table = defaultdict(dict)
     for row in rows:
         if "loss" in row:
-            table[row["study"], row["run"]][row["step"]] = tuple(row.get(key) for key in COMPARED)
+            values = (row.get(key) for key in COMPARED)
+            table[row["study"], row["run"]][row["step"]] = tuple("nan" if value != value else value for value in values)
     return table
 
 
@@ -147,4 +147,4 @@ def main(argv: list[str] | None = None) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main() and 0)
+    main()
