@@ -146,6 +146,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     rl.add_argument("--kl-clamp", choices=("on", "off"), default="on", help="bound the KL term as verl's low_var_kl")
     rl.add_argument("--cudnn-attention-guard", choices=("auto", "always", "off"), default="auto",
                     help="ProRLConfig.cudnn_attention_guard: keep cuDNN's SDPA backward from making gradients NaN")
+    rl.add_argument("--full-determinism", choices=("on", "off"), default="off",
+                    help="TrainingArguments.full_determinism (deterministic algorithms, cuDNN deterministic, cuBLAS "
+                         "workspace): a probe of where GPU runs of one configuration part; costs speed")  # fmt: skip
     rl.add_argument("--plateau-patience", type=int, help="arm (d): evaluations without improvement (default 3)")
     rl.add_argument("--plateau-min-delta", type=float, default=0.01, help="arm (d): smallest pass@1 improvement")
     val = p.add_argument_group("validation")
@@ -445,6 +448,11 @@ def make_counts_callback(path: Path, attempt: int, validation, num_steps: list[i
     return Counts()
 
 
+# what transformers' enable_full_determinism sets in os.environ (run_worker restores it)
+DETERMINISM_ENVIRONMENT = ("CUDA_LAUNCH_BLOCKING", "CUBLAS_WORKSPACE_CONFIG", "ASCEND_LAUNCH_BLOCKING",
+                           "HCCL_DETERMINISTIC", "FLASH_ATTENTION_DETERMINISTIC")  # fmt: skip
+
+
 def run_worker(args) -> int:
     """One (arm, seed) run into `--run-dir`; 0 when finished, 143 when stopped by a signal (checkpoint written)."""
     import torch
@@ -452,10 +460,24 @@ def run_worker(args) -> int:
     threads = torch.get_num_threads()
     if args.smoke:  # a tiny model: one thread is fastest, and far faster on a busy machine
         torch.set_num_threads(1)
+    # `full_determinism` switches process-wide state (transformers' enable_full_determinism): put it back, since smoke
+    # workers run in the caller's process
+    determinism = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+                   torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)  # fmt: skip
+    environment = {name: os.environ.get(name) for name in DETERMINISM_ENVIRONMENT}
+    if args.worker != "warm_start" and args.full_determinism == "on":
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # before this process's first cuBLAS handle
     try:
         return _run_worker(args)
     finally:
         torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(determinism[0], warn_only=determinism[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = determinism[2:]
+        for name, value in environment.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _run_worker(args) -> int:
@@ -503,7 +525,7 @@ def _run_worker(args) -> int:
         num_generations=args.num_generations, max_completion_length=args.max_completion_length, temperature=1.0,
         top_p=0.7, beta=args.beta, loss_type="dapo", epsilon=0.2, epsilon_high=0.28, lora_reset_mode="frozen",
         consolidate_frozen_parts=args.consolidate_frozen_parts == "on", kl_clamp=args.kl_clamp == "on",
-        cudnn_attention_guard=args.cudnn_attention_guard, save_strategy="steps", save_steps=args.save_steps, save_total_limit=2, save_merged_on_reset=False,
+        cudnn_attention_guard=args.cudnn_attention_guard, full_determinism=args.full_determinism == "on", save_strategy="steps", save_steps=args.save_steps, save_total_limit=2, save_merged_on_reset=False,
         rollout_engine=cuda and args.rollout_engine == "on", plateau_metric="eval_pass@1", report_to=[], logging_steps=1, disable_tqdm=True,
         seed=args.seed, model_init_kwargs={"dtype": "bfloat16" if cuda else "float32"}, **device_kwargs(args),
     )  # fmt: skip

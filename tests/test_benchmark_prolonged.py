@@ -462,3 +462,25 @@ def test_a_second_call_on_the_same_out_is_refused_while_any_process_of_the_first
         worker.wait()
     with prolonged.study_lock(args, out):  # free again once the worker is gone
         assert (out / "study.lock").read_text().startswith(f"pid {os.getpid()}, started ")
+
+
+def test_full_determinism_reaches_the_trainer_and_the_process_gets_its_state_back(tmp_path, monkeypatch):
+    """`--full-determinism on` is TrainingArguments.full_determinism in every worker's config (the GPU probe of where
+    runs part); the smoke workers run in this process, so torch's and the environment's switches come back after."""
+    import torch
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setenv("CUDA_LAUNCH_BLOCKING", "0")
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
+    before = torch.are_deterministic_algorithms_enabled()  # a warm start made in this process may have left it on
+    torch.use_deterministic_algorithms(False)
+    try:
+        prolonged.main(["--smoke", "--out", str(tmp_path), "--arms", "one_phase", "--seeds", "0",
+                        "--full-determinism", "on"])  # fmt: skip
+        assert not torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.deterministic
+    finally:
+        torch.use_deterministic_algorithms(before)
+    saved = sorted((tmp_path / "runs" / "one_phase-s0" / "trainer").rglob("training_args.bin"))
+    assert saved and all(torch.load(path, weights_only=False).full_determinism for path in saved)
+    assert json.loads((tmp_path / "settings.json").read_text())["full_determinism"] == "on"
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ and os.environ["CUDA_LAUNCH_BLOCKING"] == "0"
