@@ -10,7 +10,10 @@ same run on a bitwise-reproducible stack:
   step 1;
 - **within a study**: the arms of one seed up to `--through`, the end of their shared first phase (one warm start,
   data order, sampling settings, adapter and optimizer until the first boundary; `prolonged.py`'s phases).
-Two rows differ when any of `COMPARED` differs as logged (full float precision; NaN equals NaN). Why it matters:
+Two rows differ when any of `COMPARED` differs as logged (full float precision; NaN equals NaN). Beside each pair:
+whether its validations at step 0 and at `--through` solved each problem the same number of times (`counts.jsonl`),
+which separates generation from training: runs with the same weights and reproducible sampling give the same counts.
+Why it matters:
 the study pairs arms by seed; if runs are not reproducible, pairs share their data and warm start but not their
 trajectory through phase 0, and two runs of one configuration show how far validation moves from numerics alone.
 """
@@ -21,15 +24,16 @@ import argparse
 import csv
 import gzip
 import itertools
+import json
 from collections import defaultdict
 from pathlib import Path
 
-from prolonged import read_rows
+from prolonged import read_counts, read_rows
 
 # the per-step training row's columns compared (rows.jsonl keys), and the validation's columns reported
 COMPARED = ("loss", "grad_norm", "reward", "completions/mean_length", "entropy", "kl")
 VALIDATION = ("eval_pass@1", "eval_pass@64")
-COLUMNS = ("study", "run", "step", *COMPARED, *VALIDATION)
+COLUMNS = ("study", "run", "step", *COMPARED, *VALIDATION, "correct")  # correct: a validation's per-problem counts
 
 
 def study_rows(name: str, folder: Path, through: int) -> list[dict]:
@@ -39,6 +43,7 @@ def study_rows(name: str, folder: Path, through: int) -> list[dict]:
         raise SystemExit(f"{folder} has no runs/ folder: give a prolonged.py --out folder as NAME=DIR.")
     table = []
     for run in sorted(path for path in runs.iterdir() if (path / "rows.jsonl").is_file()):
+        counts = read_counts(run / "counts.jsonl") if (run / "counts.jsonl").is_file() else {}
         for row in read_rows(run / "rows.jsonl"):
             step = row.get("prorl/global_step")
             kept = [key for key in (*COMPARED, *VALIDATION) if key in row]
@@ -46,6 +51,8 @@ def study_rows(name: str, folder: Path, through: int) -> list[dict]:
                 continue
             if "loss" in row or "eval_pass@1" in row:
                 table.append({"study": name, "run": run.name, "step": int(step), **{key: row[key] for key in kept}})
+                if "eval_pass@1" in row and step in counts:
+                    table[-1]["correct"] = counts[step]["correct"]
     return table
 
 
@@ -54,16 +61,18 @@ def write_csv(rows: list[dict], path: Path) -> None:
         writer = csv.DictWriter(file, COLUMNS)
         writer.writeheader()
         for row in rows:  # repr: a float written back reads as the same float
-            writer.writerow({key: repr(value) if isinstance(value, float) else value for key, value in row.items()})
+            writer.writerow({key: json.dumps(value) if key == "correct" else repr(value) if isinstance(value, float)
+                             else value for key, value in row.items()})  # fmt: skip
 
 
 def read_csv(path: Path) -> list[dict]:
+    def parse(key: str, value: str):
+        if key in ("study", "run"):
+            return value
+        return int(value) if key == "step" else json.loads(value) if key == "correct" else float(value)
+
     with gzip.open(path, "rt", newline="") as file:
-        return [
-            {key: (value if key in ("study", "run") else int(value) if key == "step" else float(value))
-             for key, value in row.items() if value != ""}
-            for row in csv.DictReader(file)
-        ]  # fmt: skip
+        return [{key: parse(key, value) for key, value in row.items() if value != ""} for row in csv.DictReader(file)]
 
 
 def training(rows: list[dict]) -> dict[tuple[str, str], dict[int, tuple]]:
@@ -90,23 +99,39 @@ def validation_at(rows: list[dict], study: str, run: str, step: int) -> str:
     return " / ".join(f"{100 * found[-1][key]:.1f}" if key in found[-1] else "-" for key in VALIDATION)
 
 
+def same_counts(rows: list[dict], study_a: str, run_a: str, study_b: str, run_b: str, step: int) -> str:
+    """Whether two runs' validations at `step` solved the same problems the same number of times: "same", "differ",
+    or "-" where either has no counts."""
+
+    def counts(study: str, run: str):
+        found = [row["correct"] for row in rows
+                 if (row["study"], row["run"], row["step"]) == (study, run, step) and "correct" in row]  # fmt: skip
+        return found[-1] if found else None
+
+    a, b = counts(study_a, run_a), counts(study_b, run_b)
+    return "-" if a is None or b is None else "same" if a == b else "differ"
+
+
 def report(rows: list[dict], through: int) -> str:
     runs = training(rows)
     studies = list(dict.fromkeys(row["study"] for row in rows))
     lines = [
         f"## The same (arm, seed) in two studies (steps 1-{through})", "",
-        f"| run | studies | steps compared | first differing step | pass@1 / pass@64 at step {through} (%) |",
-        "| --- | --- | ---: | ---: | --- |",
+        f"| run | studies | steps compared | first differing step | pass@1 / pass@64 at step {through} (%) "
+        f"| validation counts at step 0 / {through} |",
+        "| --- | --- | ---: | ---: | --- | --- |",
     ]  # fmt: skip
     names = sorted({run for _, run in runs})
     for run, (a, b) in itertools.product(names, itertools.combinations(studies, 2)):
         if (a, run) in runs and (b, run) in runs:
             count, step = first_difference(runs[a, run], runs[b, run])
             shown = f"{validation_at(rows, a, run, through)} vs {validation_at(rows, b, run, through)}"
-            lines.append(f"| {run} | {a} vs {b} | {count} | {step if step else 'none'} | {shown} |")
+            same = " / ".join(same_counts(rows, a, run, b, run, at) for at in (0, through))
+            lines.append(f"| {run} | {a} vs {b} | {count} | {step if step else 'none'} | {shown} | {same} |")
     lines += [
         "", f"## Arms of one seed within a study, through their shared first phase (steps 1-{through})", "",
-        "| study | seed | arms | steps compared | first differing step |", "| --- | --- | --- | ---: | ---: |",
+        f"| study | seed | arms | steps compared | first differing step | validation counts at step 0 / {through} |",
+        "| --- | --- | --- | ---: | ---: | --- |",
     ]  # fmt: skip
     for study in studies:
         by_seed = defaultdict(list)
@@ -116,7 +141,8 @@ def report(rows: list[dict], through: int) -> str:
         for seed, members in sorted(by_seed.items()):
             for a, b in itertools.combinations(sorted(members), 2):
                 count, step = first_difference(runs[study, a], runs[study, b])
-                lines.append(f"| {study} | {seed} | {a} vs {b} | {count} | {step if step else 'none'} |")
+                same = " / ".join(same_counts(rows, study, a, study, b, at) for at in (0, through))
+                lines.append(f"| {study} | {seed} | {a} vs {b} | {count} | {step if step else 'none'} | {same} |")
     return "\n".join(lines) + "\n"
 
 

@@ -170,7 +170,8 @@ def assert_replicates_reads_the_study(study):
     replicates = load_benchmark("replicates")
     within = replicates.main([f"cpu={study}", "--through", "1"]).split("## Arms of one seed")[1]
     pairs = [line for line in within.splitlines() if line.startswith("| cpu |")]
-    assert len(pairs) == 2 * math.comb(len(prolonged.ARMS), 2) and all(line.endswith("| 1 | none |") for line in pairs)
+    assert len(pairs) == 2 * math.comb(len(prolonged.ARMS), 2)
+    assert all(line.endswith("| 1 | none | same / same |") for line in pairs)  # rows, then validation counts
     copy = study / "copy"
     shutil.copytree(study / "runs", copy / "runs")
     rows = (copy / "runs" / "prorl-s0" / "rows.jsonl").read_text().splitlines()
@@ -183,6 +184,7 @@ def assert_replicates_reads_the_study(study):
     lines = [line for line in across.split("## Arms of one seed")[0].splitlines() if "| a vs b |" in line]
     assert len(lines) == 2 * len(prolonged.ARMS)
     assert [line.split(" | ")[3] for line in lines if line.startswith("| prorl-s0 |")] == ["3"]
+    assert all(line.endswith("| same / same |") for line in lines)  # the changed loss left the counts alone
     assert all(line.split(" | ")[3] == "none" for line in lines if not line.startswith("| prorl-s0 |"))
     assert replicates.main(["--rows", str(copy / "rows.csv.gz"), "--through", "4"]) == across  # the export reads back
     shutil.rmtree(copy)
