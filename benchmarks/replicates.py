@@ -13,9 +13,9 @@ same run on a bitwise-reproducible stack:
 Two rows differ when any of `COMPARED` differs as logged (full float precision; NaN equals NaN). Beside each pair:
 whether its validations at step 0 and at `--through` solved each problem the same number of times (`counts.jsonl`),
 which separates generation from training: runs with the same weights and reproducible sampling give the same counts.
-Why it matters:
-the study pairs arms by seed; if runs are not reproducible, pairs share their data and warm start but not their
-trajectory through phase 0, and two runs of one configuration show how far validation moves from numerics alone.
+Why it matters: the study pairs arms by seed; if runs are not reproducible, pairs share their data and warm start but
+not their trajectory through phase 0, and two runs of one configuration show how far validation moves from numerics
+alone.
 """
 
 from __future__ import annotations
@@ -46,13 +46,12 @@ def study_rows(name: str, folder: Path, through: int) -> list[dict]:
         counts = read_counts(run / "counts.jsonl") if (run / "counts.jsonl").is_file() else {}
         for row in read_rows(run / "rows.jsonl"):
             step = row.get("prorl/global_step")
-            kept = [key for key in (*COMPARED, *VALIDATION) if key in row]
-            if step is None or step > through or not kept:
+            if step is None or step > through or not ("loss" in row or "eval_pass@1" in row):
                 continue
-            if "loss" in row or "eval_pass@1" in row:
-                table.append({"study": name, "run": run.name, "step": int(step), **{key: row[key] for key in kept}})
-                if "eval_pass@1" in row and step in counts:
-                    table[-1]["correct"] = counts[step]["correct"]
+            kept = {key: row[key] for key in (*COMPARED, *VALIDATION) if key in row}
+            table.append({"study": name, "run": run.name, "step": int(step), **kept})
+            if "eval_pass@1" in row and step in counts:
+                table[-1]["correct"] = counts[step]["correct"]
     return table
 
 
@@ -91,29 +90,25 @@ def first_difference(a: dict[int, tuple], b: dict[int, tuple]) -> tuple[int, int
     return len(common), next((step for step in common if a[step] != b[step]), None)
 
 
-def validation_at(rows: list[dict], study: str, run: str, step: int) -> str:
-    found = [row for row in rows
-             if (row["study"], row["run"], row["step"]) == (study, run, step) and VALIDATION[0] in row]  # fmt: skip
-    if not found:
-        return "-"
-    return " / ".join(f"{100 * found[-1][key]:.1f}" if key in found[-1] else "-" for key in VALIDATION)
+def validations(rows: list[dict]) -> dict[tuple[str, str, int], dict]:
+    """(study, run, step) -> that validation's row (pass@k, and `correct` where counts were written)."""
+    return {(row["study"], row["run"], row["step"]): row for row in rows if VALIDATION[0] in row}
 
 
-def same_counts(rows: list[dict], study_a: str, run_a: str, study_b: str, run_b: str, step: int) -> str:
-    """Whether two runs' validations at `step` solved the same problems the same number of times: "same", "differ",
-    or "-" where either has no counts."""
+def validation_at(found: dict, study: str, run: str, step: int) -> str:
+    row = found.get((study, run, step))
+    return " / ".join(f"{100 * row[key]:.1f}" if key in row else "-" for key in VALIDATION) if row else "-"
 
-    def counts(study: str, run: str):
-        found = [row["correct"] for row in rows
-                 if (row["study"], row["run"], row["step"]) == (study, run, step) and "correct" in row]  # fmt: skip
-        return found[-1] if found else None
 
-    a, b = counts(study_a, run_a), counts(study_b, run_b)
-    return "-" if a is None or b is None else "same" if a == b else "differ"
+def same_counts(found: dict, a: tuple[str, str], b: tuple[str, str], step: int) -> str:
+    """Whether runs `a` and `b` ((study, run)) solved each problem the same number of times at `step`: "same",
+    "differ", or "-" where either has no counts."""
+    counts_a, counts_b = (found.get((*run, step), {}).get("correct") for run in (a, b))
+    return "-" if counts_a is None or counts_b is None else "same" if counts_a == counts_b else "differ"
 
 
 def report(rows: list[dict], through: int) -> str:
-    runs = training(rows)
+    runs, found = training(rows), validations(rows)
     studies = list(dict.fromkeys(row["study"] for row in rows))
     lines = [
         f"## The same (arm, seed) in two studies (steps 1-{through})", "",
@@ -125,8 +120,8 @@ def report(rows: list[dict], through: int) -> str:
     for run, (a, b) in itertools.product(names, itertools.combinations(studies, 2)):
         if (a, run) in runs and (b, run) in runs:
             count, step = first_difference(runs[a, run], runs[b, run])
-            shown = f"{validation_at(rows, a, run, through)} vs {validation_at(rows, b, run, through)}"
-            same = " / ".join(same_counts(rows, a, run, b, run, at) for at in (0, through))
+            shown = f"{validation_at(found, a, run, through)} vs {validation_at(found, b, run, through)}"
+            same = " / ".join(same_counts(found, (a, run), (b, run), at) for at in (0, through))
             lines.append(f"| {run} | {a} vs {b} | {count} | {step if step else 'none'} | {shown} | {same} |")
     lines += [
         "", f"## Arms of one seed within a study, through their shared first phase (steps 1-{through})", "",
@@ -141,7 +136,7 @@ def report(rows: list[dict], through: int) -> str:
         for seed, members in sorted(by_seed.items()):
             for a, b in itertools.combinations(sorted(members), 2):
                 count, step = first_difference(runs[study, a], runs[study, b])
-                same = " / ".join(same_counts(rows, study, a, study, b, at) for at in (0, through))
+                same = " / ".join(same_counts(found, (study, a), (study, b), at) for at in (0, through))
                 lines.append(f"| {study} | {seed} | {a} vs {b} | {count} | {step if step else 'none'} | {same} |")
     return "\n".join(lines) + "\n"
 
