@@ -11,6 +11,7 @@ from prorl_trl.attention.cudnn_guard import (
     ROUTED_THROUGH_GUARD,
     guarded_length,
     left_padded_causal_mask,
+    report_after_probe,
     set_guard,
     use_guarded_sdpa,
 )
@@ -48,6 +49,25 @@ def test_on_the_cpu_nothing_is_probed_or_switched_and_the_report_says_why():
     assert "'eager', not SDPA" in install_cudnn_attention_guard(eager, "auto").message
     with pytest.raises(ValueError, match="one of \\['auto', 'always', 'off'\\]"):
         install_cudnn_attention_guard(model, "sometimes")
+
+
+def test_after_the_probe_auto_guards_64_and_what_failed_or_nothing_where_cudnn_cannot_train_the_shape():
+    """Each answer the GPU probe can give, decided without a GPU. cuDNN refusing the shape (None) happens on a GPU under
+    `full_determinism`: its report once raised a TypeError and stopped every worker before its first step."""
+    clean = report_after_probe("auto", (), 0.91, "torch x, H200", "2 heads of 64, torch.bfloat16")
+    assert clean.active and clean.remainders == (64,) and clean.probe_failing == ()
+    assert "found no NaN gradient" in clean.message and "[64] mod 128" in clean.message
+    failing = report_after_probe("auto", (96, 64), 1.234, "torch x, H200", "2 heads of 64, torch.bfloat16")
+    assert failing.remainders == (64, 96) and failing.probe_failing == (96, 64) and failing.probe_seconds == 1.23
+    refused = report_after_probe("auto", None, 0.05, "torch x, H200", "2 heads of 64, torch.bfloat16")
+    assert not refused.active and refused.remainders == () and refused.probe_failing is None
+    assert "not needed" in refused.message and "shape or dtype" in refused.message
+    torch.use_deterministic_algorithms(True)
+    try:
+        deterministic = report_after_probe("auto", None, 0.05, "torch x, H200", "2 heads of 64, torch.bfloat16")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert "deterministic algorithms are on" in deterministic.message and deterministic.as_dict()["remainders"] == ()
 
 
 def test_the_guarded_attention_is_transformers_sdpa_bit_for_bit_forward_and_backward_with_checkpointing():

@@ -244,17 +244,35 @@ def install_cudnn_attention_guard(model: Any, mode: str = "auto") -> CudnnGuardR
         started = time.perf_counter()
         _PROBES[key] = (probe_cudnn_backward(device, dtype, heads, head_dim), time.perf_counter() - started)
     failing, seconds = _PROBES[key]
+    result = report_after_probe(mode, failing, seconds, software, f"{heads} heads of {head_dim}, {dtype}")
+    if result.active:
+        use_guarded_sdpa(base)
+    set_guard(False, result.remainders)
+    return result
+
+
+def report_after_probe(
+    mode: str, failing: tuple[int, ...] | None, seconds: float, software: str, shape: str
+) -> CudnnGuardReport:
+    """What "auto" does once the probe has answered: guard remainder 64 and every remainder the probe saw fail, or
+    nothing where cuDNN's SDPA cannot train this shape here (`failing` None: then SDPA never picks cuDNN for it).
+
+    A pure function of the probe's answer, so each branch is tested without a GPU."""
     if failing is None:
-        set_guard(False)
-        return report(False, False, None, None, seconds, why=f"cuDNN attention guard not needed: cuDNN's SDPA does not "
-                      f"run {heads} heads of {head_dim} in {dtype} here ({software}).")  # fmt: skip
-    remainders = REPORTED_REMAINDERS | set(failing)
-    use_guarded_sdpa(base)
-    set_guard(False, remainders)
+        why = (
+            "deterministic algorithms are on (torch.use_deterministic_algorithms), which cuDNN's SDPA backward does "
+            "not support"
+            if torch.are_deterministic_algorithms_enabled()
+            else "it does not take this shape or dtype"
+        )
+        return CudnnGuardReport(mode, False, False, (), None, round(seconds, 2), software,
+                                f"cuDNN attention guard not needed: cuDNN's SDPA does not train {shape} here "
+                                f"({software}): {why}.")  # fmt: skip
+    remainders = tuple(sorted(REPORTED_REMAINDERS | set(failing)))
     found = f"found NaN gradients at {list(failing)}" if failing else "found no NaN gradient"
-    return report(
-        True, False, remainders, failing, round(seconds, 2),
-        why=f"cuDNN attention guard (auto): training attention at lengths {sorted(remainders)} mod {TILE} runs "
-        f"without cuDNN; the start-up probe ({software}; {heads} heads of {head_dim}, {dtype}) {found} "
+    return CudnnGuardReport(
+        mode, True, False, remainders, tuple(failing), round(seconds, 2), software,
+        f"cuDNN attention guard (auto): training attention at lengths {list(remainders)} mod {TILE} runs "
+        f"without cuDNN; the start-up probe ({software}; {shape}) {found} "
         f"in {seconds:.1f} s. `cudnn_attention_guard: off` turns it off.",
     )  # fmt: skip
