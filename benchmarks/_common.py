@@ -8,6 +8,7 @@ installed one, and nothing reaches the Hub (the benchmarks build random-weight m
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -102,3 +103,33 @@ def read_runs(paths: list[Path]) -> list[dict]:
         except (OSError, json.JSONDecodeError) as error:
             raise SystemExit(f"{path}: not a benchmark's JSON output ({error}); pass the files its --json wrote.")
     return runs
+
+
+# what transformers' enable_full_determinism sets in os.environ (`determinism_restored` puts it back)
+DETERMINISM_ENVIRONMENT = ("CUDA_LAUNCH_BLOCKING", "CUBLAS_WORKSPACE_CONFIG", "ASCEND_LAUNCH_BLOCKING",
+                           "HCCL_DETERMINISTIC", "FLASH_ATTENTION_DETERMINISTIC")  # fmt: skip
+
+
+@contextlib.contextmanager
+def determinism_restored():
+    """Put back the process-wide state that `full_determinism` (transformers' enable_full_determinism) switches:
+    torch's deterministic algorithms, cuDNN's flags, SDPA's flash and memory-efficient kernels and the environment.
+    Smoke runs and tests train in the caller's process, where that state would outlive the training."""
+    import torch
+
+    flags = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+             torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled())  # fmt: skip
+    environment = {name: os.environ.get(name) for name in DETERMINISM_ENVIRONMENT}
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = flags[2:4]
+        torch.backends.cuda.enable_flash_sdp(flags[4])
+        torch.backends.cuda.enable_mem_efficient_sdp(flags[5])
+        for name, value in environment.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -41,7 +41,7 @@ import os
 import time
 from pathlib import Path
 
-from _common import device_name  # first: the repository on sys.path
+from _common import determinism_restored, device_name  # first: the repository on sys.path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -174,7 +174,8 @@ def warm_start(args, tokenizer, device_kwargs, out: Path, task: dict | None = No
         disable_tqdm=True,
         **device_kwargs,
     )
-    SFTTrainer(model=model, args=config, train_dataset=train, processing_class=tokenizer, callbacks=[stopper]).train()
+    with determinism_restored():  # full_determinism switches process-wide state; callers may train in this process
+        SFTTrainer(model=model, args=config, train_dataset=train, processing_class=tokenizer, callbacks=[stopper]).train()
     path = out / "warm_start"
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -56,7 +56,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from _common import device_name  # first: the repository on sys.path
+from _common import determinism_restored, device_name  # first: the repository on sys.path
 
 import learning  # noqa: E402
 
@@ -448,11 +448,6 @@ def make_counts_callback(path: Path, attempt: int, validation, num_steps: list[i
     return Counts()
 
 
-# what transformers' enable_full_determinism sets in os.environ (run_worker restores it)
-DETERMINISM_ENVIRONMENT = ("CUDA_LAUNCH_BLOCKING", "CUBLAS_WORKSPACE_CONFIG", "ASCEND_LAUNCH_BLOCKING",
-                           "HCCL_DETERMINISTIC", "FLASH_ATTENTION_DETERMINISTIC")  # fmt: skip
-
-
 def run_worker(args) -> int:
     """One (arm, seed) run into `--run-dir`; 0 when finished, 143 when stopped by a signal (checkpoint written)."""
     import torch
@@ -460,24 +455,13 @@ def run_worker(args) -> int:
     threads = torch.get_num_threads()
     if args.smoke:  # a tiny model: one thread is fastest, and far faster on a busy machine
         torch.set_num_threads(1)
-    # `full_determinism` switches process-wide state (transformers' enable_full_determinism): put it back, since smoke
-    # workers run in the caller's process
-    determinism = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-                   torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)  # fmt: skip
-    environment = {name: os.environ.get(name) for name in DETERMINISM_ENVIRONMENT}
-    if args.worker != "warm_start" and args.full_determinism == "on":
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # before this process's first cuBLAS handle
     try:
-        return _run_worker(args)
+        with determinism_restored():  # `full_determinism`'s process-wide switches: smoke workers share the caller's
+            if args.worker != "warm_start" and args.full_determinism == "on":
+                os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # before this process's first cuBLAS handle
+            return _run_worker(args)
     finally:
         torch.set_num_threads(threads)
-        torch.use_deterministic_algorithms(determinism[0], warn_only=determinism[1])
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = determinism[2:]
-        for name, value in environment.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _run_worker(args) -> int:

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from _benchmarks import load_benchmark
 from prorl_trl.data.synthetic import make_arithmetic_dataset
 
 prolonged = load_benchmark("prolonged")
+gather_tool = load_benchmark("prolonged_gather")
 
 
 def test_mean_standard_error_and_t_interval_match_hand_computed_values():
@@ -243,35 +245,88 @@ def test_arms_split_over_calls_share_one_warm_start_and_gather_into_one_report(t
                     "--warm-start-sha256", recorded])  # fmt: skip
     assert (second / "warm_start" / "model.safetensors").read_bytes() == (warm / "model.safetensors").read_bytes()
     assert "[prolonged] warm_start" not in capsys.readouterr().out  # copied, not trained again
-    shutil.copytree(first / "warm_start", gathered / "warm_start")
-    for part in (first, second):
-        for run in (part / "runs").iterdir():
-            shutil.copytree(run, gathered / "runs" / run.name)
-    shutil.copy(first / "settings.json", gathered / "settings.json")
-    stopped = gathered / "runs" / "plateau-s0"
+    stopped = second / "runs" / "plateau-s0"
     device = json.loads((stopped / "done.json").read_text())["device"]
     (stopped / "done.json").unlink()
     (stopped / "stopped.json").write_text(json.dumps({"step": 3, "reason": "non-finite gradient", "device": device}))
-    result = prolonged.main(["--out", str(gathered), "--report-only"])
+    packed = tmp_path / "packed"  # the first call's record as the repository keeps it
+    record = gather_tool.main(["pack", str(first), str(packed)])
+    assert record["finished"] == ["one_phase-s0", "prorl-s0"] and record["warm_start_sha256"] == recorded
+    assert not (packed / "runs").exists() and (packed / "runs.tar.gz").is_file()
+    result = gather_tool.main(["gather", "--out", str(gathered), "--warm-start", str(warm), str(packed), str(second)])
+    assert result["sources"] == {"no_reset-s0": str(second), "one_phase-s0": str(packed),
+                                 "plateau-s0": str(second), "prorl-s0": str(packed)}  # fmt: skip
+    result = result["report"]
     report = (gathered / "prolonged.md").read_text()
     for arm in ("one_phase", "prorl", "no_reset"):
         assert f"| {prolonged.ARMS[arm]} | 1 of 1 |" in report
     assert "| (d) one phase + resets on a plateau | 0 of 1 (1 stopped: non-finite gradient) |" in report
     assert "(stopped before step 3: non-finite gradient)" in report
     assert {"prorl-one_phase@1", "prorl-no_reset@1"} <= set(result["pairs"])
+    assert_gather_refuses_what_is_not_one_study(tmp_path, warm, packed, second, gathered)
+
+
+def assert_gather_refuses_what_is_not_one_study(tmp_path, warm, packed, second, gathered):
+    """prolonged_gather.py refuses, before writing anything, runs that are not one study's: other settings, one run
+    twice, another warm start, an --out it did not write; a second gather into its own --out rewrites it."""
+    def refused(sources, match, out=None, warm_start=warm):
+        target = out or tmp_path / "refused"
+        with pytest.raises(SystemExit, match=match):
+            gather_tool.main(["gather", "--out", str(target), "--warm-start", str(warm_start), *map(str, sources)])
+        assert out or not target.exists()
+
+    other = tmp_path / "other_lr"
+    shutil.copytree(packed, other)
+    settings = json.loads((other / "settings.json").read_text())
+    (other / "settings.json").write_text(json.dumps({**settings, "learning_rate": 3e-5, "gpus": 4}))
+    refused([packed, other], r"ran other settings than .*\(learning_rate: 0.0001 in .*, 3e-05 here\)")
+    older = tmp_path / "older"  # a call from before an option existed: its default, the same study
+    shutil.copytree(packed, older)
+    (older / "settings.json").write_text(json.dumps({k: v for k, v in settings.items() if k != "full_determinism"}))
+    assert gather_tool.study_settings(older) == gather_tool.study_settings(packed)
+    refused([packed, older], "one_phase-s0 is in both")
+    unpinned = tmp_path / "unpinned"
+    shutil.copytree(packed, unpinned)
+    (unpinned / "settings.json").write_text(json.dumps({**settings, "warm_start_sha256": "0" * 64}))
+    refused([packed, unpinned], "began from warm start 0{64}, .* from [0-9a-f]{64}: its runs are another study")
+    refused([unpinned], "has weights sha256 [0-9a-f]{64}, and the runs of .* began from 0{64}")
+    (unpinned / "settings.json").write_text(json.dumps(settings))
+    (unpinned / "warm_start.json").unlink()
+    refused([unpinned], "records no warm start")
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("mine")
+    refused([packed], "holds files that no gather wrote", out=tmp_path / "foreign")
+    assert (tmp_path / "foreign" / "notes.txt").read_text() == "mine"
+    hostile = tmp_path / "hostile"
+    hostile.mkdir()
+    for name in ("settings.json", "warm_start.json"):
+        shutil.copy(packed / name, hostile / name)
+    with tarfile.open(hostile / "runs.tar.gz", "w:gz") as tar:
+        tar.add(packed / "settings.json", arcname="../escape.json")
+    refused([hostile], "holds '../escape.json', not a run file")
+    (gathered / "runs" / "one_phase-s0" / "rows.jsonl").write_text("")  # a second gather rewrites what it wrote
+    again = gather_tool.main(["gather", "--out", str(gathered), "--warm-start", str(warm), str(packed), str(second)])
+    assert again["runs"] == ["no_reset-s0", "one_phase-s0", "plateau-s0", "prorl-s0"]
+    with tarfile.open(packed / "runs.tar.gz") as tar:
+        packed_rows = tar.extractfile("runs/one_phase-s0/rows.jsonl").read()
+    assert (gathered / "runs" / "one_phase-s0" / "rows.jsonl").read_bytes() == packed_rows != b""
 
 
 def test_the_warm_start_is_made_again_bit_for_bit(tmp_path):
     """Runs continued on a later machine make their warm start there again (74 MB does not travel): the same
     settings must give the same weights. Two warm starts of round 4's task made on one H200 without HF's
     `full_determinism` differed (2026-11-28); with it they matched. Here on CPU, at the smoke's sizes."""
-    made = []
+    import torch
+
+    made, before = [], torch.are_deterministic_algorithms_enabled()
     for name in ("a", "b"):
         args = prolonged.parse_args(["--smoke", "--out", str(tmp_path / name)])
         args.warm_dir = str(tmp_path / name / "warm_start")
         prolonged.run_warm_start(args)
         made.append(json.loads((tmp_path / name / "warm_start" / "warm_start.json").read_text())["sha256"])
     assert made[0] == made[1] == prolonged.weights_sha256(tmp_path / "a" / "warm_start")
+    # full_determinism is process-wide: made in this process, the warm start hands the process back as it found it
+    assert torch.are_deterministic_algorithms_enabled() == before and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
 
 
 def test_a_bfloat16_copy_of_the_warm_start_is_what_gpu_runs_read_and_cpu_runs_refuse(tmp_path, monkeypatch):
@@ -474,7 +529,7 @@ def test_full_determinism_reaches_the_trainer_and_the_process_gets_its_state_bac
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     monkeypatch.setenv("CUDA_LAUNCH_BLOCKING", "0")
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
-    before = torch.are_deterministic_algorithms_enabled()  # a warm start made in this process may have left it on
+    before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(False)
     try:
         prolonged.main(["--smoke", "--out", str(tmp_path), "--arms", "one_phase", "--seeds", "0",

@@ -54,6 +54,8 @@ def test_on_the_cpu_nothing_is_probed_or_switched_and_the_report_says_why():
 def test_after_the_probe_auto_guards_64_and_what_failed_or_nothing_where_cudnn_cannot_train_the_shape():
     """Each answer the GPU probe can give, decided without a GPU. cuDNN refusing the shape (None) happens on a GPU under
     `full_determinism`: its report once raised a TypeError and stopped every worker before its first step."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(False)
     clean = report_after_probe("auto", (), 0.91, "torch x, H200", "2 heads of 64, torch.bfloat16")
     assert clean.active and clean.remainders == (64,) and clean.probe_failing == ()
     assert "found no NaN gradient" in clean.message and "[64] mod 128" in clean.message
@@ -66,7 +68,7 @@ def test_after_the_probe_auto_guards_64_and_what_failed_or_nothing_where_cudnn_c
     try:
         deterministic = report_after_probe("auto", None, 0.05, "torch x, H200", "2 heads of 64, torch.bfloat16")
     finally:
-        torch.use_deterministic_algorithms(False)
+        torch.use_deterministic_algorithms(before)
     assert "deterministic algorithms are on" in deterministic.message and deterministic.as_dict()["remainders"] == ()
 
 
