@@ -1,4 +1,4 @@
-"""One report from `prolonged.py` runs made by separate calls: pack each call's runs for the record, gather them (issue 38).
+"""One report from `prolonged.py` runs of separate calls: pack each call's runs for the record, gather them (issue 38).
 
     python benchmarks/prolonged_gather.py pack runs/r4L1 benchmarks/results/prolonged_runs/round4_lease3
     python benchmarks/prolonged_gather.py gather --out runs/round4 --warm-start WS16 \
@@ -39,20 +39,21 @@ CALL_ONLY = frozenset({"out", "seeds", "arms", "gpus", "per_gpu", "solo_arms", "
                        "report_only", "warm_start", "export_warm_start", "step_split", "worker", "seed", "run_dir",
                        "warm_dir", "lock_fd", "mps_env", "warm_start_sha256"})  # fmt: skip
 # (the warm start is compared by identity, `warm_start_identity`: a call that trained it recorded no sha256)
-RUN_MEMBER = re.compile(r"runs/([a-z_]+-s\d+)/(" + "|".join(re.escape(name) for name in RUN_FILES) + ")")
+RUN_NAME = re.compile(r"[a-z_]+-s\d+")  # <arm>-s<seed>
+RUN_MEMBER = re.compile(rf"runs/({RUN_NAME.pattern})/({'|'.join(re.escape(name) for name in RUN_FILES)})")
 GATHERED = "gathered.json"  # OUT/gathered.json: which runs came from which source
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     commands = p.add_subparsers(dest="command", required=True)
-    pack = commands.add_parser("pack", help="a finished call's record for the repository")
-    pack.add_argument("study", help="a prolonged.py --out folder")
-    pack.add_argument("dest", help="a new folder: report, plots, settings.json, runs.tar.gz")
-    gather = commands.add_parser("gather", help="runs of several calls into one study folder, then its report")
-    gather.add_argument("--out", required=True, help="a new folder (or an earlier gather's, rewritten)")
-    gather.add_argument("--warm-start", required=True, help="the warm start every source's runs began from")
-    gather.add_argument("sources", nargs="+", help="study folders or `pack`ed folders")
+    pack_parser = commands.add_parser("pack", help="a finished call's record for the repository")
+    pack_parser.add_argument("study", help="a prolonged.py --out folder")
+    pack_parser.add_argument("dest", help="a new folder: report, plots, settings.json, runs.tar.gz")
+    gather_parser = commands.add_parser("gather", help="runs of several calls into one study folder, then its report")
+    gather_parser.add_argument("--out", required=True, help="a new folder (or an earlier gather's, rewritten)")
+    gather_parser.add_argument("--warm-start", required=True, help="the warm start every source's runs began from")
+    gather_parser.add_argument("sources", nargs="+", help="study folders or `pack`ed folders")
     return p.parse_args(argv)
 
 
@@ -86,7 +87,7 @@ def run_files(folder: Path) -> dict[str, dict[str, bytes]]:
     `RUN_MEMBER` are refused, not extracted: an archive names no path of ours)."""
     runs: dict[str, dict[str, bytes]] = {}
     if (folder / "runs").is_dir():
-        for run in sorted((folder / "runs").glob("*-s*")):
+        for run in sorted(path for path in (folder / "runs").iterdir() if RUN_NAME.fullmatch(path.name)):
             runs[run.name] = {name: (run / name).read_bytes() for name in RUN_FILES if (run / name).is_file()}
         return runs
     archive = folder / "runs.tar.gz"
@@ -163,9 +164,12 @@ def gather(out: Path, warm_start: Path, sources: list[Path]) -> dict:
     earlier = out / GATHERED
     if out.exists() and any(out.iterdir()) and not earlier.is_file():
         raise SystemExit(f"{out} holds files that no gather wrote: choose a new --out.")
-    if earlier.is_file():  # an earlier gather: remove only what it wrote
-        for run in json.loads(earlier.read_text())["runs"]:
-            shutil.rmtree(out / "runs" / run, ignore_errors=True)
+    written = json.loads(earlier.read_text())["runs"] if earlier.is_file() else []  # an earlier gather's runs
+    if any(not RUN_NAME.fullmatch(run) for run in written):
+        raise SystemExit(f"{earlier} lists {written}, not all run folders' names: no gather wrote it. Choose a new "
+                         f"--out.")  # fmt: skip
+    for run in written:  # remove only what the earlier gather wrote
+        shutil.rmtree(out / "runs" / run, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     for run, files in sorted(collected.items()):
         (out / "runs" / run).mkdir(parents=True, exist_ok=True)

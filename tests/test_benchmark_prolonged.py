@@ -304,6 +304,10 @@ def assert_gather_refuses_what_is_not_one_study(tmp_path, warm, packed, second, 
     with tarfile.open(hostile / "runs.tar.gz", "w:gz") as tar:
         tar.add(packed / "settings.json", arcname="../escape.json")
     refused([hostile], "holds '../escape.json', not a run file")
+    forged = tmp_path / "forged"
+    forged.mkdir()
+    (forged / "gathered.json").write_text(json.dumps({"runs": ["prorl-s0", "../../keep"]}))
+    refused([packed], "lists .*, not all run folders' names", out=forged)
     (gathered / "runs" / "one_phase-s0" / "rows.jsonl").write_text("")  # a second gather rewrites what it wrote
     again = gather_tool.main(["gather", "--out", str(gathered), "--warm-start", str(warm), str(packed), str(second)])
     assert again["runs"] == ["no_reset-s0", "one_phase-s0", "plateau-s0", "prorl-s0"]
