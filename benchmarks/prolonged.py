@@ -946,6 +946,8 @@ def write_report(args, out: Path) -> dict:
         summary[arm].update(values)
     pairs.update(pairs_outcomes)
     lines += ["", *outcomes, "", *common_step_lines(args, runs, ks)]
+    knobs = knob_lines(pairs, ks)
+    lines += ["", *knobs] if knobs else []
     split = split_lines(runs)
     lines += ["", *split] if split else []
     lines += ["", "## Plateau of arm (a)", "", *plateau_lines(args, finished["one_phase"]), "",
@@ -974,6 +976,66 @@ def write_report(args, out: Path) -> dict:
     (out / "prolonged.json").write_text(json.dumps(result, indent=1))
     print("\n".join(lines))
     return result
+
+
+KNOBS = ("opt", "ref", "adapter")  # the knob arms, each one part of (b)'s reset, read against (c)
+
+
+def knob_lines(pairs: dict, ks: list[int]) -> list[str]:
+    """Which part of the reset does what, by a rule fixed before round 4's data: a part *carries* (b)'s effect on a
+    metric when its final difference from (c) has a 95% CI that excludes 0 with the sign of (b) - (c)'s mean; it
+    *moves* the metric the other way when the CI excludes 0 with the opposite sign. One table (each cell the paired
+    mean and its CI, bold where the CI excludes 0) and one sentence per metric. `pairs`: `write_report`'s records."""
+    knobs = [knob for knob in KNOBS if any(key.startswith(f"{knob}-no_reset@") for key in pairs)]
+    if not knobs:
+        return []
+    metrics = [(f"@{k}", f"pass@{k}", 100, "pts") for k in ks]
+    metrics += [("@newly_solved", "newly solved", 1, "problems"), ("@newly_lost", "newly lost", 1, "problems")]
+    columns = ["prorl", *knobs]
+    lines = [
+        "## Which part of the reset does what (final, each arm against (c); 95% CI)", "",
+        "Rule, fixed before the data: a part carries (b)'s effect on a metric when its difference from (c) has a "
+        "95% CI that excludes 0 with the sign of (b) - (c); bold: the CI excludes 0. No correction for the "
+        f"{len(knobs)} parts x {len(metrics)} metrics compared: a bold cell is a lead, not a finding.", "",
+        "| metric | " + " | ".join(f"{short(arm)} - (c)" for arm in columns) + " |",
+        "| --- " * (1 + len(columns)) + "|",
+    ]  # fmt: skip
+
+    def excludes_zero(record) -> int:
+        low, high = record["ci95"]
+        return 0 if math.isnan(low) or low <= 0 <= high else (1 if low > 0 else -1)
+
+    readings = []
+    for suffix, label, scale, unit in metrics:
+        cells = []
+        for arm in columns:
+            record = pairs.get(f"{arm}-no_reset{suffix}")
+            if record is None:
+                cells.append("-")
+                continue
+            low, high = record["ci95"]
+            ci = "n/a" if math.isnan(low) else f"[{scale * low:+.1f}, {scale * high:+.1f}]"
+            cell = f"{scale * record['mean']:+.1f} {ci} (n={len(record['per_seed'])})"
+            cells.append(f"**{cell}**" if excludes_zero(record) else cell)
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        reset = pairs.get(f"prorl-no_reset{suffix}")
+        if reset is None:
+            continue
+        direction = 1 if reset["mean"] > 0 else -1
+        carry = [knob for knob in knobs if f"{knob}-no_reset{suffix}" in pairs
+                 and excludes_zero(pairs[f"{knob}-no_reset{suffix}"]) == direction]  # fmt: skip
+        against = [knob for knob in knobs if f"{knob}-no_reset{suffix}" in pairs
+                   and excludes_zero(pairs[f"{knob}-no_reset{suffix}"]) == -direction]  # fmt: skip
+        said = f"(b) - (c) {scale * reset['mean']:+.1f} {unit}" + (", significant" if excludes_zero(reset) else
+                                                                   ", not significant")  # fmt: skip
+        if carry or against:
+            parts = [f"{', '.join(carry)} carr{'ies' if len(carry) == 1 else 'y'} it" if carry else "",
+                     f"{', '.join(against)} move{'s' if len(against) == 1 else ''} it the other way" if against
+                     else ""]  # fmt: skip
+            readings.append(f"- {label}: {said}; " + "; ".join(part for part in parts if part) + ".")
+        else:
+            readings.append(f"- {label}: {said}; no part of the reset alone moves it significantly.")
+    return [*lines, "", *readings]
 
 
 def common_step_lines(args, runs: list[dict], ks: list[int]) -> list[str]:

@@ -33,6 +33,37 @@ def test_mean_standard_error_and_t_interval_match_hand_computed_values():
     assert mean - low == pytest.approx(2.021 * prolonged.mean_se(values)[1])
 
 
+def test_the_knob_reading_applies_the_pre_set_rule_to_each_metric():
+    """A part carries (b)'s effect when its CI against (c) excludes 0 on (b)'s side; the other side is said too; a
+    CI holding 0, or none (one seed), is no effect. Records as `pair_line` makes them, from hand-picked differences."""
+    def record(*diffs):
+        return prolonged.pair_line("x", list(range(len(diffs))), list(diffs))[1]
+
+    pairs = {
+        "prorl-no_reset@1": record(0.02, 0.03, 0.025, 0.02),  # (b) above (c) at pass@1, CI above 0
+        "opt-no_reset@1": record(0.02, 0.021, 0.023, 0.02),  # carries it
+        "ref-no_reset@1": record(0.02, -0.03, 0.01, -0.01),  # CI holds 0
+        "adapter-no_reset@1": record(-0.02, -0.021, -0.022, -0.019),  # the other way
+        "prorl-no_reset@64": record(-0.04, 0.04, 0.03, -0.01),  # mean 0.005, t(3) 3.182 x s.e. 0.0185: CI holds 0
+        "opt-no_reset@64": record(0.01),  # one seed: no interval, no effect
+        "prorl-no_reset@newly_solved": record(-3, -4, -3.5, -3),
+        "ref-no_reset@newly_solved": record(-2, -3, -2.5, -2),
+        "adapter-no_reset@newly_solved": record(-3, -4, -3.5, -3),
+    }
+    lines = prolonged.knob_lines(pairs, [1, 64])
+    table = "\n".join(lines)
+    assert lines[0].startswith("## Which part of the reset does what")
+    assert "| metric | (b) - (c) | opt - (c) | ref - (c) | adapter - (c) |" in table
+    assert ("| pass@1 | **+2.4 [+1.6, +3.1] (n=4)** | **+2.1 [+1.9, +2.3] (n=4)** | -0.2 [-3.8, +3.3] (n=4) | **-2.1"
+            in table)
+    assert "| pass@64 | +0.5 [-5.4, +6.4] (n=4) | +1.0 n/a (n=1) | - | - |" in table  # opt: one seed; others not run
+    assert "- pass@1: (b) - (c) +2.4 pts, significant; opt carries it; adapter moves it the other way." in lines
+    assert "- pass@64: (b) - (c) +0.5 pts, not significant; no part of the reset alone moves it significantly." in lines
+    assert "- newly solved: (b) - (c) -3.4 problems, significant; ref, adapter carry it." in lines
+    assert not any(line.startswith("- newly lost") for line in lines)  # no (b) - (c) record: no sentence
+    assert prolonged.knob_lines({"prorl-no_reset@1": pairs["prorl-no_reset@1"]}, [1]) == []  # no knob arm run
+
+
 def test_pass_at_k_up_to_256_and_per_problem_outcomes_match_hand_computed_values(tmp_path):
     """Issue 38: pass@1/8/64/256 below n and n itself; newly solved/lost and pass@1 per number of operations from
     per-problem correct counts; counts that do not match the logged pass@1 are refused, missing ones left out."""
@@ -87,6 +118,7 @@ def test_smoke_runs_every_arm_and_resume_continues_one_run_from_a_checkpoint(tmp
     for pair in pairs:
         assert f"- {pair}: " in report and "95% CI [" in report.split(f"- {pair}: ")[1].splitlines()[0]
     assert "## Plateau of arm (a)" in report and "Gain over the last half" in report
+    assert "## Which part of the reset does what" in report and "| newly solved | " in report
     assert "Over the last third (from step 3), pooled across seeds: validation pass@1" in report
     runs = {f"{arm}-s{seed}" for arm in prolonged.ARMS for seed in (0, 1)}
     assert {p.parent.name for p in (tmp_path / "runs").glob("*/rows.jsonl")} == runs
