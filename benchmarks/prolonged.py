@@ -7,7 +7,8 @@
     python benchmarks/prolonged.py --out runs/pilot --pilot --pilot-grid 'task_steps=1-2,1-3;learning_rate=1e-4,3e-5'
     python benchmarks/prolonged.py --out /tmp/prolonged --smoke                        # CPU, tiny model, < 90 s
     python benchmarks/prolonged.py --out runs/part1 --arms prorl,one_phase --solo-arms prorl --warm-start WARM ...
-                      # arms split over calls: one warm start (--warm-start), then gather runs/ and --report-only
+                      # arms split over calls: one warm start (--warm-start); prolonged_gather.py packs each call
+                      # and gathers them into one report (refusing calls that are not one study's)
 
 1. One warm start for every arm and seed: `learning.py`'s SFT of a ~19M-parameter Qwen2 (byte-level tokenizer) until
    greedy accuracy `--warm-start-accuracy`, here on a difficulty mix of arithmetic (`--task-steps 1-3` operations on
