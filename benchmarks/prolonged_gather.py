@@ -105,7 +105,7 @@ def run_files(folder: Path) -> dict[str, dict[str, bytes]]:
 
 def pack(study: Path, dest: Path) -> dict:
     runs = run_files(study)
-    study_settings(study)
+    study_settings(study)  # refuses a folder without settings.json
     identity = warm_start_identity(study)
     if not runs:
         raise SystemExit(f"{study} has no runs (runs/<arm>-s<seed>/): nothing to pack.")
@@ -161,6 +161,9 @@ def gather(out: Path, warm_start: Path, sources: list[Path]) -> dict:
     if not (warm_start / "warm_start.json").is_file():
         raise SystemExit(f"{warm_start} has no warm_start.json: pass the folder prolonged.py made or carried.")
     check_warm_start(warm_start, identity, sources[0])
+    if warm_start.resolve().is_relative_to(out.resolve()):
+        raise SystemExit(f"--warm-start {warm_start} lies inside --out {out}, which gather rewrites: pass a warm start "
+                         f"kept elsewhere.")  # fmt: skip
     earlier = out / GATHERED
     if out.exists() and any(out.iterdir()) and not earlier.is_file():
         raise SystemExit(f"{out} holds files that no gather wrote: choose a new --out.")

@@ -328,6 +328,8 @@ def assert_gather_refuses_what_is_not_one_study(tmp_path, warm, packed, second, 
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "notes.txt").write_text("mine")
     refused([packed], "holds files that no gather wrote", out=tmp_path / "foreign")
+    refused([packed], "lies inside --out", out=gathered, warm_start=gathered / "warm_start")
+    assert (gathered / "warm_start" / "warm_start.json").is_file()
     assert (tmp_path / "foreign" / "notes.txt").read_text() == "mine"
     hostile = tmp_path / "hostile"
     hostile.mkdir()
