@@ -11,6 +11,7 @@ from prorl_trl.attention.cudnn_guard import (
     ROUTED_THROUGH_GUARD,
     guarded_length,
     left_padded_causal_mask,
+    probe_key,
     report_after_probe,
     set_guard,
     use_guarded_sdpa,
@@ -70,6 +71,21 @@ def test_after_the_probe_auto_guards_64_and_what_failed_or_nothing_where_cudnn_c
     finally:
         torch.use_deterministic_algorithms(before)
     assert "deterministic algorithms are on" in deterministic.message and deterministic.as_dict()["remainders"] == ()
+
+
+def test_a_probe_made_under_strict_deterministic_algorithms_is_not_reused_once_they_are_off():
+    """Its answer (None: cuDNN never trains) would otherwise leave a later trainer's attention unguarded."""
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    shape = (torch.device("cuda", 0), torch.bfloat16, 14, 64)
+    try:
+        torch.use_deterministic_algorithms(False)
+        free = probe_key(*shape)
+        torch.use_deterministic_algorithms(True, warn_only=True)  # cuDNN still runs (with a warning): same answer
+        assert probe_key(*shape) == free
+        torch.use_deterministic_algorithms(True)
+        assert probe_key(*shape) != free and probe_key(*shape)[:4] == free[:4]
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 def test_the_guarded_attention_is_transformers_sdpa_bit_for_bit_forward_and_backward_with_checkpointing():

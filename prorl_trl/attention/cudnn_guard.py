@@ -200,6 +200,14 @@ def _probe_device(model: Any) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def probe_key(device: torch.device, dtype: torch.dtype, heads: int, head_dim: int) -> tuple:
+    """What a probe's answer holds for within a process: the device, the shape, the dtype, and whether deterministic
+    algorithms are on (strictly on, SDPA never picks cuDNN for a backward and the probe answers None; a trainer made
+    after they are off again must probe again, or cuDNN's NaN would run unguarded)."""
+    strict = torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+    return (str(device), dtype, heads, head_dim, strict)
+
+
 def install_cudnn_attention_guard(model: Any, mode: str = "auto") -> CudnnGuardReport:
     """Guard `model`'s training attention against cuDNN's NaN backward as `mode` says (see the module docstring).
 
@@ -239,7 +247,7 @@ def install_cudnn_attention_guard(model: Any, mode: str = "auto") -> CudnnGuardR
                       "cuDNN (`cudnn_attention_guard: auto` guards only the lengths cuDNN gets wrong).")  # fmt: skip
     heads, head_dim = _attention_shape(base)
     dtype = base.dtype if base.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16  # float32: autocast's
-    key = (str(device), dtype, heads, head_dim)
+    key = probe_key(device, dtype, heads, head_dim)
     if key not in _PROBES:
         started = time.perf_counter()
         _PROBES[key] = (probe_cudnn_backward(device, dtype, heads, head_dim), time.perf_counter() - started)
