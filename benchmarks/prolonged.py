@@ -264,11 +264,16 @@ def short(arm: str) -> str:
     return ARMS[arm].split(" ")[0].rstrip(":")
 
 
+def ci_text(low: float, high: float, scale: float) -> str:
+    """A 95% interval as reports print it ("n/a" for one value)."""
+    return "n/a" if math.isnan(low) else f"[{scale * low:+.1f}, {scale * high:+.1f}]"
+
+
 def pair_line(label: str, seeds: list[int], diffs: list[float], scale: float = 100,
               unit: str = "pts") -> tuple[str, dict]:
     """A report line for one paired difference (mean, 95% t interval, per seed) and its JSON record."""
     mean, low, high = t_interval(diffs)
-    ci = "n/a" if math.isnan(low) else f"[{scale * low:+.1f}, {scale * high:+.1f}]"
+    ci = ci_text(low, high, scale)
     per_seed = ", ".join(f"s{seed} {scale * d:+.1f}" for seed, d in zip(seeds, diffs))
     line = f"- {label}: {scale * mean:+.1f} {unit}, 95% CI {ci} (n={len(diffs)}); per seed: {per_seed}"
     return line, {"mean": mean, "ci95": [low, high], "per_seed": diffs}
@@ -316,19 +321,26 @@ def weights_sha256(folder: Path) -> str:
     return digest.hexdigest()
 
 
+def warm_start_matches(warm: Path, expected: str) -> tuple[bool, str]:
+    """(whether `warm` is the warm start of sha256 `expected`, its weights' sha256): the same weights, or the intact
+    bfloat16 copy of them (`warm_start.json`'s own sha256 and `made_from_sha256`)."""
+    found = weights_sha256(warm)
+    info = json.loads((warm / "warm_start.json").read_text())
+    copy = found == info.get("sha256") and info.get("made_from_sha256") == expected
+    return found == expected or copy, found
+
+
 def check_warm_start_sha256(args, warm: Path) -> None:
     """`--warm-start-sha256`: runs continue only from the warm start they began from (one made again elsewhere
     must match the recorded weights bit for bit), refused before any run starts."""
     if not args.warm_start_sha256 or not (warm / "warm_start.json").is_file():
         return
-    found = weights_sha256(warm)
     info = json.loads((warm / "warm_start.json").read_text())
     if info.get("dtype") == "bfloat16" and not device_kwargs(args)["bf16"]:
         raise SystemExit(f"the warm start in {warm} is a bfloat16 copy, and runs on this device read the warm start "
                          f"in float32: carry the float32 original (its sha256 is {info['made_from_sha256']})")  # fmt: skip
-    if found == info.get("sha256") and info.get("made_from_sha256") == args.warm_start_sha256:
-        return  # the bfloat16 copy of that warm start, intact
-    if found != args.warm_start_sha256:
+    matches, found = warm_start_matches(warm, args.warm_start_sha256)
+    if not matches:
         raise SystemExit(f"the warm start in {warm} has weights sha256 {found}, not --warm-start-sha256 "
                          f"{args.warm_start_sha256}: it is not the warm start these runs began from. Carry that one "
                          f"(--warm-start) or start the runs again in a new --out.")  # fmt: skip
@@ -1002,33 +1014,31 @@ def knob_lines(pairs: dict, ks: list[int]) -> list[str]:
         "| --- " * (1 + len(columns)) + "|",
     ]  # fmt: skip
 
-    def excludes_zero(record) -> int:
+    def side(record) -> int:
+        """+1 / -1: the CI lies above / below 0; 0: it holds 0, or there is none."""
         low, high = record["ci95"]
         return 0 if math.isnan(low) or low <= 0 <= high else (1 if low > 0 else -1)
 
     readings = []
     for suffix, label, scale, unit in metrics:
+        records = {arm: pairs[f"{arm}-no_reset{suffix}"] for arm in columns if f"{arm}-no_reset{suffix}" in pairs}
         cells = []
         for arm in columns:
-            record = pairs.get(f"{arm}-no_reset{suffix}")
-            if record is None:
+            if arm not in records:
                 cells.append("-")
                 continue
-            low, high = record["ci95"]
-            ci = "n/a" if math.isnan(low) else f"[{scale * low:+.1f}, {scale * high:+.1f}]"
-            cell = f"{scale * record['mean']:+.1f} {ci} (n={len(record['per_seed'])})"
-            cells.append(f"**{cell}**" if excludes_zero(record) else cell)
+            record = records[arm]
+            cell = f"{scale * record['mean']:+.1f} {ci_text(*record['ci95'], scale)} (n={len(record['per_seed'])})"
+            cells.append(f"**{cell}**" if side(record) else cell)
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-        reset = pairs.get(f"prorl-no_reset{suffix}")
+        reset = records.get("prorl")
         if reset is None:
             continue
         direction = 1 if reset["mean"] > 0 else -1
-        carry = [knob for knob in knobs if f"{knob}-no_reset{suffix}" in pairs
-                 and excludes_zero(pairs[f"{knob}-no_reset{suffix}"]) == direction]  # fmt: skip
-        against = [knob for knob in knobs if f"{knob}-no_reset{suffix}" in pairs
-                   and excludes_zero(pairs[f"{knob}-no_reset{suffix}"]) == -direction]  # fmt: skip
-        said = f"(b) - (c) {scale * reset['mean']:+.1f} {unit}" + (", significant" if excludes_zero(reset) else
-                                                                   ", not significant")  # fmt: skip
+        carry = [knob for knob in knobs if knob in records and side(records[knob]) == direction]
+        against = [knob for knob in knobs if knob in records and side(records[knob]) == -direction]
+        significant = "significant" if side(reset) else "not significant"
+        said = f"(b) - (c) {scale * reset['mean']:+.1f} {unit}, {significant}"
         if carry or against:
             parts = [f"{', '.join(carry)} carr{'ies' if len(carry) == 1 else 'y'} it" if carry else "",
                      f"{', '.join(against)} move{'s' if len(against) == 1 else ''} it the other way" if against
