@@ -7,7 +7,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "disabled")
-# The GPU stays hidden unless the caller names one (`CUDA_VISIBLE_DEVICES=0 pytest ...`): the CUDA tests (README) then run.
+# The GPU stays hidden unless the caller names one (`CUDA_VISIBLE_DEVICES=0 pytest ...`); then the CUDA tests run.
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 # Most of the suite's time is processes that each import torch, transformers and TRL (a CLI run, a launch, a worker).
 # Where the environment forbids bytecode caches (PYTHONDONTWRITEBYTECODE), every one of them compiled this project's
