@@ -906,8 +906,7 @@ def write_report(args, out: Path) -> dict:
     warm = json.loads((out / "warm_start" / "warm_start.json").read_text())
     for run in runs:  # final and best of finished runs
         if run["done"] and run["evals"]:
-            run["final"] = {k: run["evals"][-1][f"eval_pass@{k}"] for k in ks}
-            run["best"] = {k: max(row[f"eval_pass@{k}"] for row in run["evals"]) for k in ks}
+            run["final"], run["best"] = final_and_best(run, ks, args.steps)
     finished = {arm: [run for run in runs if run["arm"] == arm and "final" in run] for arm in ARMS}
     devices = sorted({(run["done"] or run["stopped"])["device"] for run in runs if run["done"] or run["stopped"]})
     devices = devices or ["(no finished run)"]
@@ -936,8 +935,8 @@ def write_report(args, out: Path) -> dict:
         lines.append(f"| {ARMS[arm]} | {count} | {row} | {never} | {wall} |")
     engine = sum(bool(run["done"].get("rollout_engine")) for run in runs if run["done"])
     note = (
-        "Best is the maximum over the validations of a run (biased upward by validation noise). Wall: one run, with "
-        f"up to {args.per_gpu} runs sharing a GPU; the rollout engine generated in {engine} of "
+        "Best is the maximum over the validations of a run after step 0 (biased upward by validation noise). Wall: "
+        f"one run, with up to {args.per_gpu} runs sharing a GPU; the rollout engine generated in {engine} of "
         f"{sum(bool(run['done']) for run in runs)} finished runs."
     )
     lines += ["", note, "",
@@ -1034,7 +1033,13 @@ def knob_lines(pairs: dict, ks: list[int]) -> list[str]:
         reset = records.get("prorl")
         if reset is None:
             continue
-        direction = 1 if reset["mean"] > 0 else -1
+        direction = (reset["mean"] > 0) - (reset["mean"] < 0)
+        if direction == 0:  # no sign for a part to share: the rule says no part carries it
+            moved = [f"{knob} {'up' if side(records[knob]) > 0 else 'down'}" for knob in knobs
+                     if knob in records and side(records[knob])]  # fmt: skip
+            alone = f"{', '.join(moved)} significantly, on its own" if moved else "no part of the reset alone moves it"
+            readings.append(f"- {label}: (b) - (c) {scale * reset['mean']:+.1f} {unit}, no effect to carry; {alone}.")
+            continue
         carry = [knob for knob in knobs if knob in records and side(records[knob]) == direction]
         against = [knob for knob in knobs if knob in records and side(records[knob]) == -direction]
         significant = "significant" if side(reset) else "not significant"
@@ -1103,6 +1108,22 @@ def pass1_by_operations(correct: list[int], num_samples: int, num_steps: list[in
     for count, steps in zip(correct, num_steps, strict=True):
         buckets[steps].append(count / num_samples)
     return {steps: sum(values) / len(values) for steps, values in sorted(buckets.items())}
+
+
+def final_and_best(run: dict, ks: list[int], steps: int) -> tuple[dict, dict]:
+    """A finished run's pass@k at its last validation and the best of its validations after step 0: the warm start's
+    (step 0) is every arm's, and counting it made the best pass@64 of a sharpening arm the warm start's. Refused
+    unless the validations run from step 0 to `steps`: "final" and the per-problem outcomes read them by position,
+    so a missing line would silently compare other validations."""
+    logged = [row["prorl/global_step"] for row in run["evals"]]
+    if logged[0] != 0 or logged[-1] != steps:
+        raise SystemExit(
+            f"runs/{run['arm']}-s{run['seed']}: validations at steps {logged}, but a finished run validates at step 0 "
+            f"and at its last step ({steps}); a line of rows.jsonl is missing: run this (arm, seed) again."
+        )
+    trained = run["evals"][1:] or run["evals"]
+    final = {k: run["evals"][-1][f"eval_pass@{k}"] for k in ks}
+    return final, {k: max(row[f"eval_pass@{k}"] for row in trained) for k in ks}
 
 
 def problem_outcomes(run: dict, n: int) -> dict | None:
@@ -1244,13 +1265,14 @@ def last_third_gains(args, runs: list[dict]) -> dict[str, list[float]]:
     mean validation gain across seeds is under `PLATEAU_MAX_GAIN` and its 95% CI holds 0: flat pooled pass@1 over
     the last third, not merely too few seeds to see a rise (the mean bound) nor a fall read as flat (the CI)."""
     start, sixth = last_third_start(args), args.steps / 6
-    gains = {"pass@1": [], "reward": []}
+    gains = {"pass@1": [], "reward": [], "from": []}
     for run in runs:
         evals = {row["prorl/global_step"]: row["eval_pass@1"] for row in run["evals"]}
         first = min((step for step in evals if step >= start), default=None)
         if first is None or first == max(evals):
             continue
         gains["pass@1"].append(evals[max(evals)] - evals[first])
+        gains["from"].append(first)
         rewards = [(row["prorl/global_step"], row["reward"]) for row in run["rows"] if "reward" in row]
         last = [r for step, r in rewards if step > args.steps - sixth]
         before = [r for step, r in rewards if args.steps - 2 * sixth < step <= args.steps - sixth]
@@ -1265,7 +1287,9 @@ def last_third_lines(args, runs: list[dict]) -> list[str]:
         return ["Over the last third: no run has a validation inside it before its last."]
     mean, low, high = t_interval(gains["pass@1"])
     flat = not math.isnan(low) and mean < PLATEAU_MAX_GAIN and low <= 0 <= high
-    lines = [f"Over the last third (from step {last_third_start(args)}), pooled across seeds: validation "
+    first = "/".join(str(step) for step in sorted(set(gains["from"])))
+    lines = [f"Over the last third (from the validation at step {first}, the first at or after step "
+             f"{last_third_start(args)}), pooled across seeds: validation "
              f"pass@1 {100 * mean:+.2f} pts, 95% CI [{100 * low:+.2f}, {100 * high:+.2f}] (n={len(gains['pass@1'])}); "
              f"plateaued by the pre-set criterion (mean gain under {100 * PLATEAU_MAX_GAIN:g} pt and its CI holding "
              f"0): **{'yes' if flat else 'no'}**."]  # fmt: skip

@@ -49,6 +49,9 @@ def test_the_knob_reading_applies_the_pre_set_rule_to_each_metric():
         "prorl-no_reset@newly_solved": record(-3, -4, -3.5, -3),
         "ref-no_reset@newly_solved": record(-2, -3, -2.5, -2),
         "adapter-no_reset@newly_solved": record(-3, -4, -3.5, -3),
+        "prorl-no_reset@newly_lost": record(2, -2, 1, -1),  # a mean of exactly 0: no sign, nothing to carry
+        "opt-no_reset@newly_lost": record(-5, -6, -4, -5),  # significant on its own
+        "ref-no_reset@newly_lost": record(5, 6, 4, 5),
     }
     lines = prolonged.knob_lines(pairs, [1, 64])
     table = "\n".join(lines)
@@ -60,7 +63,9 @@ def test_the_knob_reading_applies_the_pre_set_rule_to_each_metric():
     assert "- pass@1: (b) - (c) +2.4 pts, significant; opt carries it; adapter moves it the other way." in lines
     assert "- pass@64: (b) - (c) +0.5 pts, not significant; no part of the reset alone moves it significantly." in lines
     assert "- newly solved: (b) - (c) -3.4 problems, significant; ref, adapter carry it." in lines
-    assert not any(line.startswith("- newly lost") for line in lines)  # no (b) - (c) record: no sentence
+    assert "- newly lost: (b) - (c) +0.0 problems, no effect to carry; opt down, ref up significantly, on its own." \
+        in lines  # before 2026-11-29 a zero mean read as negative, and opt "carried" an effect (b) does not have
+    assert not any(line.startswith("- pass@8") for line in lines)  # no (b) - (c) record: no sentence
     assert prolonged.knob_lines({"prorl-no_reset@1": pairs["prorl-no_reset@1"]}, [1]) == []  # no knob arm run
 
 
@@ -119,7 +124,7 @@ def test_smoke_runs_every_arm_and_resume_continues_one_run_from_a_checkpoint(tmp
         assert f"- {pair}: " in report and "95% CI [" in report.split(f"- {pair}: ")[1].splitlines()[0]
     assert "## Plateau of arm (a)" in report and "Gain over the last half" in report
     assert "## Which part of the reset does what" in report and "| newly solved | " in report
-    assert "Over the last third (from step 3), pooled across seeds: validation pass@1" in report
+    assert ", the first at or after step 3), pooled across seeds: validation pass@1" in report
     runs = {f"{arm}-s{seed}" for arm in prolonged.ARMS for seed in (0, 1)}
     assert {p.parent.name for p in (tmp_path / "runs").glob("*/rows.jsonl")} == runs
     assert all((tmp_path / "runs" / run / "done.json").is_file() for run in runs)
@@ -481,6 +486,20 @@ def test_the_mps_daemon_is_the_studys_own_and_quit_after_its_workers(tmp_path, m
     assert len(calls.read_text().splitlines()) == 3
 
 
+def test_final_is_the_last_validation_and_best_leaves_out_the_warm_starts():
+    """Every arm starts at the warm start's validation (step 0): a sharpening arm's pass@64 only falls from there, so
+    a best counting step 0 was the warm start's score for every arm (the first round-4 reports). A run whose
+    validations do not span step 0 to the last step is refused: "final" and the outcomes read them by position."""
+    evals = [{"prorl/global_step": step, "eval_pass@1": p1, "eval_pass@64": p64}
+             for step, p1, p64 in ((0, 0.02, 0.36), (375, 0.03, 0.30), (750, 0.05, 0.25), (1125, 0.04, 0.20))]  # fmt: skip
+    run = {"arm": "prorl", "seed": 3, "evals": evals}
+    final, best = prolonged.final_and_best(run, [1, 64], 1125)
+    assert final == {1: 0.04, 64: 0.20} and best == {1: 0.05, 64: 0.30}
+    for cut in (evals[1:], evals[:-1]):
+        with pytest.raises(SystemExit, match=r"runs/prorl-s3: validations at steps \[.*a line of rows.jsonl is"):
+            prolonged.final_and_best({**run, "evals": cut}, [1, 64], 1125)
+
+
 def test_the_plateau_criterion_reads_pooled_pass_at_1_over_the_last_third(tmp_path):
     """Round 4's pre-set criterion, against hand-computed values: per seed, pass@1 at the end minus at the first
     validation from step 1,000 of 1,500 (here 1,125); plateaued when the mean is under 1 point and its 95% CI holds 0.
@@ -499,6 +518,7 @@ def test_the_plateau_criterion_reads_pooled_pass_at_1_over_the_last_third(tmp_pa
     assert gains["pass@1"] == pytest.approx([0.005, -0.002, 0.006])
     assert gains["reward"] == pytest.approx([0.1, 0.0, 0.0])  # steps 1,001-1,250 against 1,251-1,500; 1,000 is out
     lines = prolonged.last_third_lines(args, flat)
+    assert lines[0].startswith("Over the last third (from the validation at step 1125, the first at or after step 1000")
     # mean 0.3 pts, s.e. sqrt(19e-6 / 3) = 0.2517 pts, t(2) 4.303: [-0.78, +1.38]
     assert "pass@1 +0.30 pts, 95% CI [-0.78, +1.38] (n=3)" in lines[0] and lines[0].endswith("**yes**.")
     rising = [run(0.040, 0.060), run(0.045, 0.062), run(0.050, 0.071)]
