@@ -11,7 +11,7 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState
 
 from prorl_trl.trainer import ProRLTrainer
-from prorl_trl.trainer.finite import NonFiniteGuard, NonFiniteUpdate, local_gradient_norm
+from prorl_trl.trainer.finite import NonFiniteGuard, NonFiniteUpdate, local_gradient_norm, scaler_takes_the_step
 from tests._prorl_helpers import lora, prompts_dataset, tiny_args, tiny_model
 
 
@@ -77,6 +77,59 @@ def test_a_nan_gradient_stops_before_the_update_and_names_the_last_good_checkpoi
     assert set(now) == set(record.snapshots[2]) and 3 not in record.snapshots
     for name, value in now.items():  # the weights are those of step 2, the checkpoint's: the NaN update never landed
         assert torch.equal(value, record.snapshots[2][name]), name
+
+
+class NanGradientAtStep(TrainerCallback):
+    """Makes one parameter's gradient NaN in one optimizer step (a tensor hook on it), as one layer's kernel would."""
+
+    def __init__(self, parameter: torch.nn.Parameter, step: int):
+        self.step, self.active = step, False
+        parameter.register_hook(lambda grad: grad * math.nan if self.active else grad)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.active = state.global_step + 1 == self.step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.active = False
+
+
+def test_the_message_names_the_gradients_that_were_not_finite_before_clipping(tmp_path):
+    """Clipping by a NaN total norm makes every gradient NaN; the guard notes the broken ones before it
+    (`ProRLTrainer._clip_grad_norm`, a transformers internal: this test fails if transformers stops calling it), so
+    a run that stops names the one layer, not "all: the loss itself"."""
+    trainer, record = run(tmp_path, stop_on_nonfinite=True)
+    record.overflow.step = 0  # the whole loss's overflow never fires here
+    named = dict(trainer.model.named_parameters())
+    target = next(name for name, p in named.items() if p.requires_grad and "lora_B" in name)
+    trainer.add_callback(NanGradientAtStep(named[target], step=3))
+    assert trainer.args.max_grad_norm > 0
+    with pytest.raises(NonFiniteUpdate) as stopped:
+        trainer.train()
+    assert stopped.value.global_step == 3 and stopped.value.nonfinite_names == [target]
+    assert "(only these: one part of the model), first " in str(stopped.value)
+
+
+def test_fp16_overflows_are_the_loss_scalers_to_skip_until_its_scale_is_down_to_one(tmp_path):
+    """Under fp16 the scaled gradients overflow by design now and then; the scaler skips such a step and halves its
+    scale. The guard stops a run only once the scale is down to 1 (the gradients are not finite unscaled either)."""
+    from accelerate import Accelerator
+
+    assert scaler_takes_the_step(torch.amp.GradScaler("cpu", init_scale=2.0**16))
+    assert not scaler_takes_the_step(torch.amp.GradScaler("cpu", init_scale=1.0))
+    assert not scaler_takes_the_step(torch.amp.GradScaler("cpu", enabled=False)) and not scaler_takes_the_step(None)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    model.weight.grad[0, 0] = math.inf
+    guard, holder = NonFiniteGuard(), type("Holder", (), {})()
+    holder.accelerator = Accelerator(cpu=True)
+    guard.bind(holder)
+    args = tiny_args(tmp_path)
+    holder.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    guard.on_pre_optimizer_step(args, TrainerState(), TrainerControl(), optimizer=optimizer, model=model)  # no stop
+    holder.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    with pytest.raises(NonFiniteUpdate):
+        guard.on_pre_optimizer_step(args, TrainerState(), TrainerControl(), optimizer=optimizer, model=model)
 
 
 def test_without_the_guard_the_same_run_trains_on_into_nan_weights(tmp_path):

@@ -27,6 +27,10 @@ checkpoint: the update never landed, so there is nothing to undo, and a rollback
 resume is exact), the same NaN with them. Many skips mean a cause that does not go away (a learning rate too high),
 which only a person can fix: hence the bound. Under DeepSpeed the update lands before the check, so skipping is
 refused there (`checks.check_launch`).
+
+Under fp16 mixed precision a loss scaler runs: gradients that overflow at its scale are routine, and the scaler itself
+skips those steps (the update never lands, the LR schedule waits) and lowers the scale. The guard leaves them to it
+and acts only once the scale is down to 1 (`scaler_takes_the_step`).
 """
 
 from __future__ import annotations
@@ -141,17 +145,30 @@ def local_gradient_norm(optimizer: Any) -> float:
     return float(torch.linalg.vector_norm(torch.stack([norm.to(norms[0].device) for norm in norms])).item())
 
 
-def nonfinite_gradients(model: Any, optimizer: Any) -> tuple[list[str], int]:
+def nonfinite_flags(optimizer: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`(parameter, flag)` for each local gradient, the flag a device tensor, True where it holds a NaN or inf. Taken
+    before clipping and read only when the step is not finite (no host sync on a good step): clipping by a NaN total
+    norm multiplies every gradient by NaN, so after it all of them look broken and the message would lose where."""
+    return [(parameter, ~torch.isfinite(grad).all()) for parameter, grad in local_gradients(optimizer)]
+
+
+def nonfinite_gradients(
+    model: Any, optimizer: Any, flags: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+) -> tuple[list[str], int]:
     """The names (as `model.named_parameters()` gives them) of the optimizer's parameters whose local gradient holds a
-    NaN or inf, and how many gradients there are."""
+    NaN or inf, and how many gradients there are; from `flags` (`nonfinite_flags` before clipping) where given."""
     names = {id(parameter): name for name, parameter in model.named_parameters()} if model is not None else {}
-    grads = local_gradients(optimizer)
-    bad = [
-        names.get(id(parameter), f"parameter {tuple(parameter.shape)}")
-        for parameter, grad in grads
-        if not bool(torch.isfinite(grad).all())
-    ]
-    return bad, len(grads)
+    if flags is None:
+        flags = nonfinite_flags(optimizer)
+    bad = [names.get(id(parameter), f"parameter {tuple(parameter.shape)}") for parameter, flag in flags if bool(flag)]
+    return bad, len(flags)
+
+
+def scaler_takes_the_step(scaler: Any) -> bool:
+    """Whether fp16 loss scaling, not the guard, answers a non-finite step: an overflow of the scaled gradients is
+    routine there (the scaler skips that step and halves its scale), so the guard acts only once the scale is down to
+    1 or below, where the gradients are not finite unscaled either (from 65,536, 16 overflows in a row)."""
+    return scaler is not None and scaler.is_enabled() and float(scaler.get_scale()) > 1.0
 
 
 def agreed_nonfinite(value: float, device: torch.device) -> bool:
@@ -175,6 +192,12 @@ class NonFiniteGuard(TrainerCallback):
     def __init__(self):
         self.trainer: Any = None
         self._checked_before_step = False  # the gradients were visible: the logged norm needs no second look
+        self._flags_before_clipping: list | None = None  # `before_clipping`'s, for this step's message
+
+    def before_clipping(self, optimizer: Any) -> None:
+        """Note which gradients are not finite before clipping spreads a NaN norm to all of them (`ProRLTrainer` calls
+        it from `_clip_grad_norm`; without it the message names the gradients as they are after clipping)."""
+        self._flags_before_clipping = nonfinite_flags(optimizer)
 
     def bind(self, trainer: Any) -> None:
         self.trainer = trainer
@@ -185,9 +208,15 @@ class NonFiniteGuard(TrainerCallback):
             return  # DeepSpeed holds the gradients in its partitions: `on_log` checks its norm
         norm = local_gradient_norm(optimizer)
         self._checked_before_step = True
-        device = getattr(getattr(self.trainer, "accelerator", None), "device", torch.device("cpu"))
+        flags, self._flags_before_clipping = self._flags_before_clipping, None
+        accelerator = getattr(self.trainer, "accelerator", None)
+        device = getattr(accelerator, "device", torch.device("cpu"))
         if agreed_nonfinite(norm, device):
-            where = nonfinite_gradients(kwargs.get("model") or getattr(self.trainer, "model", None), optimizer)
+            if scaler_takes_the_step(getattr(accelerator, "scaler", None)):
+                logger.info("fp16 loss scaling: non-finite scaled gradients at scale %s; the scaler skips this step "
+                            "and lowers its scale.", accelerator.scaler.get_scale())  # fmt: skip
+                return
+            where = nonfinite_gradients(kwargs.get("model") or getattr(self.trainer, "model", None), optimizer, flags)
             skipped = getattr(self.trainer, "prorl_nonfinite_skips", None)
             if skipped is not None and len(skipped) < getattr(args, "max_nonfinite_skips", 0):
                 self._skip(state, norm, args, where, optimizer, skipped)

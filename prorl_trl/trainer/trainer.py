@@ -502,6 +502,14 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
                 self._stop_requested = "stop requested on another process"
         return wanted
 
+    def _clip_grad_norm(self, model: Any) -> Any:
+        """transformers' clipping, after `NonFiniteGuard` has noted which gradients are not finite: a NaN total norm
+        makes every clipped gradient NaN, so the guard's message would otherwise name all of them."""
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, NonFiniteGuard) and self.accelerator.distributed_type != "DEEPSPEED":
+                callback.before_clipping(self.optimizer)
+        return super()._clip_grad_norm(model)
+
     @property
     def _stop_checkpoint(self) -> Path:
         return Path(self._get_output_dir(None)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
