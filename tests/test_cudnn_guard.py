@@ -9,6 +9,7 @@ import torch
 from prorl_trl.attention import GUARDED_SDPA, install_cudnn_attention_guard, probe_cudnn_backward
 from prorl_trl.attention.cudnn_guard import (
     ROUTED_THROUGH_GUARD,
+    cudnn_cannot_run,
     guarded_length,
     left_padded_causal_mask,
     probe_key,
@@ -71,6 +72,23 @@ def test_after_the_probe_auto_guards_64_and_what_failed_or_nothing_where_cudnn_c
     finally:
         torch.use_deterministic_algorithms(before)
     assert "deterministic algorithms are on" in deterministic.message and deterministic.as_dict()["remainders"] == ()
+
+
+def test_only_an_error_that_means_cudnn_cannot_run_switches_the_guard_off():
+    """Before 2026-11-29 any error of the probe (out of memory on a GPU shared by several runs, one failed plan) read
+    as "cuDNN cannot train this shape": the guard guarded nothing, not even length 64, for the whole process."""
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    assert cudnn_cannot_run(RuntimeError("No available kernel. Aborting execution."))
+    assert not cudnn_cannot_run(torch.cuda.OutOfMemoryError("CUDA out of memory. No available kernel"))
+    assert not cudnn_cannot_run(RuntimeError("cuDNN Frontend error: no valid execution plan"))
+    alert = RuntimeError("_scaled_dot_product_cudnn_attention_backward does not have a deterministic implementation")
+    try:
+        torch.use_deterministic_algorithms(False)
+        assert not cudnn_cannot_run(alert)
+        torch.use_deterministic_algorithms(True)
+        assert cudnn_cannot_run(alert)  # strictly deterministic: cuDNN never takes the backward
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 def test_a_probe_made_under_strict_deterministic_algorithms_is_not_reused_once_they_are_off():

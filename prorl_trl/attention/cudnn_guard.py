@@ -28,11 +28,14 @@ The state is per process (the bug belongs to the GPU, torch and cuDNN, not to on
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 GUARDED_SDPA = "sdpa_cudnn_guard"
 CUDNN_GUARD_MODES = ("auto", "always", "off")
@@ -149,6 +152,16 @@ def left_padded_causal_mask(length: int, padding: int, device: torch.device) -> 
     return causal[None, None] & valid_keys[:, None, None, :]
 
 
+def cudnn_cannot_run(error: BaseException) -> bool:
+    """Whether a probe's error means SDPA cannot pick cuDNN for this shape or dtype here ("No available kernel", or
+    no deterministic backward while deterministic algorithms are strictly on): then training attention never runs on
+    it and needs no guard. Any other error (out of memory, a failed plan) must not switch the guard off."""
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return False
+    strict = torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+    return "No available kernel" in str(error) or (strict and "deterministic" in str(error))
+
+
 def probe_cudnn_backward(
     device: torch.device, dtype: torch.dtype, num_heads: int, head_dim: int, lengths: tuple[int, ...] = PROBE_LENGTHS
 ) -> tuple[int, ...] | None:
@@ -173,8 +186,14 @@ def probe_cudnn_backward(
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]), torch.enable_grad():
                 output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
                 grads = torch.autograd.grad(output, (query, key, value), torch.randn_like(output))
-        except RuntimeError:  # "No available kernel": cuDNN does not take this shape or dtype here
-            return None
+        except RuntimeError as error:
+            if cudnn_cannot_run(error):
+                return None
+            # Anything else (out of memory on a shared GPU, a plan that failed at one length) says nothing about
+            # cuDNN's answer there: that length is guarded, as one that failed.
+            logger.warning("cuDNN attention probe at length %d failed (%s); guarding it.", length, error)
+            flags.append(torch.tensor(True, device=device))
+            continue
         flags.append(torch.stack([~torch.isfinite(grad).all() for grad in grads]).any())
     failing = torch.stack(flags).cpu().tolist()
     return tuple(sorted({length % TILE for length, bad in zip(lengths, failing) if bad}))
