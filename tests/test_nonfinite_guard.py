@@ -167,6 +167,40 @@ def test_where_gradients_are_out_of_reach_the_logged_norm_stops_the_run_and_says
     assert "was applied" in str(stopped.value) and "No checkpoint" in str(stopped.value)
 
 
+def test_under_deepspeed_every_steps_norm_is_checked_before_the_step_is_counted_or_saved(tmp_path):
+    """`ProRLTrainer._get_grad_norm` hands the engine's norm over at each step, before transformers counts the step
+    (so the step named is the one just applied, global step + 1) and before any checkpoint; the logged norm is then
+    not looked at again. Before 2026-11-29 only logging steps were checked: a checkpoint between them could be saved
+    from NaN weights and named good."""
+    guard = NonFiniteGuard()
+    args = tiny_args(tmp_path)
+    state, control = TrainerState(), TrainerControl()
+    state.global_step = 7
+    guard.check_landed_norm(args, state, torch.tensor(0.5))  # finite: nothing happens
+    guard.check_landed_norm(args, state, None)  # no norm reported: nothing to check
+    with pytest.raises(NonFiniteUpdate) as stopped:
+        guard.check_landed_norm(args, state, torch.tensor(float("inf")))
+    assert stopped.value.applied and stopped.value.global_step == 8 and "was applied" in str(stopped.value)
+    guard.on_log(args, state, control, logs={"grad_norm": float("nan")})  # already checked at its step
+
+
+def test_transformers_asks_the_trainer_for_each_optimizer_steps_norm(tmp_path):
+    """The hook the DeepSpeed check sits in (`Trainer._get_grad_norm`, a transformers internal) runs once per
+    optimizer step: this fails if transformers moves it."""
+    calls = []
+
+    class Counting(ProRLTrainer):
+        def _get_grad_norm(self, model, grad_norm=None):
+            calls.append(self.state.global_step)
+            return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    model, tokenizer = tiny_model()
+    trainer = Counting(model=model, reward_funcs=[length_reward], args=tiny_args(tmp_path, max_steps=2),
+                       train_dataset=prompts_dataset(), processing_class=tokenizer, peft_config=lora())  # fmt: skip
+    trainer.train()
+    assert calls == [0, 1]
+
+
 def test_trl_gives_padding_positions_log_prob_zero_so_the_kl_term_cannot_overflow_there(tmp_path):
     """A NaN source ruled out (benchmarks/results/prolonged.md): TRL 1.16 labels padding -100, so its log-probs there
     are exactly 0 for the policy and the reference alike, and `exp(ref - logp)` is 1, however far the policy has

@@ -9,8 +9,10 @@ NaN, and so is the clipped gradient.
 if any is not finite it raises `NonFiniteUpdate` there, so the update is never applied and the latest checkpoint is
 the last good state. Every process takes the same decision (the flag is reduced across them), so no rank is left
 waiting in a collective. Where the gradients are not visible to callbacks (DeepSpeed keeps them in its own
-partitions), the logged `grad_norm` of the step is checked instead: that update was applied, and the message says
-so. Skipping the step instead would not restore anything: Adam's moments already hold the non-finite values.
+partitions), the engine's global norm is checked at every step instead (`check_landed_norm`, from
+`ProRLTrainer._get_grad_norm`; the logged `grad_norm` where that is not called), before the step is saved: that
+update was applied, and the message says so. Skipping the step instead would not restore anything: Adam's moments
+already hold the non-finite values.
 
 The message says where: how many of the gradients are not finite, and the first names (all of them: the loss itself
 was not finite; a few: one layer's computation), so a run that stops tells what to look at next. It suggests
@@ -193,6 +195,7 @@ class NonFiniteGuard(TrainerCallback):
         self.trainer: Any = None
         self._checked_before_step = False  # the gradients were visible: the logged norm needs no second look
         self._flags_before_clipping: list | None = None  # `before_clipping`'s, for this step's message
+        self._checked_landed = False  # `check_landed_norm` saw every step's norm: the logged one needs no look
 
     def before_clipping(self, optimizer: Any) -> None:
         """Note which gradients are not finite before clipping spreads a NaN norm to all of them (`ProRLTrainer` calls
@@ -245,15 +248,28 @@ class NonFiniteGuard(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         norm = (logs or {}).get("grad_norm")
-        if self._checked_before_step or norm is None:
+        if self._checked_before_step or self._checked_landed or norm is None:
             return
         if not math.isfinite(float(norm)):
             raise self._error(state, float(norm), applied=True, args=args)
 
-    def _step_and_phase(self, state, applied: bool) -> tuple[int, str | None]:
+    def check_landed_norm(self, args, state, norm: Any) -> None:
+        """DeepSpeed's path at every optimizer step: its engine has applied the update and reports the global norm
+        (the same on every rank), before the step is counted, logged or saved. A non-finite norm stops the run there,
+        so no checkpoint is written from the broken weights; `on_log` alone would see it only at a logging step."""
+        if norm is None:
+            return
+        value = float(norm.item() if hasattr(norm, "item") else norm)
+        self._checked_landed = True
+        if not math.isfinite(value):
+            raise self._error(state, value, applied=True, args=args, counted=False)
+
+    def _step_and_phase(self, state, applied: bool, counted: bool | None = None) -> tuple[int, str | None]:
         """The step being taken (before the update) or just taken (`applied`), counted over the whole run where the
-        trainer counts across phases, and its phase's name."""
-        step = getattr(self.trainer, "prorl_global_step", state.global_step) + (0 if applied else 1)
+        trainer counts across phases, and its phase's name. `counted`: whether the trainer's step counter includes
+        that step already (by default, where it was applied)."""
+        counted = applied if counted is None else counted
+        step = getattr(self.trainer, "prorl_global_step", state.global_step) + (0 if counted else 1)
         return step, getattr(getattr(self.trainer, "current_phase", None), "name", None)
 
     def _keep(self, step: int, phase: str | None, where) -> Path | None:
@@ -265,12 +281,14 @@ class NonFiniteGuard(TrainerCallback):
             logger.warning("Could not keep the non-finite step's batches for a replay: %s", error)
             return None
 
-    def _error(self, state, norm: float, applied: bool, args, where=None, keep: bool = False) -> NonFiniteUpdate:
+    def _error(
+        self, state, norm: float, applied: bool, args, where=None, keep: bool = False, counted: bool | None = None
+    ) -> NonFiniteUpdate:
         """The error for the step being taken (before the update) or just taken (`applied`)."""
         from ..reset.checkpoint import latest_checkpoint
 
         checkpoint = latest_checkpoint(args.output_dir) if args.output_dir else None
-        step, phase = self._step_and_phase(state, applied)
+        step, phase = self._step_and_phase(state, applied, counted)
         unbounded_kl = getattr(args, "beta", 0.0) > 0 and not getattr(args, "kl_clamp", False)
         dump = self._keep(step, phase, where) if keep else None
         skipped = getattr(self.trainer, "prorl_nonfinite_skips", None)

@@ -510,6 +510,18 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
                 callback.before_clipping(self.optimizer)
         return super()._clip_grad_norm(model)
 
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        """transformers' norm of the step; under DeepSpeed `NonFiniteGuard` checks it at every step (the engine has
+        applied the update; nothing is counted, logged or saved yet), not only at logging steps."""
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        if self.accelerator.distributed_type == "DEEPSPEED":
+            engine = self.model_wrapped  # an fp16 overflow the engine's loss scaler skipped landed nothing: no stop
+            landed = not hasattr(engine, "was_step_applied") or engine.was_step_applied()
+            for callback in self.callback_handler.callbacks:
+                if isinstance(callback, NonFiniteGuard):
+                    callback.check_landed_norm(self.args, self.state, grad_norm if landed else None)
+        return grad_norm
+
     @property
     def _stop_checkpoint(self) -> Path:
         return Path(self._get_output_dir(None)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
