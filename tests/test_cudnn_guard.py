@@ -12,6 +12,7 @@ from prorl_trl.attention.cudnn_guard import (
     cudnn_cannot_run,
     guarded_length,
     left_padded_causal_mask,
+    probe_dtype,
     probe_key,
     report_after_probe,
     set_guard,
@@ -89,6 +90,16 @@ def test_only_an_error_that_means_cudnn_cannot_run_switches_the_guard_off():
         assert cudnn_cannot_run(alert)  # strictly deterministic: cuDNN never takes the backward
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def test_the_probe_runs_in_the_dtype_training_attention_runs_in():
+    """Half-precision weights run attention in their dtype; float32 weights in autocast's: float16 under `fp16`
+    (before 2026-11-29 the probe took bfloat16 there and answered for kernels that training never ran)."""
+    assert probe_dtype(torch.bfloat16, None) == torch.bfloat16 and probe_dtype(torch.float16, None) == torch.float16
+    assert probe_dtype(torch.float32, torch.float16) == torch.float16
+    assert probe_dtype(torch.float32, None) == torch.bfloat16 and probe_dtype(torch.bfloat16, torch.float16) == (
+        torch.bfloat16
+    )
 
 
 def test_a_probe_made_under_strict_deterministic_algorithms_is_not_reused_once_they_are_off():

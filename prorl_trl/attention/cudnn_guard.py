@@ -227,12 +227,22 @@ def probe_key(device: torch.device, dtype: torch.dtype, heads: int, head_dim: in
     return (str(device), dtype, heads, head_dim, strict)
 
 
-def install_cudnn_attention_guard(model: Any, mode: str = "auto") -> CudnnGuardReport:
+def probe_dtype(weights: torch.dtype, autocast_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype training attention runs in: the weights' where they are half precision, else autocast's (float16
+    under `fp16`; bfloat16 where none is named). A probe in another dtype answers for other kernels."""
+    low = (torch.float16, torch.bfloat16)
+    return weights if weights in low else autocast_dtype if autocast_dtype in low else torch.bfloat16
+
+
+def install_cudnn_attention_guard(
+    model: Any, mode: str = "auto", autocast_dtype: torch.dtype | None = None
+) -> CudnnGuardReport:
     """Guard `model`'s training attention against cuDNN's NaN backward as `mode` says (see the module docstring).
 
-    `model`: a transformers model, or a PEFT model around one. Switches a model on "sdpa" to `GUARDED_SDPA` (same
-    forward; the switch is in `model.config._attn_implementation`) and sets this process's guard. Returns the report;
-    its `message` is the line to show.
+    `model`: a transformers model, or a PEFT model around one. `autocast_dtype`: the mixed-precision dtype training
+    attention runs in over float32 weights (float16 under `fp16`), which the probe must use; bfloat16 by default.
+    Switches a model on "sdpa" to `GUARDED_SDPA` (same forward; the switch is in `model.config._attn_implementation`)
+    and sets this process's guard. Returns the report; its `message` is the line to show.
     """
     if mode not in CUDNN_GUARD_MODES:
         raise ValueError(f"cudnn_attention_guard must be one of {list(CUDNN_GUARD_MODES)}, got {mode!r}.")
@@ -265,7 +275,7 @@ def install_cudnn_attention_guard(model: Any, mode: str = "auto") -> CudnnGuardR
         return report(True, True, why="cuDNN attention guard (always): every training attention call runs without "
                       "cuDNN (`cudnn_attention_guard: auto` guards only the lengths cuDNN gets wrong).")  # fmt: skip
     heads, head_dim = _attention_shape(base)
-    dtype = base.dtype if base.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16  # float32: autocast's
+    dtype = probe_dtype(base.dtype, autocast_dtype)
     key = probe_key(device, dtype, heads, head_dim)
     if key not in _PROBES:
         started = time.perf_counter()

@@ -73,7 +73,10 @@ def train_student(config: DistillConfig, rows: Sequence[dict[str, Any]], student
         model=student, args=SFTConfig(**settings), train_dataset=dataset, eval_dataset=dataset, peft_config=peft_config
     )
     use_run_progress(trainer)  # a bar with rate and ETA and a short line per log, not HF's dict per log
-    guard = install_cudnn_attention_guard(trainer.accelerator.unwrap_model(trainer.model), config.cudnn_attention_guard)
+    import torch
+
+    guard = install_cudnn_attention_guard(trainer.accelerator.unwrap_model(trainer.model), config.cudnn_attention_guard,
+                                          torch.float16 if trainer.args.fp16 else None)  # fmt: skip
     if guard.active and trainer.accelerator.is_main_process:
         announce(guard.message)
     if config.use_peft and (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):

@@ -218,7 +218,7 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         self._check_after_init()
         # Before any training forward: cuDNN's SDPA backward returns NaN at some lengths (prorl_trl.attention).
         self.cudnn_attention_guard = install_cudnn_attention_guard(
-            reset_ops.unwrap_model(self.model), args.cudnn_attention_guard
+            reset_ops.unwrap_model(self.model), args.cudnn_attention_guard, torch.float16 if args.fp16 else None
         )
         if self.cudnn_attention_guard.active or self.accelerator.device.type == "cuda":
             self.announce(self.cudnn_attention_guard.message)
