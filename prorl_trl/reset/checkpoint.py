@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -226,6 +227,32 @@ def complete_checkpoints(output_dir: str | os.PathLike) -> list[tuple[Path, dict
                 state = read_prorl_state(checkpoint)
                 found.append(((state["phase_index"], int(match.group(1))), checkpoint, state))
     return [(checkpoint, state) for _, checkpoint, state in sorted(found, key=lambda item: item[0])]
+
+
+def prune_committed_checkpoints(phase_dir: str | os.PathLike, keep: int | None, protected: Any = ()) -> list[Path]:
+    """`save_total_limit` for one phase folder, applied after a commit: delete its oldest complete checkpoints
+    beyond `keep`, never the newest complete one nor a `protected` path (the best model's). Only complete
+    checkpoints count and go: HF prunes before the new one is committed, so a kill there left a phase with none.
+    Returns the folders deleted (all the run's own `checkpoint-<step>` folders)."""
+    if not keep or keep <= 0:
+        return []
+    ordered = sorted(
+        (int(match.group(1)), path)
+        for path in Path(phase_dir).iterdir()
+        if (match := _CHECKPOINT_RE.match(path.name)) and path.is_dir() and not path.is_symlink()
+        and (path / PRORL_STATE_NAME).is_file()
+    )  # fmt: skip
+    keep_paths = {ordered[-1][1].resolve()} if ordered else set()
+    keep_paths |= {Path(path).resolve() for path in protected if path}
+    deleted, left = [], len(ordered)
+    for _, path in ordered:
+        if left <= max(keep, len(keep_paths)):
+            break
+        if path.resolve() not in keep_paths:
+            shutil.rmtree(path)
+            deleted.append(path)
+            left -= 1
+    return deleted
 
 
 def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:

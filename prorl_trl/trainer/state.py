@@ -19,6 +19,7 @@ from ..reset.checkpoint import (
     in_phase_dir,
     json_text,
     latest_checkpoint,
+    prune_committed_checkpoints,
     read_prorl_state,
     record_checkpoint_hashes,
     write_text_atomically,
@@ -229,6 +230,7 @@ class ProRLStateCallback(TrainerCallback):
         )
         record_checkpoint_hashes(checkpoint, commit)  # what a resume checks (`verify_checkpoint`), before the commit
         write_text_atomically(os.path.join(checkpoint, PRORL_STATE_NAME), commit)
+        prune_committed_checkpoints(os.path.dirname(checkpoint), args.save_total_limit, [state.best_model_checkpoint])
         return control
 
     def _reset_callbacks(self) -> list[HardResetCallback]:

@@ -533,7 +533,13 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         folder = Path(self._get_output_dir(trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         if self.args.should_save:
             uncommit(folder)
-        super()._save_checkpoint(model, trial)
+        # HF prunes to `save_total_limit` at the end of its save, before the commit: a kill there could leave a phase
+        # with no complete checkpoint. `ProRLStateCallback.on_save` prunes after the commit instead.
+        limit, self.args.save_total_limit = self.args.save_total_limit, None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
         save_probe_rows(self, folder)  # a reset right after a resume from here probes what it would have (LoRA)
 
     # ------------------------------------------------------------------------------------------------- logging
