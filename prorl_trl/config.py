@@ -489,6 +489,13 @@ class ProRLConfig(GRPOConfig):
                 "non-finite step); without it every update is applied, NaN or not. Turn stop_on_nonfinite on, or set "
                 "max_nonfinite_skips: 0."
             )
+        if self.save_only_model and self.save_strategy != "no":
+            raise ValueError(
+                "save_only_model: true writes checkpoints without the optimizer, LR scheduler and RNG state, and a "
+                "resume from one would restart Adam and the schedule without saying so: not the run it records. Drop "
+                "save_only_model (the final model is saved in final/, each reset's merged model in merged/), or set "
+                "save_strategy: no."
+            )
         if self.plateau_mode not in ("max", "min"):
             raise ValueError(f"plateau_mode must be 'max' or 'min', got {self.plateau_mode!r}.")
         if self.overlong_buffer < 0:

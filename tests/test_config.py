@@ -136,3 +136,11 @@ def test_trls_own_parsers_read_prorl_config_with_phases_from_a_config_file(tmp_p
         HfArgumentParser(ProRLConfig).parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--lora_reset_mode", "x"])
     with pytest.raises(ValueError, match="lora_reset_mode must be one of"):
         ProRLConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, lora_reset_mode="x")
+
+
+def test_checkpoints_without_optimizer_state_are_refused(tmp_path):
+    """save_only_model checkpoints lack the optimizer, scheduler and RNG files, and HF resumes from them without a
+    word (a fresh Adam, the schedule from its start): refused while checkpoints are written, allowed without them."""
+    with pytest.raises(ValueError, match="save_only_model: true writes checkpoints without the optimizer"):
+        ProRLConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, save_only_model=True, save_strategy="steps")
+    assert ProRLConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, save_only_model=True, save_strategy="no")
