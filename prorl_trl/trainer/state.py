@@ -152,8 +152,10 @@ class ProRLStateCallback(TrainerCallback):
     def __init__(self, trainer: Any):
         self.trainer = trainer
         self.phase_tracker: PlateauTracker | None = None
+        self._save_waiting = False  # a `save_steps` save asked for inside a generation's steps, made at its end
 
     def start_phase(self, phase: Any) -> None:
+        self._save_waiting = False
         args = self.trainer.args
         self.phase_tracker = (
             PlateauTracker(phase.plateau_patience, phase.plateau_min_delta, args.plateau_mode)
@@ -173,9 +175,16 @@ class ProRLStateCallback(TrainerCallback):
         return control
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.trainer._agree_on_stop():  # a signal: finish this step with a checkpoint, then stop
+        # A checkpoint inside a generation's steps would not resume exactly (`ProRLTrainer.at_generation_boundary`):
+        # a stop, and a save that `save_steps` asks for, wait for its last step (or the phase's).
+        boundary = self.trainer.at_generation_boundary() or state.global_step >= state.max_steps
+        if self.trainer._agree_on_stop() and boundary:  # a signal: finish this step with a checkpoint, then stop
             control.should_save = True
             control.should_training_stop = True
+        if control.should_save and not boundary:
+            control.should_save, self._save_waiting = False, True
+        elif self._save_waiting and boundary:
+            control.should_save, self._save_waiting = True, False
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):

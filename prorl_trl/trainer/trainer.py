@@ -482,8 +482,10 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
     def request_stop(self, reason: str = "requested") -> None:
         """Stop after the current optimizer step: write a checkpoint, then `train()` raises `RunInterrupted`.
 
-        Safe to call from a signal handler (it only sets a flag). Under several processes, a request on any rank
-        stops every rank at the same step.
+        Where one generation serves several optimizer steps (`steps_per_generation` above the accumulation steps,
+        or `num_iterations` > 1), the stop waits for the end of that generation's steps, so that the checkpoint
+        resumes exactly. Safe to call from a signal handler (it only sets a flag). Under several processes, a
+        request on any rank stops every rank at the same step.
         """
         self._stop_requested = reason
 
@@ -491,6 +493,13 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
     def stop_requested(self) -> str | None:
         """The reason given to `request_stop`, or None."""
         return self._stop_requested
+
+    def at_generation_boundary(self) -> bool:
+        """Whether TRL's next micro-batch generates anew: its `_step` counts micro-batches since the phase (or the
+        resumed call) began, and it generates every `steps_per_generation * num_iterations` of them. A checkpoint
+        is only exact here: the buffer of generated inputs and `_step` are not saved, so a resume from inside a cycle
+        generates afresh and then stays out of step with the uninterrupted run."""
+        return self._step % (self.args.steps_per_generation * self.num_iterations) == 0
 
     def _agree_on_stop(self) -> bool:
         """Whether any process asked to stop (a collective: every rank calls it at every step end)."""
