@@ -64,3 +64,21 @@ def test_a_stop_inside_a_generation_cycle_waits_for_its_end_and_resumes_exactly(
     assert expected.keys() == got.keys()
     for name in expected:
         assert torch.equal(expected[name], got[name]), name
+
+
+def test_a_resume_inside_a_phase_refuses_another_lora_shape_for_it(tmp_path):
+    """Loading the checkpoint's adapter into another rank, alpha or target list changed the policy it holds without a
+    word (an `--allow-changes` override of the running phase); a LoRA shape changes at a hard reset only."""
+    from prorl_trl.reset.provenance import RunFilesError
+
+    stopped = trainer_for(tmp_path, [StopRequestAt(4)])  # phase 1 at its step 2 of 4
+    with pytest.raises(RunInterrupted):
+        stopped.train()
+    for change, message in (({"lora_r": 8}, "first differing weight"), ({"lora_alpha": 32}, "lora_alpha 8 -> 32")):
+        model, tokenizer = tiny_model()
+        args = tiny_args(tmp_path, save_strategy="steps", save_steps=1, num_iterations=2, seed=0,
+                         phases=[{"max_steps": 2}, {"max_steps": 4, **change}])  # fmt: skip
+        trainer = ProRLTrainer(model=model, reward_funcs=[length_reward], args=args, train_dataset=prompts_dataset(),
+                               processing_class=tokenizer, peft_config=lora())  # fmt: skip
+        with pytest.raises(RunFilesError, match=f"inside phase 1 .*{message}"):
+            trainer.train(resume_from_checkpoint=True)

@@ -35,6 +35,42 @@ from .reset_probe import load_probe_rows
 from .state import find_checkpoint, resume_state, resumed_log_history, resumed_phase, resumed_phase_complete
 
 
+
+def adapter_shapes(model: Any) -> tuple[dict[str, tuple[int, ...]], float | None]:
+    """The live adapter as PEFT saves it (key -> shape) and its alpha."""
+    from peft import get_peft_model_state_dict
+
+    shapes = {key: tuple(value.shape) for key, value in get_peft_model_state_dict(model).items()}
+    return shapes, model.peft_config["default"].lora_alpha
+
+
+def refuse_adapter_shape_change(trainer: Any, phase: Any, checkpoint: Path) -> None:
+    """A resume inside a phase loads the checkpoint's adapter into the phase's: a LoRA rank, alpha or target list
+    changed since (an `--allow-changes` override) would load it partly, or rescale its delta, and so change the
+    policy the checkpoint holds without a word. Refused; a shape changes at a hard reset, between phases."""
+    import json
+
+    from safetensors import safe_open
+
+    model = reset_ops.unwrap_model(trainer.model)
+    saved, config = checkpoint / "adapter_model.safetensors", checkpoint / "adapter_config.json"
+    if not hasattr(model, "peft_config") or not saved.is_file() or not config.is_file():
+        return
+    with safe_open(str(saved), "pt") as handle:
+        recorded = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+    recorded_alpha = json.loads(config.read_text()).get("lora_alpha")
+    live, alpha = adapter_shapes(model)
+    if recorded == live and recorded_alpha == alpha:
+        return
+    differs = sorted(set(recorded) ^ set(live)) or sorted(key for key in live if recorded[key] != live[key])
+    what = f"first differing weight {differs[0]}" if differs else f"lora_alpha {recorded_alpha} -> {alpha}"
+    raise RunFilesError(
+        f"{checkpoint} is inside phase {phase.index} ({phase.name}), and this run gives that phase another adapter "
+        f"than the checkpoint's ({what}). Loading it would change the policy the checkpoint holds: a LoRA shape "
+        f"changes only at a hard reset. Nothing was loaded. Keep phase {phase.index}'s LoRA settings as recorded, or "
+        "end the phase (`prorl-trl reset RUN_DIR`) and give the new shape to the next one."
+    )
+
 def prepare_resume(trainer: Any, resume_from_checkpoint: str | bool | None) -> Path | None:
     """Restore the ProRL side of a checkpoint (phase, earlier deltas, adapter shape, counters) before TRL's part.
 
@@ -83,6 +119,8 @@ def prepare_resume(trainer: Any, resume_from_checkpoint: str | bool | None) -> P
     trainer._pending_reset = state.get("pending_reset")
     if adapter_differs(trainer, phase):
         reinit_adapter(trainer, phase)
+    if not complete and trainer._superset is None:
+        refuse_adapter_shape_change(trainer, phase, checkpoint)
     trainer._apply_phase(phase)
     trainer._scheduler_horizon = state.get("scheduler_horizon")
     trainer._scheduler_start = state.get("scheduler_start", 0)
