@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal
 from functools import lru_cache
 from typing import Any
 
@@ -141,8 +142,8 @@ def gold_text(gold: Any) -> str | None:
     """
     if isinstance(gold, bool) or gold is None:
         return None
-    if isinstance(gold, (int, float)):
-        return repr(gold) if math.isfinite(gold) else None
+    if isinstance(gold, (int, float)):  # positional digits: repr's `1e+16` would read as 116 under the seed rule
+        return format(Decimal(repr(gold)), "f") if math.isfinite(gold) else None
     if not isinstance(gold, str):
         return None
     if "####" in gold:
@@ -175,10 +176,17 @@ def to_float(text: str | None) -> float | None:
     return value if math.isfinite(value) else None
 
 
+# A gold that is one plain number (signs, `$`, `%` and separating commas allowed): the seed rule's `0-9 . -`
+# filter is meant for those, and on `\sqrt{2}`, `\frac{1}{2}` or `2\sqrt{3}` it made up 2, 12 and 23.
+_PLAIN_GOLD = re.compile(r"\s*(?:\\?\$)?\s*[-+]?\s*(?:\d[\d,]*(?:\.\d*)?|\.\d+)\s*(?:\\?%)?\s*")
+
+
 @lru_cache(maxsize=65536)
 def gold_number(gold: Any) -> float | None:
-    """The gold of a numeric task as a float (GSM8K `#### 1,234` or a bare value), None if there is none."""
-    return to_float(gold_text(gold))
+    """The gold of a numeric task as a float (GSM8K `#### 1,234` or a bare value), None if there is none: a gold
+    that is not one plain number (MATH's `\\sqrt{2}`, `\\frac{1}{2}`) has no number for the seed rule to match."""
+    text = gold_text(gold)
+    return to_float(text) if text is not None and _PLAIN_GOLD.fullmatch(text) else None
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -10,7 +10,16 @@ from typing import Any
 from ._base import CorrectnessReward
 from ._numbers import Quantity, quantities_match, read_quantity, split_unit
 from ._polynomial import read_polynomial
-from ._screen import is_math_gold, misread, pathological, text_gold_key, text_key, unsafe, without_calls
+from ._screen import (
+    MAX_SYMBOLIC_CHARS,
+    is_math_gold,
+    misread,
+    pathological,
+    text_gold_key,
+    text_key,
+    unsafe,
+    without_calls,
+)
 from ._text import (
     compact,
     extract_boxed,
@@ -161,6 +170,9 @@ def _list_verdict(answer: str, gold: _Gold) -> bool | None:
     return None if None in verdicts else True
 
 
+_ASSIGNED = re.compile(r"\s*([A-Za-z](?:_\{?\w+\}?)?)\s*=")  # `x =`, `x_1 =`: the part names its unknown
+
+
 def _scalar_verdict(answer: str, gold: _Gold) -> bool | None:
     """Whether one plain number or polynomial equals a scalar gold; None when neither fast reading applies."""
     quantity = read_quantity(answer)
@@ -248,6 +260,8 @@ class MathEquivalence(CorrectnessReward):
             return True
         if gold_read.text_key is not None:
             return text_key(normalized) == gold_read.text_key
+        if self.prescreen and len(normalized) > MAX_SYMBOLIC_CHARS:  # before the readers, some quadratic in length
+            return False
         quantity = read_quantity(normalized)
         if quantity is not None and gold_read.quantity is not None:
             verdict = quantities_match(gold_read.quantity, quantity)
@@ -259,6 +273,8 @@ class MathEquivalence(CorrectnessReward):
             return False
         if gold_read.scalar:  # a list against one value: math-verify reads {5, 7} != 5 and {5, 5} = 5
             parts = top_level_parts(normalized)
+            if len({match[1] for part in parts if (match := _ASSIGNED.match(part))}) > 1:
+                return False  # `x=5, y=5`: a solution of several unknowns, not one value
             if len(parts) > 1:
                 verdicts = [_scalar_verdict(part, gold_read) for part in parts]
                 if None not in verdicts:

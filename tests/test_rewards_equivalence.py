@@ -291,3 +291,23 @@ def test_long_answers_are_read_in_linear_time():
 
     assert seconds(200_000) / seconds(50_000) < 9
     assert seconds(200_000) < 2.0
+
+
+def test_no_credit_from_made_up_golds_or_several_unknowns_and_long_boxes_end_at_once():
+    """Found on 2026-11-29 against the data and math-verify: `boxed_answer`'s `0-9 . -` filter made numbers of golds
+    that are not one (`\\sqrt{2}` -> 2, `\\frac{1}{2}` -> 12, `2\\sqrt{3}` -> 23) and of a float gold's `1e+16`
+    (116); `math_equivalence` credited `x=5, y=5` for 5; boxes of thousands of characters took seconds to minutes
+    in the training process before the length screen."""
+    boxed, math = get_reward("boxed_answer"), get_reward("math_equivalence")
+    golds = [r"\sqrt{2}", r"\frac{1}{2}", r"2\sqrt{3}", "#### 1,234", 1e16, 1e-05]
+    answers = [r"\boxed{2}", r"\boxed{12}", r"\boxed{23}", r"\boxed{1234}", r"\boxed{10000000000000000}",
+               r"\boxed{0.00001}"]
+    assert boxed(completions=answers, answer=golds) == [None, None, None, 1.0, 1.0, 1.0]
+    assert boxed(completions=[r"\boxed{116}"], answer=[1e16]) == [-1.0]
+    assert math(completions=[r"\boxed{0.00001}"], answer=[1e-05]) == [1.0]
+    unknowns = [r"\boxed{x=5, y=5}", r"\boxed{x_1=2, x_2=2}", r"\boxed{x=5}", r"\boxed{5, 5}"]
+    assert math(completions=unknowns, answer=["5", "2", "5", "5"]) == [0.0, 0.0, 1.0, 1.0]
+    started = time.monotonic()
+    long_boxes = ["\\boxed{" + "a/" * 10_000 + "a+1}", "\\boxed{" + "(x+1)" * 3_900 + "}"]
+    assert math(completions=long_boxes, answer=["5", "5"]) == [0.0, 0.0]
+    assert time.monotonic() - started < 5  # a hang guard, not a benchmark: 8 s and 58 s before the screen moved
