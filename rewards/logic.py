@@ -34,13 +34,30 @@ def _last_answer(text: str) -> str | None:
         found, position = text[start + len("<answer>") : end].strip(), end + len("</answer>")
 
 
+def _role_word(role: Any) -> str | None:
+    """"knight" / "knave" from a gold role: a bool of any kind (Python's, numpy's, 0/1), a role word, or the text
+    "True"/"False" (a column saved as text); None for anything else. `str(numpy.bool_(True)).lower()` is "true",
+    which no completion matches: every right answer scored -0.5."""
+    text = str(role).strip().lower()
+    if text in ("knight", "knave"):
+        return text
+    if text in ("true", "1"):
+        return "knight"
+    if text in ("false", "0"):
+        return "knave"
+    return None
+
+
 def _gold_roles(names: Any, solution: Any) -> dict[str, str] | None:
     """`{name: "knight"|"knave"}` from `names` + `solution` (bools or role words), or, when `names` is None, from the
     `solution_text_format` text in `solution`."""
     if names is not None:
         roles = {}
         for name, role in zip(names, solution, strict=True):
-            roles[str(name)] = ("knight" if role else "knave") if isinstance(role, bool) else str(role).lower()
+            word = _role_word(role)
+            if word is None:
+                return None  # an unknown role: no completion can be checked against it
+            roles[str(name)] = word
         return roles
     if isinstance(solution, str):
         roles = {}

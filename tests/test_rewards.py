@@ -577,3 +577,19 @@ def test_docstring_examples(module):
         rewards.registry._USER_REWARDS.pop("shorter_is_better_demo", None)
     results = runner.summarize(verbose=False)
     assert results.attempted > 0 and results.failed == 0
+
+
+def test_kk_logic_reads_gold_roles_of_any_bool_kind_and_refuses_unknown_words():
+    """A `solution` column of numpy bools (a dataset built with pandas), 0/1 or "True"/"False" text scored every
+    right answer -0.5 before 2026-11-29 (`str(numpy.True_).lower()` is "true", not a role); an unknown role word
+    gives None (TRL skips the row) instead of a score no completion can earn."""
+    import numpy as np
+
+    from rewards import get_reward
+
+    kk = get_reward("kk_logic")
+    right = "<think>x</think><answer>(1) Ann is a knight\n(2) Bob is a knave</answer>"
+    solutions = [[True, False], [np.bool_(True), np.bool_(False)], [1, 0], ["True", "False"], ["knight", "knave"]]
+    for solution in solutions:
+        assert kk(completions=[right], names=[["Ann", "Bob"]], solution=[solution]) == [3.0], solution
+    assert kk(completions=[right], names=[["Ann", "Bob"]], solution=[["knight", "spy"]]) == [None]
