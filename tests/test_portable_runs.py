@@ -363,3 +363,21 @@ def test_a_resume_with_a_new_learning_rate_trains_at_it_from_the_recorded_step(t
     assert all(got[step] == want[step] for step in (2, 3, 4)), (got, want)
     history = yaml.safe_load((out / RESUME_HISTORY_NAME).read_text())
     assert history[-1]["global_step"] == 1 and history[-1]["changes"][0]["key"] == "training.learning_rate"
+
+
+def test_changes_to_a_phase_its_checkpoint_ended_are_refused_unless_a_longer_phase_takes_them_on(tmp_path):
+    """A checkpoint at a phase's end (its last step, a plateau stop, a reset on demand) resumes into the next phase:
+    a change to the ended phase's settings was accepted, recorded and had no effect before 2026-11-29. A longer
+    `max_steps` continues a phase that ran to its length, and then its other changes apply from the resumed step."""
+    from prorl_trl.recipe.changes import Change, ChangedRecipeError, refuse_finished_phase_changes
+
+    temperature = Change("phases.0.temperature", 1.0, 1.3, True)
+    ended = {"phase_index": 0, "phase_complete": True, "phase_end_reason": "max_steps", "phase_global_step": 4}
+    with pytest.raises(ChangedRecipeError, match=r"(?s)resumes into phase 1.*phases\.0\.temperature: 1\.0 -> 1\.3"):
+        refuse_finished_phase_changes([temperature], ended, tmp_path)
+    longer = Change("phases.0.max_steps", 4, 6, True)
+    refuse_finished_phase_changes([temperature, longer], ended, tmp_path)  # the phase goes on: both apply
+    plateau = {**ended, "phase_end_reason": "plateau: no improvement"}
+    with pytest.raises(ChangedRecipeError):  # a plateau stop stays a stop, longer or not
+        refuse_finished_phase_changes([temperature, longer], plateau, tmp_path)
+    refuse_finished_phase_changes([temperature], {**ended, "phase_complete": False}, tmp_path)  # inside the phase

@@ -294,16 +294,30 @@ def recorded_changes(run_dir: Path, current: dict[str, Any], state: dict[str, An
     return [change for change in recorded if not same_base_model_folder(change, state)]
 
 
+def _phase_stays_complete(changes: list[Change], state: dict[str, Any]) -> bool:
+    """Whether the checkpoint's own phase is over for this resume too: it ended (its last step, a plateau stop, a
+    reset on demand) and no longer `phases.<i>.max_steps` takes it on (only a phase that ran to its length can)."""
+    if not state.get("phase_complete"):
+        return False
+    if state.get("phase_end_reason", "max_steps") != "max_steps":
+        return True
+    length = next((change.new for change in changes if change.key == f"phases.{state['phase_index']}.max_steps"), None)
+    return not (isinstance(length, int) and length > state.get("phase_global_step", 0))
+
+
 def refuse_finished_phase_changes(changes: list[Change], state: dict[str, Any], checkpoint: Path) -> None:
     """A change to a phase the checkpoint (`state`: its `prorl_state.json`) is past (`phases.<i>.*`, i below its
     phase) cannot be honoured: that phase trained as recorded. Refused (exit 2) even with `--allow-changes`, rather
     than accepted and left without effect."""
     current = state["phase_index"]
+    if _phase_stays_complete(changes, state):  # its checkpoint ends it: a resume starts the next phase
+        current += 1
     finished = [change for change in changes if (phase := phase_of_key(change.key)) is not None and phase < current]
     if finished:
         listed = "\n".join(f"  {change.describe()}" for change in finished)
         raise ChangedRecipeError(
-            f"--resume: {checkpoint} is in phase {current}, so these settings of earlier, finished phases cannot take "
+            f"--resume: {checkpoint} resumes into phase {current}, so these settings of earlier, finished phases "
+            "cannot take "
             f"effect:\n{listed}\nNothing was loaded or changed. Drop those overrides (keep the finished phases as "
             "recorded); a change to the current phase or a later one, or to `training`, is what a resume can apply."
         )
