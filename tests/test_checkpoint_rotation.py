@@ -65,6 +65,18 @@ def test_a_kill_between_save_and_commit_keeps_the_phases_last_complete_checkpoin
 def test_the_limit_still_holds_per_phase_once_each_save_is_committed(tmp_path):
     trainer_for(tmp_path, limit=2).train()
     assert steps_by_phase(tmp_path / "run") == {0: [1, 2], 1: [3, 4]}
+    assert {state["world_size"] for _, state in complete_checkpoints(tmp_path / "run")} == {1}  # for a resume
+
+
+def test_a_resume_on_another_number_of_processes_is_a_change_of_training():
+    """It sets the completions per optimizer step; unknown on either side (older checkpoints, `validate`) it is
+    no change. Recorded in the resume history, it is not a recipe key, so later resumes do not see it again."""
+    from prorl_trl.recipe.changes import world_size_change
+
+    change = world_size_change({"world_size": 2}, 1)
+    assert change is not None and change.alters_training and change.describe() == "launch.world_size: 2 -> 1"
+    assert world_size_change({"world_size": 2}, 2) is None
+    assert world_size_change({}, 4) is None and world_size_change({"world_size": 2}, None) is None
 
 
 def test_pruning_keeps_the_newest_and_the_best_and_never_counts_uncommitted_folders(tmp_path):
@@ -77,3 +89,12 @@ def test_pruning_keeps_the_newest_and_the_best_and_never_counts_uncommitted_fold
     assert deleted == [phase / "checkpoint-2"]
     assert sorted(path.name for path in phase.iterdir()) == ["checkpoint-1", "checkpoint-3", "checkpoint-4"]
     assert prune_committed_checkpoints(phase, None) == [] and prune_committed_checkpoints(phase, 0) == []
+
+
+def test_a_recorded_world_size_change_stays_out_of_the_recipe_later_resumes_compare(tmp_path):
+    from prorl_trl.recipe.changes import RECORDED_RECIPE_NAME, record_resume, recorded_recipe, world_size_change
+
+    (tmp_path / RECORDED_RECIPE_NAME).write_text("training:\n  learning_rate: 0.001\n")
+    record_resume(tmp_path, [world_size_change({"world_size": 2}, 1)], str(tmp_path / "checkpoint-3"), 3)
+    flat = recorded_recipe(tmp_path)
+    assert "launch.world_size" not in flat and flat["training.learning_rate"] == 0.001

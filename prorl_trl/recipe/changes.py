@@ -216,6 +216,8 @@ def recorded_recipe(run_dir: Path) -> dict[str, Any] | None:
     flat = flatten(canonical(_read_run_yaml(path, dict, "the recipe the run was started with")))
     for entry in read_history(run_dir):
         for change in entry.get("changes") or []:
+            if str(change.get("key", "")).startswith("launch."):  # how it ran (`world_size_change`), not a recipe key
+                continue
             if "new" in change:
                 flat[change["key"]] = change["new"]
             else:
@@ -323,9 +325,19 @@ def refuse_finished_phase_changes(changes: list[Change], state: dict[str, Any], 
         )
 
 
+def world_size_change(state: dict[str, Any], world_size: int | None) -> Change | None:
+    """The number of processes against the one the checkpoint (`state`: its `prorl_state.json`) was written by: it
+    sets the completions per optimizer step (per device x processes x accumulation), so a resume on another number
+    changes training. None when either is unknown (checkpoints before 2026-11-29, `validate`) or they agree."""
+    recorded = state.get("world_size")
+    if world_size is None or not isinstance(recorded, int) or recorded == world_size:
+        return None
+    return Change("launch.world_size", recorded, world_size, True)
+
+
 def check_resume_changes(
     run_dir: Path, current: dict[str, Any], allow_changes: bool, data_now: dict[str, dict[str, str]] | None = None,
-    checkpoint: Path | None = None,
+    checkpoint: Path | None = None, world_size: int | None = None,
 ) -> list[Change]:  # fmt: skip
     """The changes a resume into `run_dir` makes (recipe keys, and the content of local data files when `data_now`,
     `split_fingerprints` of the current recipe, is given); raises `ChangedRecipeError` for training-altering ones
@@ -343,6 +355,8 @@ def check_resume_changes(
             "or pass --allow-changes to continue with this recipe as given (it is then recorded as the run's recipe)."
         )
     changes = (recorded or []) + (data_file_changes(run_dir, data_now) if data_now is not None else [])
+    launched = world_size_change(state, world_size)
+    changes += [launched] if launched is not None else []
     altering = [change for change in changes if change.alters_training]
     if state:
         refuse_finished_phase_changes(altering, state, checkpoint)
@@ -390,15 +404,17 @@ def _recorded_in(output_dir: Path, checkpoint: Path) -> Path:
 
 def resume_changes(
     checkpoint: str | None, output_dir: str | Path, current: dict[str, Any], allow_changes: bool,
-    data_now: dict[str, dict[str, str]] | None = None,
+    data_now: dict[str, dict[str, str]] | None = None, world_size: int | None = None,
 ) -> list[Change]:  # fmt: skip
     """`train`/`validate`: the changes a resume from `checkpoint` (None: a start, nothing to compare) makes to the
-    run's recorded recipe and data files; raises `ChangedRecipeError` (exit 2) for training-altering ones without
-    `allow_changes`."""
+    run's recorded recipe and data files (and, from `train`, to its number of processes); raises
+    `ChangedRecipeError` (exit 2) for training-altering ones without `allow_changes`."""
     if checkpoint is None:
         return []
     recorded_in = _recorded_in(Path(output_dir), Path(checkpoint))
-    return check_resume_changes(recorded_in, current, allow_changes, data_now, checkpoint=Path(checkpoint))
+    return check_resume_changes(
+        recorded_in, current, allow_changes, data_now, checkpoint=Path(checkpoint), world_size=world_size
+    )
 
 
 def write_run_recipe(

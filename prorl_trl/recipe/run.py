@@ -238,7 +238,8 @@ def _train(
                 print(f"{plan.state.describe()}: nothing to do; nothing was changed.")
         leave_process_group()  # every process read the same finished folder
         return 0
-    changes = resume_changes(plan.resume, recipe.output_dir, recipe.raw, allow_changes, data_now)  # exit 2, nothing loaded
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    changes = resume_changes(plan.resume, recipe.output_dir, recipe.raw, allow_changes, data_now, world_size)  # exit 2
     if plan.resume:  # a phase made shorter than the steps it trained: exit 2, nothing written
         from ..trainer.state import check_resumed_phase_length
 

@@ -234,6 +234,7 @@ class ProRLStateCallback(TrainerCallback):
                 "scheduler_start": trainer._scheduler_start,  # a resume puts the horizon over its phase length
                 "phase_loss_sum": trainer._phase_loss_sum(),  # a resumed phase's `train_loss` covers the whole phase
                 "sampling": trainer.sampling,
+                "world_size": trainer.accelerator.num_processes,  # a resume on another number changes the batch
                 "callbacks": self.state_dict(),
             },
         )
