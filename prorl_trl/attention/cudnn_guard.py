@@ -152,14 +152,18 @@ def left_padded_causal_mask(length: int, padding: int, device: torch.device) -> 
     return causal[None, None] & valid_keys[:, None, None, :]
 
 
+def _strictly_deterministic() -> bool:
+    """Deterministic algorithms on, and not in warn-only mode: SDPA then never picks cuDNN for a backward."""
+    return torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+
+
 def cudnn_cannot_run(error: BaseException) -> bool:
     """Whether a probe's error means SDPA cannot pick cuDNN for this shape or dtype here ("No available kernel", or
     no deterministic backward while deterministic algorithms are strictly on): then training attention never runs on
     it and needs no guard. Any other error (out of memory, a failed plan) must not switch the guard off."""
     if isinstance(error, torch.cuda.OutOfMemoryError):
         return False
-    strict = torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
-    return "No available kernel" in str(error) or (strict and "deterministic" in str(error))
+    return "No available kernel" in str(error) or (_strictly_deterministic() and "deterministic" in str(error))
 
 
 def probe_cudnn_backward(
@@ -223,8 +227,7 @@ def probe_key(device: torch.device, dtype: torch.dtype, heads: int, head_dim: in
     """What a probe's answer holds for within a process: the device, the shape, the dtype, and whether deterministic
     algorithms are on (strictly on, SDPA never picks cuDNN for a backward and the probe answers None; a trainer made
     after they are off again must probe again, or cuDNN's NaN would run unguarded)."""
-    strict = torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
-    return (str(device), dtype, heads, head_dim, strict)
+    return (str(device), dtype, heads, head_dim, _strictly_deterministic())
 
 
 def probe_dtype(weights: torch.dtype, autocast_dtype: torch.dtype | None) -> torch.dtype:

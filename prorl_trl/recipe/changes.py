@@ -319,8 +319,7 @@ def refuse_finished_phase_changes(changes: list[Change], state: dict[str, Any], 
         listed = "\n".join(f"  {change.describe()}" for change in finished)
         raise ChangedRecipeError(
             f"--resume: {checkpoint} resumes into phase {current}, so these settings of earlier, finished phases "
-            "cannot take "
-            f"effect:\n{listed}\nNothing was loaded or changed. Drop those overrides (keep the finished phases as "
+            f"cannot take effect:\n{listed}\nNothing was loaded or changed. Drop those overrides (keep the finished phases as "
             "recorded); a change to the current phase or a later one, or to `training`, is what a resume can apply."
         )
 

@@ -35,7 +35,6 @@ from .reset_probe import load_probe_rows
 from .state import find_checkpoint, resume_state, resumed_log_history, resumed_phase, resumed_phase_complete
 
 
-
 def adapter_shapes(model: Any) -> tuple[dict[str, tuple[int, ...]], float | None]:
     """The live adapter as PEFT saves it (key -> shape) and its alpha."""
     from peft import get_peft_model_state_dict
@@ -70,6 +69,7 @@ def refuse_adapter_shape_change(trainer: Any, phase: Any, checkpoint: Path) -> N
         f"changes only at a hard reset. Nothing was loaded. Keep phase {phase.index}'s LoRA settings as recorded, or "
         "end the phase (`prorl-trl reset RUN_DIR`) and give the new shape to the next one."
     )
+
 
 def prepare_resume(trainer: Any, resume_from_checkpoint: str | bool | None) -> Path | None:
     """Restore the ProRL side of a checkpoint (phase, earlier deltas, adapter shape, counters) before TRL's part.

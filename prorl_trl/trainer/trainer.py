@@ -511,24 +511,26 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
                 self._stop_requested = "stop requested on another process"
         return wanted
 
+    def _nonfinite_guard(self) -> NonFiniteGuard | None:
+        return next((cb for cb in self.callback_handler.callbacks if isinstance(cb, NonFiniteGuard)), None)
+
     def _clip_grad_norm(self, model: Any) -> Any:
         """transformers' clipping, after `NonFiniteGuard` has noted which gradients are not finite: a NaN total norm
         makes every clipped gradient NaN, so the guard's message would otherwise name all of them."""
-        for callback in self.callback_handler.callbacks:
-            if isinstance(callback, NonFiniteGuard) and self.accelerator.distributed_type != "DEEPSPEED":
-                callback.before_clipping(self.optimizer)
+        guard = self._nonfinite_guard()
+        if guard is not None and self.accelerator.distributed_type != "DEEPSPEED":
+            guard.before_clipping(self.optimizer)
         return super()._clip_grad_norm(model)
 
     def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
         """transformers' norm of the step; under DeepSpeed `NonFiniteGuard` checks it at every step (the engine has
         applied the update; nothing is counted, logged or saved yet), not only at logging steps."""
         grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
-        if self.accelerator.distributed_type == "DEEPSPEED":
+        guard = self._nonfinite_guard()
+        if guard is not None and self.accelerator.distributed_type == "DEEPSPEED":
             engine = self.model_wrapped  # an fp16 overflow the engine's loss scaler skipped landed nothing: no stop
             landed = not hasattr(engine, "was_step_applied") or engine.was_step_applied()
-            for callback in self.callback_handler.callbacks:
-                if isinstance(callback, NonFiniteGuard):
-                    callback.check_landed_norm(self.args, self.state, grad_norm if landed else None)
+            guard.check_landed_norm(self.args, self.state, grad_norm if landed else None)
         return grad_norm
 
     @property
