@@ -82,3 +82,22 @@ def test_a_resume_inside_a_phase_refuses_another_lora_shape_for_it(tmp_path):
                                processing_class=tokenizer, peft_config=lora())  # fmt: skip
         with pytest.raises(RunFilesError, match=f"inside phase 1 .*{message}"):
             trainer.train(resume_from_checkpoint=True)
+
+
+def test_a_refused_adapter_shape_leaves_the_later_checkpoints_committed(tmp_path):
+    """The shape check runs before the checkpoints after the resumed one are superseded: a refused resume changes
+    nothing in the run folder."""
+    from prorl_trl.reset.provenance import RunFilesError
+
+    trainer_for(tmp_path).train()
+    run = tmp_path / "run"
+    later = run / "phase-1" / "checkpoint-4" / "prorl_state.json"
+    assert later.is_file()
+    model, tokenizer = tiny_model()
+    args = tiny_args(tmp_path, save_strategy="steps", save_steps=1, num_iterations=2, seed=0,
+                     phases=[{"max_steps": 2}, {"max_steps": 4, "lora_r": 8}])  # fmt: skip
+    trainer = ProRLTrainer(model=model, reward_funcs=[length_reward], args=args, train_dataset=prompts_dataset(),
+                           processing_class=tokenizer, peft_config=lora())  # fmt: skip
+    with pytest.raises(RunFilesError, match="inside phase 1"):
+        trainer.train(resume_from_checkpoint=str(run / "phase-1" / "checkpoint-2"))
+    assert later.is_file()

@@ -103,10 +103,6 @@ def prepare_resume(trainer: Any, resume_from_checkpoint: str | bool | None) -> P
         )
     trainer.prorl_merged_path = recorded_merged_path(trainer, state.get("merged_base"), checkpoint)
     restore_reset_deltas(trainer, state, checkpoint)
-    # After every refusal above: a refused resume leaves the later checkpoints committed.
-    if trainer.accelerator.is_main_process and trainer.args.should_save:
-        supersede_after(trainer.args.output_dir, checkpoint)
-    trainer.accelerator.wait_for_everyone()
     trainer.prorl_resets = state["resets"]
     trainer.prorl_adapter_resets = adapter_resets_of(state)
     trainer.prorl_nonfinite_skips = list(state.get("nonfinite_skips") or [])
@@ -121,6 +117,10 @@ def prepare_resume(trainer: Any, resume_from_checkpoint: str | bool | None) -> P
         reinit_adapter(trainer, phase)
     if not complete and trainer._superset is None:
         refuse_adapter_shape_change(trainer, phase, checkpoint)
+    # After every refusal above (the adapter's shape too): a refused resume leaves the later checkpoints committed.
+    if trainer.accelerator.is_main_process and trainer.args.should_save:
+        supersede_after(trainer.args.output_dir, checkpoint)
+    trainer.accelerator.wait_for_everyone()
     trainer._apply_phase(phase)
     trainer._scheduler_horizon = state.get("scheduler_horizon")
     trainer._scheduler_start = state.get("scheduler_start", 0)
