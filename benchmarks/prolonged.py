@@ -912,7 +912,7 @@ def write_report(args, out: Path) -> dict:
     devices = devices or ["(no finished run)"]
     header = "| arm | runs finished | " + " | ".join(f"final pass@{k} | best pass@{k}" for k in ks)
     lines = [
-        f"# Prolonged RL with hard resets: {len(args.arms)} arms x {len(args.seeds)} seeds (issue 29)", "",
+        f"# Prolonged RL with hard resets: {len(args.arms)} arms x {len(args.seeds)} seeds", "",
         f"{', '.join(devices)}; {datetime.date.today()}{' (smoke)' if args.smoke else ''}.", "",
         settings_text(args, warm, "CPU" in devices[0], n), "",
         "## Results (%, mean ± s.e. across seeds)", "",
@@ -1218,12 +1218,15 @@ def settings_text(args, warm: dict, cpu: bool, n: int) -> str:
         f"{args.task_steps} operations on numbers up to {args.task_max_value}. {args.steps} RL steps of "
         f"{args.prompts_per_step} prompts x {args.num_generations} completions (at most {args.max_completion_length} "
         f"tokens); LoRA r{args.lora_rank} (alpha {2 * args.lora_rank}) on {args.lora_targets} over the "
-        f"{'float32' if cpu else 'bf16'} warm start, exact (frozen) resets ({parts}); lr {args.learning_rate:g} (constant, "
-        f"{args.warmup_steps} warm-up steps per phase), beta {args.beta:g}{clamp}, DAPO loss, clip 0.2/0.28, {guard_text}. (b), (c), opt: "
-        f"phases of {args.steps // 4} steps, top_p 0.7 -> 0.9 -> 1.0 -> 1.0 with T 1.2 and twice the group (the "
-        "prompts per generation batch kept: 2 optimizer steps per generation batch); (b) hard-resets (adapter, "
-        f"optimizer, reference) at each boundary; opt starts only a fresh optimizer state and LR schedule there (the "
-        f"adapter and the KL reference carry on). (d): a reset after {args.plateau_patience} validations without a "
+        f"{'float32' if cpu else 'bf16'} warm start, exact (frozen) resets ({parts}); lr {args.learning_rate:g} "
+        "(constant, "
+        f"{args.warmup_steps} warm-up steps per phase), beta {args.beta:g}{clamp}, DAPO loss, clip 0.2/0.28, "
+        f"{guard_text}. (b), (c), opt, ref, adapter: phases of {args.steps // 4} steps, top_p 0.7 -> 0.9 -> 1.0 -> "
+        "1.0 with T 1.2 and twice the group (the prompts per generation batch kept: 2 optimizer steps per generation "
+        "batch); (b) hard-resets (adapter, optimizer, reference) at each boundary; each knob arm makes one part of "
+        "that reset there and carries the other two on: opt a fresh optimizer state and LR schedule, ref the KL "
+        "reference moved to the policy, adapter a fresh adapter over the old one frozen into the policy. (d): a "
+        f"reset after {args.plateau_patience} validations without a "
         f"{100 * args.plateau_min_delta:g}-point pass@1 gain. Validation every {args.eval_steps} steps: "
         f"{args.val_problems} held-out problems x {n} samples at T 1.0 (one sampling seed for all runs). Data: seed S "
         "gives every arm the same problems, in the same order for phase 0 and for all of (a) and (d)."
