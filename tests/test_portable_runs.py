@@ -267,6 +267,21 @@ def test_changed_resume_is_refused_unless_allowed_and_recorded(tiny_dir, shared_
     assert "--allow-changes" in history[1]["command"]
 
 
+def test_a_resume_the_trainer_refuses_records_nothing(tiny_dir, shared_data, tmp_path):
+    """The trainer's own resume checks (here: another LoRA rank inside the running phase) come after the CLI's; the
+    run's records were written before them, so a refused resume was kept in resume_history.yaml as one that went on.
+    They are now written once the trainer has accepted the checkpoint."""
+    out = tmp_path / "run"
+    killed = cli(out, tiny_dir, shared_data, *SHORT, env={"PRORL_TEST_KILL_AT": "on_step_begin:0:2"})
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    recorded = (out / "recipe.yaml").read_bytes()
+    refused = cli(out, tiny_dir, shared_data, *SHORT, "--peft.r", "8", "--resume", "--allow-changes")
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "inside phase 0" in refused.stderr, refused.stderr[-3000:]
+    assert not (out / RESUME_HISTORY_NAME).exists()
+    assert (out / "recipe.yaml").read_bytes() == recorded
+
+
 def test_a_deleted_or_damaged_run_recipe_is_refused_not_ignored(tiny_dir, shared_data, tmp_path):
     """Audit findings (issue 37): with the run's `recipe.yaml` deleted, `--resume --training.learning_rate 1e-3`
     went on without `--allow-changes`; a `recipe.yaml` or `resume_history.yaml` that is not the YAML the run wrote

@@ -305,13 +305,19 @@ def _train(
         )
     signals.attach(trainer)  # a signal that came during start-up stops here; from now on, after the current step
     command = resume_command(parent_command_line())
-    try:
+
+    def record_run() -> None:
+        """After the trainer's own resume checks (base model, frozen factors, adapter shape): a resume it refuses
+        leaves recipe.yaml, resume_history.yaml and a finished run's final/ as they were."""
         if main:
             output_dir.mkdir(parents=True, exist_ok=True)
             if extension is not None:  # the finished run's final/ is kept; the extended run writes a new one
                 extension.keep_previous_final()
             extended = extension.record() if extension is not None else None
             write_run_recipe(output_dir, recipe.to_yaml(), plan.resume, changes, data_now, extended)  # keeps the original
+
+    trainer.on_resume_accepted.append(record_run)
+    try:
         trainer.train(resume_from_checkpoint=plan.resume)
     except RunInterrupted as stop:
         if main:  # under `prorl-trl launch` the resume command is its last line, once every process has stopped

@@ -71,6 +71,12 @@ def refuse_adapter_shape_change(trainer: Any, phase: Any, checkpoint: Path) -> N
     )
 
 
+def _accepted(trainer: Any) -> None:
+    """The start or resume passed every check: `ProRLTrainer.on_resume_accepted` (the CLI's records of the run)."""
+    for hook in trainer.on_resume_accepted:
+        hook()
+
+
 def prepare_resume(trainer: Any, resume_from_checkpoint: str | bool | None) -> Path | None:
     """Restore the ProRL side of a checkpoint (phase, earlier deltas, adapter shape, counters) before TRL's part.
 
@@ -81,6 +87,7 @@ def prepare_resume(trainer: Any, resume_from_checkpoint: str | bool | None) -> P
     trainer._resumed_phase_complete = False
     trainer._resumed_loss_sum = None
     if not resume_from_checkpoint:
+        _accepted(trainer)
         return None
     if resume_from_checkpoint is True:
         checkpoint = find_checkpoint(trainer.args.output_dir)
@@ -117,7 +124,9 @@ def prepare_resume(trainer: Any, resume_from_checkpoint: str | bool | None) -> P
         reinit_adapter(trainer, phase)
     if not complete and trainer._superset is None:
         refuse_adapter_shape_change(trainer, phase, checkpoint)
-    # After every refusal above (the adapter's shape too): a refused resume leaves the later checkpoints committed.
+    # After every refusal above (the adapter's shape too): a refused resume leaves the later checkpoints committed
+    # and the run's records as they were.
+    _accepted(trainer)
     if trainer.accelerator.is_main_process and trainer.args.should_save:
         supersede_after(trainer.args.output_dir, checkpoint)
     trainer.accelerator.wait_for_everyone()

@@ -45,6 +45,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +192,10 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         self._zero_carry: dict[str, Any] | None = None  # DeepSpeed optimizer carried into the next phase's engine
         self.prorl_nonfinite_skips: list[dict[str, Any]] = []  # steps skipped under `max_nonfinite_skips`
         self.prorl_on_demand_resets: list[dict[str, Any]] = []  # phases ended by `prorl-trl reset` (`on_demand`)
+        # Called by `train()` once the checkpoint it resumes from has passed every check (at once for a start), before
+        # anything in the run folder changes: the CLI records the run (and a resume's changes) there, so a refused
+        # resume records nothing.
+        self.on_resume_accepted: list[Callable[[], None]] = []
 
         super().__init__(
             model=model,
@@ -415,7 +420,7 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         check_optimizer_hook(self.optimizer_cls_and_kwargs, self.phases)
         if self.args.should_save:  # what this run creates in output_dir, recorded first (`--overwrite` deletes it)
             record_outputs(self.args.output_dir, trainer_outputs(self.args, len(self.phases)))
-        checkpoint = prepare_resume(self, resume_from_checkpoint)
+        checkpoint = prepare_resume(self, resume_from_checkpoint)  # runs `on_resume_accepted`
         start = self.current_phase.index if checkpoint else 0
         losses, outputs = [], []
         try:
