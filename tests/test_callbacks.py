@@ -22,6 +22,29 @@ def test_plateau_tracker_modes_and_min_delta():
     assert PlateauTracker(patience=1).update(float("nan")) is False
 
 
+def test_one_more_problem_solved_is_an_improvement_of_its_size_at_every_level():
+    """A gain of exactly `min_delta` counts, up to float rounding: (k + 1)/100 - k/100 is 0.00999... for 20 of the
+    99 levels, and a strict comparison let those gains run a plateau down."""
+    for k in range(99):
+        tracker = PlateauTracker(patience=1, min_delta=0.01)
+        assert [tracker.update(k / 100), tracker.update((k + 1) / 100)] == [False, False], k
+        assert tracker.best == (k + 1) / 100
+    tracker = PlateauTracker(patience=1, min_delta=0.01)
+    assert [tracker.update(v) for v in (0.5, 0.505)] == [False, True]  # half the step is no gain
+    equal = PlateauTracker(patience=1)  # min_delta 0: an equal value is no gain
+    assert [equal.update(v) for v in (0.5, 0.5)] == [False, True]
+
+
+def test_a_nan_of_any_scalar_type_is_skipped_not_made_the_best():
+    import numpy as np
+    import torch
+
+    for nan in (np.float32("nan"), torch.tensor(float("nan"))):
+        tracker = PlateauTracker(patience=2)
+        assert [tracker.update(v) for v in (nan, 0.5, 0.6, 0.7)] == [False, False, False, False]
+        assert tracker.best == pytest.approx(0.7)
+
+
 def build(tmp_path, reward_funcs, callbacks=None, **overrides):
     model, tokenizer = tiny_model()
     return ProRLTrainer(
@@ -73,6 +96,40 @@ def test_hard_reset_on_plateau_of_a_callback_metric(tmp_path):
     assert trainer.prorl_resets == 2
 
 
+def test_every_hard_reset_gives_the_plateau_trigger_its_patience_again(tmp_path):
+    """The phase boundary's reset (as every reset) restarts the callback's patience: the evaluations without a gain
+    counted before it no longer bring a second reset one evaluation after it."""
+    trainer = build(
+        tmp_path, [constant], callbacks=[ConstantValidation(), HardResetCallback(on_plateau=2)],
+        plateau_metric="eval_pass@1", save_merged_on_reset=False,
+        phases=[PhaseConfig(max_steps=2), PhaseConfig(max_steps=3)],
+    )  # fmt: skip
+    trainer.train()
+    steps = [e for e in trainer.prorl_log_history if "loss" in e]
+    # evals after steps 1-5: best at 1, one without a gain at 2, the boundary's reset; then 3 and 4 without a gain
+    # (a plateau after 4: its reset at the start of 5)
+    assert [e["prorl/resets"] for e in steps] == [0, 0, 1, 1, 2]
+
+
+def test_a_schedule_changes_sampling_only_where_a_generation_starts(tmp_path):
+    """With one generation for 2 optimizer steps, the second step trains on completions sampled at the first one's
+    temperature; the loss must use that temperature too (else its log-probs disagree with the old ones)."""
+    recorder = Recorder()
+    losses = []
+
+    class LossTemperature(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            losses.append(trainer.temperature)
+
+    ramp = SamplingScheduleCallback(lambda step: {"temperature": 1.0 + 0.5 * step})
+    trainer = build(tmp_path, [recorder], callbacks=[ramp, LossTemperature()], max_steps=4, steps_per_generation=2)
+    recorder.trainer = trainer
+    trainer.train()
+    assert [c["temperature"] for c in recorder.calls] == [1.0, 2.0]  # generations at steps 0 and 2
+    assert losses == [1.0, 1.0, 2.0, 2.0]
+    assert all(c["logp_error"] < 1e-5 for c in recorder.calls)
+
+
 def test_hard_reset_callback_needs_a_trigger_and_patience(tmp_path):
     with pytest.raises(ValueError, match="every_steps"):
         HardResetCallback()
@@ -94,6 +151,9 @@ def test_temperature_ramp_reaches_generation_and_loss(tmp_path):
     assert trainer.overlong_penalty.max_completion_length == 4
     with pytest.raises(ValueError, match="Unknown sampling settings"):
         trainer.apply_sampling(temprature=1.0)
+    with pytest.raises(ValueError, match="the overlong buffer is 2 tokens"):  # every completion would be penalised
+        trainer.apply_sampling(max_completion_length=2, temperature=0.9)
+    assert (trainer.max_completion_length, trainer.temperature) == (4, 0.5)  # refused before anything changed
 
 
 def test_validation_callback_plateau_ends_the_phase(tmp_path):

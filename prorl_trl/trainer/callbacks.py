@@ -31,6 +31,8 @@ class ProRLTrainerHandle(Protocol):
 
     def apply_sampling(self, **settings: Any) -> None: ...
 
+    def at_generation_boundary(self) -> bool: ...
+
 
 @dataclass
 class PlateauTracker:
@@ -48,15 +50,25 @@ class PlateauTracker:
     bad_evaluations: int = 0
 
     def update(self, value: float) -> bool:
-        if value is None or (isinstance(value, float) and math.isnan(value)):
+        if value is None:
             return False
-        sign = 1.0 if self.mode == "max" else -1.0
-        if self.best is None or sign * (value - self.best) > self.min_delta:
+        value = float(value)  # a numpy or tensor scalar too: a NaN of those kinds must not become the best
+        if math.isnan(value):
+            return False
+        if self.best is None or self._improves(value):
             self.best = value
             self.bad_evaluations = 0
             return False
         self.bad_evaluations += 1
         return self.patience > 0 and self.bad_evaluations >= self.patience
+
+    def _improves(self, value: float) -> bool:
+        """By at least `min_delta`, up to float rounding: one more problem of 100 solved is a gain of 0.01 that
+        float subtraction gives as 0.00999... in 20 of the 99 steps from k/100 to (k+1)/100."""
+        gain = (value - self.best) if self.mode == "max" else (self.best - value)
+        if self.min_delta <= 0:
+            return gain > 0
+        return gain >= self.min_delta - 1e-9 * max(1.0, abs(self.best))
 
     def restart_patience(self) -> None:
         """Give the metric `patience` new evaluations (after a reset) while keeping the best value seen."""
@@ -94,7 +106,8 @@ class HardResetCallback(_BoundCallback):
         on_plateau: Reset when the validation metric `args.plateau_metric` (e.g. `eval_pass@1` from the
             ValidationCallback, or `eval_reward` from TRL's `evaluate()`) has not improved by `min_delta` for
             `patience` evaluations (ProRL v1's trigger). `True` uses `args.plateau_patience`/`plateau_min_delta`;
-            an int is the patience.
+            an int is the patience. Every hard reset (this callback's, a phase boundary's, one on demand or by
+            hand) gives the metric `patience` new evaluations.
         min_delta: Smallest improvement that counts (with an int `on_plateau`).
 
     The reset itself follows the trainer's switches (`reset_optimizer`, `reset_reference`, `save_merged_on_reset`).
@@ -129,9 +142,7 @@ class HardResetCallback(_BoundCallback):
     def on_step_end(self, args, state, control, **kwargs):
         trainer = self._require_trainer()
         if self.every_steps and trainer.prorl_global_step % self.every_steps == 0 and state.global_step < state.max_steps:
-            trainer.hard_reset(reason=f"every {self.every_steps} steps")
-            if self.tracker is not None:
-                self.tracker.restart_patience()
+            trainer.hard_reset(reason=f"every {self.every_steps} steps")  # restarts the plateau's patience
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -139,7 +150,6 @@ class HardResetCallback(_BoundCallback):
             return control
         if self.tracker.update(logs[args.plateau_metric]):
             self._require_trainer().request_hard_reset(reason=f"{args.plateau_metric} plateau")
-            self.tracker.restart_patience()
         return control
 
 
@@ -147,7 +157,12 @@ SamplingSchedule = Callable[[int], dict[str, float]]
 
 
 class SamplingScheduleCallback(_BoundCallback):
-    """Change sampling settings inside a phase, e.g. a temperature ramp, at `on_step_begin` (before generation).
+    """Change sampling settings inside a phase, e.g. a temperature ramp, at the steps that generate.
+
+    Where one generation serves several optimizer steps (`steps_per_generation` above the accumulation steps, or
+    `num_iterations` > 1), the schedule is read only at the step that generates: the steps after it train on
+    completions sampled at that step's settings, and a new temperature there would make the loss's log-probs
+    disagree with the ones the completions were sampled (and their old log-probs taken) with.
 
     Args:
         schedule: `schedule(global_step) -> {"temperature": ..., "top_p": ..., ...}` with the continuous ProRL global
@@ -187,6 +202,8 @@ class SamplingScheduleCallback(_BoundCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         trainer = self._require_trainer()
+        if not trainer.at_generation_boundary():  # this step trains on an earlier step's generation
+            return control
         settings = self.schedule(trainer.prorl_global_step)
         if settings:
             trainer.apply_sampling(**settings)

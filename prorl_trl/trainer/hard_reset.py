@@ -171,6 +171,9 @@ def run_hard_reset(trainer: Any, reason: str = "manual", lora_phase: ResolvedPha
     reset_optimizer(trainer, new_params)
     trainer.prorl_resets += 1
     trainer._pending_reset = None
+    for callback in trainer.callback_handler.callbacks:  # a reset's policy gets `patience` evaluations of its own
+        if isinstance(callback, HardResetCallback) and callback.tracker is not None:
+            callback.tracker.restart_patience()
     force_weight_sync(trainer)
     if kept is not None:  # what a resume needs: small, written at every reset whatever the save settings
         save_frozen_factors(trainer)

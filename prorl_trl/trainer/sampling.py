@@ -55,6 +55,15 @@ def apply_sampling(trainer: Any, **settings: Any) -> None:
             f"{shadowed} too, and TRL applies generation_kwargs over the sampling fields. Set them as "
             "ProRLConfig/PhaseConfig fields instead of in generation_kwargs."
         )
+    penalty = trainer.overlong_penalty
+    cap = changed.get("max_completion_length")
+    if cap is not None and penalty is not None and 0 < penalty.overlong_buffer and penalty.overlong_buffer >= cap:
+        # the penalty zone would start at or below 0 tokens: every completion, a one-token answer too, penalised
+        raise ValueError(
+            f"Cannot change max_completion_length to {cap}: the overlong buffer is {penalty.overlong_buffer} tokens, "
+            "and the penalty starts at the cap minus the buffer. Keep the cap above the buffer, or lower "
+            "overlong_buffer (the phase's) first."
+        )
     for key, value in changed.items():
         setattr(trainer, key, value)
         setattr(trainer.args, key, value)
