@@ -220,6 +220,10 @@ def test_resume_command_repeats_the_launch_with_resume():
     assert command == launcher[:-1] + ["--resume"]
     own = shlex.split(resume_command([], argv=["/usr/bin/prorl-trl", "train", "r y.yaml", "--resume", "p/c-1"]))
     assert own == ["prorl-trl", "train", "r y.yaml", "--resume"]
+    # `train --resume RECIPE` resumes RECIPE (`--resume` takes a checkpoint only after RECIPE): the recipe is kept
+    first = ["/usr/bin/prorl-trl", "train", "--resume", "r.yaml", "--phases.1.max_steps", "4"]
+    assert shlex.split(resume_command([], argv=first)) == ["prorl-trl", "train", "r.yaml", "--phases.1.max_steps", "4",
+                                                             "--resume"]  # fmt: skip
     started = ["/usr/bin/prorl-trl", "train", "r.yaml", "--allow-other-files", "--overwrite"]  # a resume needs neither
     assert shlex.split(resume_command([], argv=started)) == ["prorl-trl", "train", "r.yaml", "--resume"]
     module = shlex.split(resume_command(["/bin/bash"], argv=["/x/prorl_trl/__main__.py", "train", "r.yaml"]))

@@ -91,6 +91,8 @@ def test_pass_list():
         assert alters_training(key), key
     # a plateau rule on a training metric makes the logging frequency decide where phases end
     assert alters_training("training.logging_steps", {"training": {"plateau_metric": "reward"}})
+    assert alters_training("logging.logging_steps", {"training": {"plateau_metric": "reward"}})  # where recipes set it
+    assert not alters_training("logging.logging_steps", {"training": {"plateau_metric": "eval_pass@1"}})
 
 
 def test_accepted_changes_are_recorded_and_not_asked_again(tmp_path):

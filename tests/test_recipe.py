@@ -214,6 +214,40 @@ def test_bad_input_exits_2_with_file_key_and_value(capsys, tmp_path, case):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    "key, value, message",
+    [("validation.enabled", False, "validation is off"), ("training.plateau_metric", "eval_pass@2", "is never logged")],
+)
+def test_a_plateau_rule_that_could_never_fire_is_refused(capsys, tmp_path, key, value, message):
+    """A plateau on a validation metric nobody logs would let every phase run to max_steps without a word."""
+    recipe = changed(key, value)
+    recipe["training"]["plateau_patience"] = 2
+    recipe["training"].setdefault("plateau_metric", "eval_pass@1")
+    code, _, err = run_validate(capsys, write(tmp_path, recipe))
+    assert code == 2 and "training.plateau_metric" in err and message in err, err
+    recipe["validation"]["ks"] = [1, 2]  # eval_pass@2 logged now
+    recipe["validation"]["enabled"] = True
+    code, _, err = run_validate(capsys, write(tmp_path, recipe))
+    assert code == 0, err
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [("training.max_steps", 5000, "each phase's max_steps sets its length"),
+     ("training.top_p", 0.95, "phase 0 sets top_p = 0.8")],
+)  # fmt: skip
+def test_a_training_key_the_phases_override_everywhere_is_refused(capsys, tmp_path, key, value, message):
+    """Accepted, then ignored: phase 0 starts from `training`, each later phase from the one before."""
+    recipe = changed(key, value)
+    recipe["phases"][0]["top_p"] = 0.8
+    code, _, err = run_validate(capsys, write(tmp_path, recipe))
+    assert code == 2 and key in err and message in err, err
+    recipe["training"].pop("max_steps", None)
+    recipe["training"]["top_p"] = 0.8  # the same value as phase 0's: nothing is lost
+    code, _, err = run_validate(capsys, write(tmp_path, recipe))
+    assert code == 0, err
+
+
 def test_unknown_reward_lists_every_registered_reward(capsys, tmp_path):
     import rewards
 

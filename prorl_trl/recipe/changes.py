@@ -63,7 +63,10 @@ LOGGING_ONLY = (
     "training.dataloader_prefetch_factor",
 )
 # When the plateau rule watches a training metric (not `eval_*`), how often it is logged decides when a phase ends.
-_LOGGING_FREQUENCY = ("training.logging_steps", "training.logging_strategy", "training.logging_first_step")
+# The recipes set it under `logging:` (and `--training.logging_steps` lands there).
+_LOGGING_FREQUENCY = (
+    "logging.logging_steps", "training.logging_steps", "training.logging_strategy", "training.logging_first_step"
+)
 _UNSET = object()
 
 

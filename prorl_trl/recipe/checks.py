@@ -468,6 +468,8 @@ def check_assembled(recipe: Any, reward_names: list[str], problems: list[RecipeP
         recipe.resolved_phases = resolve_phases(args, peft_config, world_size)
     except ValueError as error:
         problems.append(RecipeProblem(key_path_of(str(error), "phases" if recipe.phases else "training"), str(error)))
+    problems.extend(plateau_problems(recipe, args))
+    problems.extend(dead_training_keys(recipe))
     for index, phase in enumerate(recipe.phases or []):
         weights = phase.get("reward_weights")
         if weights is not None and len(weights) != len(recipe.rewards):
@@ -485,6 +487,57 @@ def check_assembled(recipe: Any, reward_names: list[str], problems: list[RecipeP
                 name,
             )
         )
+
+
+def dead_training_keys(recipe: Any) -> list[RecipeProblem]:
+    """`training` keys that the phases override everywhere, so that a value set there (an override such as
+    `--training.top_p 0.95` most of all) would be accepted and do nothing. Phase 0 takes its settings from
+    `training` and every later phase from the one before; with several phases each sets its own length."""
+    from ..config import GRPO_PHASE_FIELDS, PRORL_PHASE_FIELDS
+
+    training, phases = recipe.training or {}, recipe.phases or []
+    problems = []
+    if len(phases) > 1:
+        for key in ("max_steps", "num_train_epochs"):
+            if key in training:
+                message = (
+                    "has no effect in a run of several phases: each phase's max_steps sets its length; set "
+                    "`phases.<i>.max_steps` (the last phase: `--phases.-1.max_steps N`)"
+                )
+                problems.append(RecipeProblem(f"training.{key}", message, training[key]))
+    first = phases[0] if phases else {}
+    for key in GRPO_PHASE_FIELDS + PRORL_PHASE_FIELDS:
+        if key in training and key in first and training[key] != first[key]:
+            message = (
+                f"has no effect: phase 0 sets {key} = {first[key]!r}, and each later phase starts from the one before; "
+                f"set `phases.0.{key}` (or the phase's own) instead"
+            )
+            problems.append(RecipeProblem(f"training.{key}", message, training[key]))
+    return problems
+
+
+def plateau_problems(recipe: Any, args: Any) -> list[RecipeProblem]:
+    """A plateau rule on a validation metric that is never logged never fires: every phase would run to its
+    `max_steps` without a word. In a recipe the `eval_*` metrics come from `validation:` alone."""
+    phases = getattr(recipe, "resolved_phases", None) or []
+    metric = args.plateau_metric
+    if not any(phase.plateau_patience > 0 for phase in phases) or not metric.startswith("eval_"):
+        return []
+    validation = recipe.validation
+    if validation is None or not validation.enabled:
+        message = (
+            "is a validation metric, but validation is off, so the plateau rule (plateau_patience > 0) would never "
+            "fire; turn validation on (`validation.enabled: true`), or set plateau_patience: 0"
+        )
+        return [RecipeProblem("training.plateau_metric", message, metric)]
+    logged = ["eval_reward", "eval_mean_length", *(f"eval_pass@{k}" for k in sorted({1, *validation.ks}))]
+    if metric not in logged:
+        message = (
+            f"is never logged, so the plateau rule would never fire; validation logs {', '.join(logged)} (add the k "
+            "to `validation.ks`, or watch one of those)"
+        )
+        return [RecipeProblem("training.plateau_metric", message, metric)]
+    return []
 
 
 def batch_problems(training: dict[str, Any], world_size: int) -> list[RecipeProblem]:

@@ -297,25 +297,31 @@ def delete_run_outputs(state: FolderState) -> tuple[list[str], list[str]]:
     return deleted, kept
 
 
-def split_run_flags(tokens: list[str]) -> tuple[str | bool | None, bool, list[str]]:
+def split_run_flags(tokens: list[str], after_recipe: bool = True) -> tuple[str | bool | None, bool, list[str]]:
     """`--resume [CHECKPOINT]` / `--resume=CHECKPOINT` and `--overwrite` among command-line tokens (after RECIPE,
     argparse hands them over with the overrides); returns (resume, overwrite, the other tokens in order).
-    `--allow-other-files` is dropped too: it lets a run start, and a resume of that run does not need it."""
-    resume, overwrite, rest, index = None, False, [], 0
+    `--allow-other-files` is dropped too: it lets a run start, and a resume of that run does not need it.
+    `after_recipe=False`: the tokens start before RECIPE, and, as `train` reads them (`cli.split_options`), `--resume`
+    takes the next word as its checkpoint only once RECIPE has been seen (`train --resume RECIPE` resumes RECIPE)."""
+    resume, overwrite, rest, index, recipe_seen = None, False, [], 0, after_recipe
     while index < len(tokens):
         token = tokens[index]
+        following = tokens[index + 1] if index + 1 < len(tokens) else None
         if token in RUN_FLAGS:
             overwrite = overwrite or token == "--overwrite"
         elif token == "--resume":
-            following = tokens[index + 1] if index + 1 < len(tokens) else None
-            if following is not None and not following.startswith("--"):
+            if recipe_seen and following is not None and not following.startswith("--"):
                 resume, index = following, index + 1
             else:
                 resume = True
         elif token.startswith("--resume="):
             resume = token.split("=", 1)[1]
+        elif token.startswith("--") and "=" not in token and following is not None and not following.startswith("--"):
+            rest += [token, following]  # an override and its value
+            index += 1
         else:
             rest.append(token)
+            recipe_seen = recipe_seen or not token.startswith("-")
         index += 1
     return resume, overwrite, rest
 
@@ -337,7 +343,7 @@ def resume_command(launcher_argv: list[str] | None = None, argv: list[str] | Non
         command = program + argv[1:]
     if "train" in command:
         at = command.index("train") + 1
-        _, _, rest = split_run_flags(command[at:])
+        _, _, rest = split_run_flags(command[at:], after_recipe=False)
         command = command[:at] + rest
     return shlex.join(command + ["--resume"])
 
