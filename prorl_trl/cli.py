@@ -269,7 +269,7 @@ def _add_ablate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--devices",
         default=None,
-        help="comma-separated GPU ids; parallel slot i gets CUDA_VISIBLE_DEVICES=ids[i %% n] (default: all visible)",
+        help="comma-separated GPU ids; each variant runs on a free one (CUDA_VISIBLE_DEVICES) (default: all visible)",
     )
     parser.add_argument("--metric", default=None, help="validation metric for the table (default: auto-detected)")
     parser.set_defaults(handler=_run_ablate)

@@ -4,6 +4,7 @@ has the validation metric and reward means of each; a re-run skips finished vari
 from __future__ import annotations
 
 import csv
+import sys
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,61 @@ def test_rerun_skips_finished_variants(ablation, capsys):
     assert "running 0 (skipping 2 already finished)" in capsys.readouterr().out
     assert (out / "rank4" / "run_summary.json").stat().st_mtime == before
     assert read_table(out)["rank4"]["status"] == "done (earlier run)"
+
+
+def test_a_variant_whose_training_settings_changed_is_stale_not_done(ablation, capsys):
+    """A finished variant whose overrides the grid has since changed in a way that alters training is reported
+    `stale` (not re-run, its old numbers not shown, exit 1, how to re-run it said); a change that only renames the
+    run keeps it done."""
+    out, grid, _ = ablation
+    raw = yaml.safe_load(grid.read_text())
+    raw["variants"] = {"rank4": {"peft.r": 3}, "rank2": {**raw["variants"]["rank2"], "logging.run_name": "renamed"}}
+    changed = grid.with_name("changed_grid.yaml")
+    changed.write_text(yaml.safe_dump(raw, sort_keys=False))
+    before = (out / "rank4" / "run_summary.json").stat().st_mtime
+    assert main(["ablate", str(changed), "--only", "rank4", "rank2"]) == 1
+    captured = capsys.readouterr()
+    assert "running 0 (skipping 1 already finished, 1 stale)" in captured.out
+    assert "re-run them with --only rank4 --force" in captured.err
+    assert (out / "rank4" / "run_summary.json").stat().st_mtime == before
+    table = read_table(out)
+    assert table["rank4"]["status"].startswith("stale (ran with other settings: peft.r: 4 -> 3;")
+    assert table["rank4"]["eval_pass@1"] == "" and table["rank4"]["overrides"] == "peft.r=3"
+    assert table["rank2"]["status"] == "done (earlier run)" and table["rank2"]["eval_pass@1"] != ""
+
+
+FAKE_LAUNCHER = """
+import json, os, sys, time
+import yaml
+
+recipe = yaml.safe_load(open(sys.argv[sys.argv.index("train") + 1]))
+run_dir = recipe["training"]["output_dir"]
+name = os.path.basename(run_dir)
+started = time.time()
+time.sleep(float(name.split("_")[1]))
+with open(os.environ["FAKE_DEVICE_LOG"], "a") as log:
+    log.write(json.dumps([name, os.environ["CUDA_VISIBLE_DEVICES"], started, time.time()]) + "\\n")
+"""
+
+
+def test_devices_go_to_variants_only_while_free(tmp_path, tiny_dir, shared_data, monkeypatch):
+    """`--parallel 2 --devices 0,1` with a long variant first: the short ones after it take the GPU that is free,
+    never the one the long variant still runs on (a fake launcher logs its CUDA_VISIBLE_DEVICES and run time)."""
+    import json
+
+    launcher = tmp_path / "fake_launcher.py"
+    launcher.write_text(FAKE_LAUNCHER)
+    monkeypatch.setenv("FAKE_DEVICE_LOG", str(tmp_path / "devices.log"))
+    variants = {"long_2.0": {}, "short_0.3": {}, "next_0.3": {}, "last_0.3": {}}
+    grid = write_grid(tmp_path, tiny_dir, shared_data, variants)
+    main(["ablate", str(grid), "--parallel", "2", "--devices", "0,1", "--launcher", f"{sys.executable} {launcher}"])
+    runs = [json.loads(line) for line in (tmp_path / "devices.log").read_text().splitlines()]
+    assert sorted(run[0] for run in runs) == sorted(variants)
+    for index, (name, device, start, end) in enumerate(runs):
+        for other, other_device, other_start, other_end in runs[index + 1 :]:
+            overlap = start < other_end and other_start < end
+            assert not (overlap and device == other_device), f"{name} and {other} ran on GPU {device} together"
+    assert {run[1] for run in runs} == {"0", "1"}
 
 
 def test_bad_variant_fails_validation_before_anything_runs(tmp_path, tiny_dir, shared_data, capsys):

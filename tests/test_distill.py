@@ -21,10 +21,13 @@ from prorl_trl.distill import (
     run_distill_section,
 )
 from prorl_trl.distill.cli import config_from_args
-from prorl_trl.distill.rejection_sampling import grade_samples, read_jsonl, rejection_sample, select_correct, write_jsonl
+from prorl_trl.distill.rejection_sampling import (
+    grade_samples, read_jsonl, rejection_sample, select_correct, write_jsonl,
+)  # fmt: skip
 from rewards import get_reward
 
 CPU = {"use_cpu": True, "bf16": False, "report_to": "none"}
+REPO = Path(__file__).resolve().parent.parent
 
 
 def exact_answer(prompts, completions, completion_ids, answer, **kwargs):
@@ -259,7 +262,7 @@ def test_section_validation_names_the_bad_key():
     assert check_distill_section({**good, "sample": 5}) == [
         ("distill.sample", f"unknown key (did you mean 'samples'?); allowed: {', '.join(_section_keys())}.")
     ]
-    with pytest.raises(ValueError, match=r"distill\.student: unknown key \(the recipe's model"):
+    with pytest.raises(ValueError, match=r"distill\.student: unknown key \(the recipe's `model:` section"):
         distill_config_from_section({**good, "student": "x"})
     with pytest.raises(ValueError, match=r"distill\.reward: required"):
         distill_config_from_section({"teacher": "t", "dataset": "kk"})
@@ -274,7 +277,68 @@ def test_section_validation_names_the_bad_key():
 def _section_keys():
     from dataclasses import fields
 
-    return [f.name for f in fields(DistillConfig) if f.name not in ("student", "output_dir")]
+    owned = ("student", "model_init_kwargs", "tokenizer_name_or_path", "trust_remote_code", "output_dir")
+    return [f.name for f in fields(DistillConfig) if f.name not in owned]
+
+
+def test_sft_kwargs_must_be_fields_of_the_installed_sft_config(tmp_path, capsys):
+    """`sft_kwargs` go to `trl.SFTConfig(**...)` after the teacher sampling: a key it has no field for (transformers
+    5 has no `warmup_ratio`) is refused by the config, the section check and `validate`, naming the key."""
+    from prorl_trl.cli import main
+
+    good = {"teacher": "t", "dataset": "kk", "reward": "kk_logic"}
+    assert check_distill_section({**good, "sft_kwargs": {"warmup_steps": 0.1, "lr_scheduler_type": "cosine"}}) == []
+    [(path, message)] = check_distill_section({**good, "sft_kwargs": {"warmup_ratio": 0.1}})
+    assert path == "distill" and "`sft_kwargs.warmup_ratio` is not a trl.SFTConfig field" in message
+    assert "warmup_steps below 1 is read as the same ratio" in message
+    with pytest.raises(ValueError, match=r"`sft_kwargs.lerning_rate_typo` is not a trl.SFTConfig field"):
+        DistillConfig(teacher="t", dataset="kk", reward="kk_logic", output_dir="o", sft_kwargs={"lerning_rate_typo": 1})
+    recipe = REPO / "recipes" / "distill_kk_qwen2.5_1.5b.yaml"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(recipe.read_text().replace("warmup_steps: 0.03", "warmup_ratio: 0.1"))
+    assert main(["validate", str(bad), "--no-machine-checks"]) == 2
+    assert "`sft_kwargs.warmup_ratio` is not a trl.SFTConfig field" in capsys.readouterr().err
+
+
+def _shipped_distill_recipes() -> list[Path]:
+    import yaml
+
+    recipes = sorted((REPO / "recipes").rglob("*.yaml"))
+    return [path for path in recipes if "distill" in (yaml.safe_load(path.read_text()) or {})]
+
+
+@pytest.mark.parametrize("recipe", _shipped_distill_recipes(), ids=lambda path: path.name)
+def test_shipped_distill_recipes_use_sft_config_fields_and_validate(recipe, capsys):
+    import dataclasses
+
+    import yaml
+    from trl import SFTConfig
+
+    from prorl_trl.cli import main
+
+    sft_kwargs = yaml.safe_load(recipe.read_text())["distill"].get("sft_kwargs") or {}
+    assert set(sft_kwargs) <= {spec.name for spec in dataclasses.fields(SFTConfig)}
+    assert main(["validate", str(recipe), "--no-machine-checks"]) == 0, capsys.readouterr().err
+
+
+def test_section_takes_the_student_settings_from_the_recipe_model_section():
+    """The recipe's `model:` loading options, tokenizer and trust_remote_code reach the distillation, and the
+    section may not set them itself."""
+    from prorl_trl.recipe.schema import ModelSection
+
+    model = ModelSection(
+        name_or_path="org/student", dtype="bfloat16", attn_implementation="sdpa", revision="v1",
+        tokenizer_name_or_path="org/tokenizer", trust_remote_code=True,
+    )  # fmt: skip
+    config = distill_config_from_section({"teacher": "t", "dataset": "kk", "reward": "kk_logic"}, model, "out")
+    assert config.student == "org/student"
+    assert config.model_init_kwargs == {"dtype": "bfloat16", "attn_implementation": "sdpa", "revision": "v1"}
+    assert (config.tokenizer_name_or_path, config.trust_remote_code) == ("org/tokenizer", True)
+    plain = distill_config_from_section({"teacher": "t", "dataset": "kk", "reward": "kk_logic"}, "student/path")
+    assert (plain.student, plain.model_init_kwargs, plain.tokenizer_name_or_path) == ("student/path", {}, None)
+    for key in ("trust_remote_code", "model_init_kwargs", "tokenizer_name_or_path"):
+        [(path, message)] = check_distill_section({"teacher": "t", "dataset": "kk", "reward": "kk_logic", key: 1})
+        assert path == f"distill.{key}" and "the recipe's `model:` section" in message
 
 
 def test_section_defaults_to_the_recipe_data():
@@ -352,6 +416,27 @@ def test_train_student_on_conversational_rows(tiny_dir, tmp_path, one_thread):
     model_dir, losses = train_student(config, rows, str(tiny_dir))
     assert losses["loss_after"] < losses["loss_before"]
     assert (model_dir / "config.json").is_file()
+
+
+def test_student_loads_with_the_model_settings_and_tokenizer(tiny_dir, tmp_path, one_thread):
+    """`model_init_kwargs` (a recipe's dtype, revision, ...) reach TRL's model loading and `tokenizer_name_or_path`
+    is the tokenizer trained with and saved beside the student (the phases then load it from there)."""
+    from transformers import AutoTokenizer
+
+    from prorl_trl.distill.sft import train_student
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    tokenizer.model_max_length = 4321  # marks this copy
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    rows = [{"prompt": f"{a}+{b}=", "completion": f"{a + b}"} for a, b in [(1, 2), (3, 4), (2, 2), (5, 1)]]
+    config = _config(
+        tiny_dir, tiny_dir, tmp_path / "out", num_train_epochs=1, model_init_kwargs={"dtype": "bfloat16"},
+        tokenizer_name_or_path=str(tmp_path / "tokenizer"),
+    )  # fmt: skip
+    model_dir, _ = train_student(config, rows, str(tiny_dir))
+    assert json.loads((model_dir / "config.json").read_text())["dtype"] == "bfloat16"
+    assert AutoTokenizer.from_pretrained(model_dir).model_max_length == 4321
+    assert AutoTokenizer.from_pretrained(tiny_dir).model_max_length != 4321
 
 
 def test_two_processes_split_the_sampling_and_merge_one_distilled_set(teacher_dir, tiny_dir, tmp_path):

@@ -6,10 +6,10 @@ RL a starting policy that already writes the format and is sometimes right, so t
 completions the task's reward marks correct are kept, at most one per problem, so the student imitates successes and
 the distilled set stays as diverse as the problems.
 
-Steps: `rejection_sample` (`prorl_trl.distill.rejection_sampling`: teacher samples graded by the reward registry, one correct
-sample kept per problem) -> `distilled.jsonl` -> `train_student` (TRL `SFTTrainer`, prompt-completion format, loss
-on the completion only; LoRA merged before saving). `distill` chains them; `run_distill` is the `prorl-trl distill`
-command; `run_distill_section` runs a recipe's `distill:` section before its ProRL phases.
+Steps: `rejection_sample` (`prorl_trl.distill.rejection_sampling`: teacher samples graded by the reward registry,
+one correct sample kept per problem) -> `distilled.jsonl` -> `train_student` (TRL `SFTTrainer`, prompt-completion
+format, loss on the completion only; LoRA merged before saving). `distill` chains them; `run_distill` is the
+`prorl-trl distill` command; `run_distill_section` runs a recipe's `distill:` section before its ProRL phases.
 """
 
 from .cli import add_distill_arguments, run_distill

@@ -1,8 +1,9 @@
-"""`DistillConfig`: the settings of one distillation run (`prorl-trl distill` flags, or a recipe's `distill:` section)."""
+"""`DistillConfig`: the settings of one distillation run (`prorl-trl distill` flags or a recipe's `distill:`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import difflib
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..attention import CUDNN_GUARD_MODES
@@ -18,6 +19,12 @@ class DistillConfig:
 
         teacher (`str`): Path (or hub id) of the teacher, usually an RL-trained checkpoint.
         student (`str`): Path (or hub id) of the student to fine-tune. In a recipe it is the recipe's model.
+        model_init_kwargs (`dict`): Loading options of the student (TRL `SFTConfig.model_init_kwargs`: `dtype`,
+            `attn_implementation`, `revision`). In a recipe: its `model:` section's.
+        tokenizer_name_or_path (`str`, *optional*): The student's tokenizer (loaded with the student's
+            `revision`); None: the student's own. In a recipe: `model.tokenizer_name_or_path`.
+        trust_remote_code (`bool`): Run the teacher's and the student's repo code when loading them. In a recipe:
+            `model.trust_remote_code`.
         dataset (`str`): Data builder name (`gsm8k`, `math500`, `kk`, `jsonl`, `synthetic_arithmetic`, ...).
         dataset_kwargs (`dict`): The rest of a recipe `data:` section for that builder (`source`, `split`,
             `template`, `prompt_format`, `options`, `columns`, `max_prompt_tokens`, ...).
@@ -54,6 +61,19 @@ class DistillConfig:
     output_dir: str = field(metadata={"help": "Output folder: distilled.jsonl, distill_summary.json, sft/, model/."})
     student: str | None = field(
         default=None, metadata={"help": "Path (or hub id) of the student model (a recipe passes its own model)."}
+    )
+    model_init_kwargs: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={
+            "help": "Student loading options (JSON/YAML mapping, TRL SFTConfig.model_init_kwargs): dtype, "
+            "attn_implementation, revision. A recipe passes its model section's."
+        },
+    )
+    tokenizer_name_or_path: str | None = field(
+        default=None, metadata={"help": "The student's tokenizer (with the student's revision); None: its own."}
+    )
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Run the teacher's and student's repo code when loading them."}
     )
     dataset_kwargs: dict[str, Any] = field(
         default_factory=dict,
@@ -105,7 +125,10 @@ class DistillConfig:
         default="all-linear", metadata={"help": "LoRA target modules (with use_peft): a list, or 'all-linear'."}
     )
     sft_kwargs: dict[str, Any] = field(
-        default_factory=dict, metadata={"help": "Other trl.SFTConfig fields (JSON/YAML mapping), e.g. warmup_ratio."}
+        default_factory=dict, metadata={
+            "help": "Other trl.SFTConfig fields (JSON/YAML mapping), e.g. lr_scheduler_type, warmup_steps (below 1: "
+            "a ratio of the steps)."
+        },
     )
     cudnn_attention_guard: str = field(
         default="auto",
@@ -129,7 +152,9 @@ class DistillConfig:
         if not 0 < self.top_p <= 1:
             problems.append(f"`top_p` must be in (0, 1], got {self.top_p}")
         if self.cudnn_attention_guard not in CUDNN_GUARD_MODES:
-            problems.append(f"`cudnn_attention_guard` must be one of {list(CUDNN_GUARD_MODES)}, got {self.cudnn_attention_guard!r}")
+            problems.append(
+                f"`cudnn_attention_guard` must be one of {list(CUDNN_GUARD_MODES)}, got {self.cudnn_attention_guard!r}"
+            )
         if self.min_kept < 0:
             problems.append(f"`min_kept` must be >= 0, got {self.min_kept}")
         if self.max_problems is not None and self.max_problems < 1:
@@ -139,5 +164,27 @@ class DistillConfig:
         clash = sorted(set(self.sft_kwargs) & {f for f in self.__dataclass_fields__ if f != "sft_kwargs"})
         if clash:
             problems.append(f"`sft_kwargs` repeats {clash}: set them as distill options instead")
+        problems += unknown_sft_kwargs(self.sft_kwargs)
         if problems:
             raise ValueError("Invalid distillation settings: " + "; ".join(problems) + ".")
+
+
+# Keys people carry over from older transformers/TRL versions, and what this version reads instead.
+_SFT_RENAMED = {
+    "warmup_ratio": "transformers 5 dropped warmup_ratio; warmup_steps below 1 is read as the same ratio",
+    "torch_dtype": "the student's dtype is `model_init_kwargs.dtype` (a recipe's `model.dtype`)",
+}
+
+
+def unknown_sft_kwargs(sft_kwargs: dict[str, Any]) -> list[str]:
+    """A problem per `sft_kwargs` key that the installed `trl.SFTConfig` has no field for: a typo or a setting of
+    another transformers/TRL version would otherwise pass validation and fail only after the teacher sampling."""
+    from trl import SFTConfig
+
+    known = [spec.name for spec in fields(SFTConfig) if spec.init]
+    problems = []
+    for key in sorted(set(sft_kwargs) - set(known)):
+        match = difflib.get_close_matches(str(key), known, n=1)
+        why = _SFT_RENAMED.get(key) or (f"did you mean {match[0]!r}?" if match else "see `trl.SFTConfig`")
+        problems.append(f"`sft_kwargs.{key}` is not a trl.SFTConfig field ({why})")
+    return problems

@@ -177,10 +177,10 @@ def rejection_sample(
 # ------------------------------------------------------------------------------------------- teacher sampling
 
 
-def load_tokenizer(path: str) -> Any:
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def teacher_sample_fn(
@@ -194,6 +194,7 @@ def teacher_sample_fn(
     use_vllm: bool = False,
     device: str = "auto",
     name: str = "teacher",
+    trust_remote_code: bool = False,
 ) -> SampleFn:
     """A `sample_fn` drawing from the model at `teacher` with the evaluation sampler (`prorl_trl.evaluation`).
 
@@ -229,6 +230,7 @@ def teacher_sample_fn(
             samples_dir,
             backend="vllm" if use_vllm else "transformers",
             device=device,
+            trust_remote_code=trust_remote_code,
         )
         grouped: list[list[str]] = [[""] * num_samples for _ in prompts]
         for record in records:

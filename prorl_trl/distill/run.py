@@ -67,7 +67,8 @@ def load_problems(config: DistillConfig) -> Any:
     from ..data import build_dataset
 
     data = _data_section(config)
-    dataset = build_dataset(data, "train", load_tokenizer(config.teacher) if data.max_prompt_tokens else None)
+    tokenizer = load_tokenizer(config.teacher, config.trust_remote_code) if data.max_prompt_tokens else None
+    dataset = build_dataset(data, "train", tokenizer)
     if config.max_problems is not None:
         dataset = dataset.select(range(min(config.max_problems, len(dataset))))
     return dataset
@@ -221,7 +222,7 @@ def _build_distilled_set(
     part = output_dir / f"distill_part{state.process_index}"
     tokenizer = None
     if sample_fn is None and state.process_index < num_shards:
-        tokenizer = load_tokenizer(config.teacher)
+        tokenizer = load_tokenizer(config.teacher, config.trust_remote_code)
         sample_fn = teacher_sample_fn(
             config.teacher,
             output_dir,
@@ -233,6 +234,7 @@ def _build_distilled_set(
             use_vllm=config.use_vllm,
             device=_device(config, state),
             name=f"teacher-part{state.process_index}",
+            trust_remote_code=config.trust_remote_code,
         )
     problems = [dict(row) for row in (load_problems(config) if problems is None else problems)]
     if state.process_index < num_shards:

@@ -24,6 +24,20 @@ def _bf16(config: DistillConfig) -> bool:
     return not config.use_cpu and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
+def _tokenizer(config: DistillConfig) -> Any:
+    """The tokenizer `tokenizer_name_or_path` names, loaded as a recipe loads it (the model's `revision`); None
+    without one. It is saved with the student, so what trains from the student next reads the same tokenizer."""
+    if not config.tokenizer_name_or_path:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        config.tokenizer_name_or_path,
+        revision=config.model_init_kwargs.get("revision"),
+        trust_remote_code=config.trust_remote_code,
+    )
+
+
 def train_student(config: DistillConfig, rows: Sequence[dict[str, Any]], student: str | Any) -> tuple[Path, dict]:
     """Fine-tune `student` (path or model) on the distilled rows with TRL's `SFTTrainer`; save it in HF format.
 
@@ -57,6 +71,8 @@ def train_student(config: DistillConfig, rows: Sequence[dict[str, Any]], student
         "completion_only_loss": True,
         "save_strategy": "no",
         "logging_steps": 10,
+        "model_init_kwargs": config.model_init_kwargs or None,  # dtype, attn_implementation, revision
+        "trust_remote_code": config.trust_remote_code,
         **config.sft_kwargs,
     }
     peft_config = None
@@ -70,7 +86,12 @@ def train_student(config: DistillConfig, rows: Sequence[dict[str, Any]], student
             task_type="CAUSAL_LM",
         )
     trainer = SFTTrainer(
-        model=student, args=SFTConfig(**settings), train_dataset=dataset, eval_dataset=dataset, peft_config=peft_config
+        model=student,
+        args=SFTConfig(**settings),
+        train_dataset=dataset,
+        eval_dataset=dataset,
+        processing_class=_tokenizer(config),  # None: TRL loads the student's own, at its revision
+        peft_config=peft_config,
     )
     use_run_progress(trainer)  # a bar with rate and ETA and a short line per log, not HF's dict per log
     import torch
@@ -105,13 +126,14 @@ def train_student(config: DistillConfig, rows: Sequence[dict[str, Any]], student
             [
                 "## Distillation",
                 "",
-                f"- teacher: `{config.teacher}`, {config.samples} samples per problem at temperature {config.temperature}, "
-                f"top_p {config.top_p}",
+                f"- teacher: `{config.teacher}`, {config.samples} samples per problem at temperature "
+                f"{config.temperature}, top_p {config.top_p}",
                 f"- data: builder `{config.dataset}` {config.dataset_kwargs or ''}".rstrip(),
                 f"- reward: `{config.reward}` {config.reward_kwargs or ''}".rstrip(),
                 f"- fine-tuning: {config.num_train_epochs:g} epochs, learning rate {config.learning_rate:g}, "
                 + ("LoRA merged" if config.use_peft else "full"),
-                f"- completion loss on the distilled set: {losses['loss_before']:.4f} before, {losses['loss_after']:.4f} after",
+                f"- completion loss on the distilled set: {losses['loss_before']:.4f} before, "
+                f"{losses['loss_after']:.4f} after",
             ],
         )
     trainer.accelerator.wait_for_everyone()

@@ -17,8 +17,11 @@ grid:                                   # optional: the cartesian product of axe
 
 Every variant is validated before any runs (exit 2 on a bad one). Each runs as its own process
 (`python -m prorl_trl train`, or `--launcher "accelerate launch ..."`), `--parallel N` at a time; a variant whose
-`run_summary.json` exists is skipped (`--force` re-runs it with `train --overwrite`), an interrupted one continues
-(`train --resume`), and a failed variant is reported in the table without stopping the others.
+`run_summary.json` exists is skipped (`--force` re-runs it with `train --overwrite`) unless the grid has changed
+a setting that alters its training since it ran (then it is reported `stale`, without its old numbers), an
+interrupted one continues (`train --resume`), and a failed variant is reported in the table without stopping the
+others. `--devices 0,1` gives each running variant a GPU that no other running variant has (with `--parallel` above
+the number of devices, each device takes its share).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import csv
 import itertools
 import json
 import os
+import queue
 import shlex
 import subprocess
 import sys
@@ -194,6 +198,35 @@ def _launch_command(launcher: str | None, recipe: Path, force: bool = False) -> 
     return prefix + ["-m", "prorl_trl", "train", str(recipe), "--overwrite" if force else "--resume"]
 
 
+def stale_changes(run_dir: Path, raw: dict[str, Any]) -> list[str]:
+    """The training-altering changes (`key: old -> new`) of a variant's recipe (`raw`) against the recipe its finished
+    run in `run_dir` recorded; empty when none (or when the run recorded no recipe)."""
+    from .changes import ChangedRecipeError, changes_since_recorded
+
+    try:
+        changes = changes_since_recorded(run_dir, raw)
+    except ChangedRecipeError:  # a damaged recipe.yaml: what the run was trained with is unknown
+        return [f"{run_dir / 'recipe.yaml'} cannot be read"]
+    return [change.describe() for change in changes or [] if change.alters_training]
+
+
+def _stale_status(name: str, changes: list[str]) -> str:
+    shown = "; ".join(changes[:3]) + (f"; {len(changes) - 3} more" if len(changes) > 3 else "")
+    return f"stale (ran with other settings: {shown}; re-run it with --only {name} --force)"
+
+
+def device_slots(devices: str | None, parallel: int) -> queue.Queue | None:
+    """The GPUs variants may take (`--devices 0,1`), each listed once per variant it may run at a time: one each
+    while `parallel` <= the number of devices, else as evenly shared as `parallel` asks. None: no `--devices`."""
+    ids = [device.strip() for device in (devices or "").split(",") if device.strip()]
+    if not ids:
+        return None
+    free: queue.Queue = queue.Queue()
+    for slot in range(max(parallel, len(ids))):
+        free.put(ids[slot % len(ids)])
+    return free
+
+
 def run_variant(variant: Variant, out: Path, launcher: str | None, env: dict[str, str], force: bool = False) -> None:
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -294,47 +327,66 @@ def run_ablate(args: Any) -> int:
     if args.validate_only:
         return 0
     write_variant_recipes(variants, out)
-    todo = []
+    todo, stale = [], []
     for variant in variants:
         summary_file = out / variant.name / "run_summary.json"
         if summary_file.is_file() and not args.force:
-            variant.status, variant.summary = "done (earlier run)", _read_summary(summary_file)
+            changes = stale_changes(out / variant.name, variant.raw)
+            if changes:  # its numbers are not those of the grid's variant: shown as stale, without them
+                variant.status = _stale_status(variant.name, changes)
+                stale.append(variant)
+            else:
+                variant.status, variant.summary = "done (earlier run)", _read_summary(summary_file)
         else:
             todo.append(variant)
+    skipped = len(variants) - len(todo) - len(stale)
     print(
-        f"running {len(todo)} (skipping {len(variants) - len(todo)} already finished), {max(1, args.parallel)} at a time"
+        f"running {len(todo)} (skipping {skipped} already finished"
+        + (f", {len(stale)} stale" if stale else "")
+        + f"), {max(1, args.parallel)} at a time"
     )
+    for variant in stale:
+        print(f"  {variant.name}: {variant.status}", file=sys.stderr, flush=True)
     requested = args.metric or grid.get("metric")
     lock, finished, started = threading.Lock(), [0], time.time()
+    free_devices = device_slots(getattr(args, "devices", None), max(1, args.parallel))
 
-    def work(index_variant: tuple[int, Variant]) -> None:
-        slot, variant = index_variant
+    def work(variant: Variant) -> None:
         env = dict(os.environ)
-        devices = getattr(args, "devices", None)
-        if devices:
-            env["CUDA_VISIBLE_DEVICES"] = devices.split(",")[slot % len(devices.split(","))]
-        variant.status = "running"
-        print(f"  start  {variant.name}  (log: {out / 'logs' / (variant.name + '.log')})", flush=True)
-        run_variant(variant, out, args.launcher, env, force=args.force)
+        device = free_devices.get() if free_devices is not None else None  # waits for a GPU no variant is using
+        try:
+            if device is not None:
+                env["CUDA_VISIBLE_DEVICES"] = device
+            variant.status = "running"
+            print(f"  start  {variant.name}  (log: {out / 'logs' / (variant.name + '.log')})", flush=True)
+            run_variant(variant, out, args.launcher, env, force=args.force)
+        finally:
+            if device is not None:
+                free_devices.put(device)
         with lock:
             finished[0] += 1
             metric = pick_metric(variants, requested)
             value = (variant.summary or {}).get("final_eval", {}).get(metric or "")
             shown = f", {metric}={value:.4f}" if isinstance(value, float) else ""
             print(
-                f"[{finished[0]}/{len(todo)}] {variant.name}: {variant.status} in {variant.seconds / 60:.1f} min{shown} "
-                f"({eta_text(finished[0], len(todo), time.time() - started)})",
+                f"[{finished[0]}/{len(todo)}] {variant.name}: {variant.status} in {variant.seconds / 60:.1f} min"
+                f"{shown} ({eta_text(finished[0], len(todo), time.time() - started)})",
                 flush=True,
             )
             write_summary(variants, out, metric)
 
     with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
-        list(pool.map(work, enumerate(todo)))
+        list(pool.map(work, todo))
     csv_path, md_path = write_summary(variants, out, pick_metric(variants, requested))
     print(md_path.read_text())
     failed = [v.name for v in variants if v.status.startswith("failed")]
     print(f"summary: {md_path}  {csv_path}\nruns:    {out}/<variant>/  logs: {out / 'logs'}/")
     if failed:
         print(f"{len(failed)} variant(s) failed: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    if stale:
+        print(
+            f"{len(stale)} variant(s) stale (finished with settings the grid has since changed): "
+            f"{', '.join(v.name for v in stale)}; re-run them with --only {' '.join(v.name for v in stale)} --force",
+            file=sys.stderr,
+        )
+    return 1 if failed or stale else 0

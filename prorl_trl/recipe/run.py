@@ -279,9 +279,7 @@ def _train(
     if recipe.distill is not None:  # distil a teacher into the model first; the phases start from the student
         from ..distill import run_distill_section
 
-        student = run_distill_section(
-            recipe.distill, recipe.model.name_or_path, Path(args.output_dir) / "distill", recipe.data
-        )
+        student = run_distill_section(recipe.distill, recipe.model, Path(args.output_dir) / "distill", recipe.data)
         recipe.model = dataclasses.replace(recipe.model, name_or_path=str(student), tokenizer_name_or_path=None)
     if recipe.distill is not None:  # the student's own tokenizer (the same files, saved with it)
         tokenizer = recipe.load_tokenizer()
