@@ -134,3 +134,86 @@ def test_bad_arguments_exit_2_before_any_work(two_models, shared_data, tmp_path,
     assert cli_main(_args(two_models, shared_data, out, *extra)) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def _texts(path):
+    samples = {}
+    for line in open(path):
+        record = json.loads(line)
+        samples.setdefault(record["problem_id"], {})[record["sample_index"]] = record["completion"]
+    return {pid: [texts[s] for s in sorted(texts)] for pid, texts in samples.items()}
+
+
+def test_a_larger_n_into_the_same_out_draws_new_samples_not_copies_and_a_new_seed_is_refused(
+    two_models, shared_data, tmp_path, capsys
+):
+    """The missing samples of a rerun with a larger --n fill batches laid out like the first run's; seeding a batch
+    by its position drew samples 2-3 as byte copies of samples 0-1. Seeded by its jobs, they are new draws."""
+    first, _ = two_models
+    out = tmp_path / "out"
+    args = [
+        "eval", "--model", f"first={first}", "--dataset", "math500", "--data-files", str(shared_data / "math500"),
+        "--limit", "3", "--k", "1", "--max-new-tokens", "8", "--out", str(out), "--no-progress", "--no-plots",
+        "--num-resamples", "10", "--device", "cpu", "--num-threads", "1",
+    ]  # fmt: skip
+    assert cli_main([*args, "--n", "2"]) == 0
+    assert cli_main([*args, "--n", "4"]) == 0
+    texts = _texts(out / "samples" / "first.jsonl")
+    assert len(texts) == 3 and all(len(samples) == 4 for samples in texts.values())
+    for pid, samples in texts.items():
+        assert samples[2:] != samples[:2], pid
+    # Stored samples drawn with seed 0 are not passed off as seed 1's: refused like another temperature.
+    capsys.readouterr()
+    assert cli_main([*args, "--n", "4", "--seed", "1"]) == 2
+    assert "sampled with other settings (seed: 0 -> 1)" in capsys.readouterr().err
+
+
+def test_distills_teacher_sampler_refuses_samples_of_another_seed_before_any_sampling(tiny_dir, tmp_path):
+    """Distillation resamples when its seed changes (`_sampling_key`); the teacher's stored samples of the old seed
+    are refused up front (as for another temperature), not reused under the new seed's name."""
+    from prorl_trl.distill import DistillConfig, distill
+    from prorl_trl.distill.rejection_sampling import teacher_sample_fn
+
+    out = tmp_path / "distill"
+    sample = teacher_sample_fn(str(tiny_dir), out, max_completion_length=4, seed=0, device="cpu", name="teacher-part0")
+    assert len(sample(["1+1="], 2)[0]) == 2
+    before = (out / "samples" / "teacher-part0.jsonl").read_text()
+    config = DistillConfig(
+        teacher=str(tiny_dir), student=str(tiny_dir), dataset="jsonl", reward="boxed_answer", output_dir=str(out),
+        samples=2, max_completion_length=4, seed=1, use_cpu=True, bf16=False, report_to="none",
+    )
+    def always_right(prompts, completions, **kwargs):
+        return [1.0] * len(completions)
+
+    with pytest.raises(ValueError, match=r"teacher-part0\.jsonl was sampled with other settings \(seed: 0 -> 1\)"):
+        distill(config, problems=[{"prompt": "1+1=", "answer": "2"}], reward_fn=always_right)
+    assert (out / "samples" / "teacher-part0.jsonl").read_text() == before
+
+
+def test_a_killed_runs_partial_last_line_is_dropped_and_a_complete_one_kept(tiny_dir, tmp_path):
+    """A run killed mid-write leaves a last line without newline: appending onto it glued the next record to it,
+    and both were lost (`read_samples` skips the unparsable line), so the file missed a sample for good."""
+    from prorl_trl.evaluation.runner import ModelSpec, read_samples, sample_model, samples_file
+    from prorl_trl.evaluation.sampling import SamplingSettings
+
+    spec = ModelSpec("tiny", str(tiny_dir))
+    problems = [{"problem_id": str(i), "prompt": f"{i}+{i}="} for i in range(2)]
+
+    def run(num_samples):
+        settings = SamplingSettings(num_samples=num_samples, max_completion_length=4, batch_size=8)
+        return sample_model(spec, problems, settings, tmp_path, device="cpu", progress=False)
+
+    run(1)
+    path = samples_file(tmp_path, "tiny")
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text(lines[0] + lines[1][: len(lines[1]) // 2])  # killed halfway through the second record
+    records, stats = run(2)
+    assert stats["completions"] == 3 and len(records) == 4
+    stored = [json.loads(line) for line in path.read_text().splitlines()]  # every line parses: nothing glued
+    assert len(stored) == 4 and set(read_samples(path)) == {(p["problem_id"], s) for p in problems for s in (0, 1)}
+
+    path.write_text(path.read_text().rstrip("\n"))  # a complete last record, killed before its newline
+    records, stats = run(3)
+    assert stats["completions"] == 2
+    assert path.read_text().startswith("".join(line + "\n" for line in map(json.dumps, stored)))
+    assert len(read_samples(path)) == 6 and all(json.loads(line) for line in path.read_text().splitlines())

@@ -166,6 +166,59 @@ def test_always_wrong_subset_counts_what_others_solve(tmp_path, tiny_dir, shared
     assert "never solved" in (tmp_path / "report.md").read_text()
 
 
+def test_always_wrong_subset_labels_the_pass_at_k_chart_and_section(tmp_path, tiny_dir, shared_data, math_rows):
+    """With `--subset always-wrong:a` every pass@k is over the problems a never solved: the chart said "all
+    problems" and report.md's `## pass@k` said nothing."""
+    import matplotlib.pyplot as plt
+
+    from prorl_trl.evaluation.plots import passk_figure, plot_passk
+
+    truth = _write_samples(tmp_path, "a", math_rows, counts_a)
+    _write_samples(tmp_path, "b", math_rows, counts_b)
+    status = _eval([
+        "--model", f"a={tiny_dir}", "--model", f"b={tiny_dir}", "--dataset", "math500",
+        "--data-files", str(shared_data / "math500"), "--limit", str(LIMIT), "--n", str(N), "--k", "1,2,4",
+        "--subset", "always-wrong:a", "--out", str(tmp_path), "--no-progress", "--num-resamples", "50",
+    ])  # fmt: skip
+    assert status == 0
+    hard = sum(c == 0 for c in truth.values())
+    report = (tmp_path / "report.md").read_text()
+    section = report.split("## pass@k\n", 1)[1].split("|", 1)[0]
+    assert f"Over the {hard} problems `a` never solved (`--subset always-wrong:a`)" in section
+    table = pd.DataFrame(json.loads((tmp_path / "summary.json").read_text())["pass_at_k"])
+    fig = passk_figure(table, "overall", "problems a never solved")
+    assert [ax.get_title() for ax in fig.axes if ax.axison] == [f"problems a never solved ({hard})"]
+    plt.close(fig)
+    # the chart `eval` saved is that figure, byte for byte
+    again = plot_passk(table, tmp_path / "again", "overall", "problems a never solved")
+    assert again.read_bytes() == (tmp_path / "plots" / "pass_at_k_overall.png").read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("answer", "integer"),
+    [
+        ("11,\\! 111,\\! 111,\\! 100", True),  # MATH-500's thin-space thousands separators
+        ("\\$32,\\!348", True),
+        ("\\$36", True),
+        ("10,\\!080", True),
+        ("58,500", True),
+        ("1,000,000", True),
+        ("$-7$", True),
+        ("-2,1", False),  # two roots, not a number with a separator
+        ("1,-2", False),
+        ("3, 5, 7", False),
+        ("1,23", False),
+        ("1,2345", False),
+        ("(2,12) \\cup (12,102)", False),
+        ("\\$1.50", False),
+    ],
+)
+def test_integer_answers_after_dollars_thin_spaces_and_thousands_separators(answer, integer):
+    from prorl_trl.evaluation.problems import is_integer_answer
+
+    assert is_integer_answer({"answer": answer}) is integer
+
+
 def test_ols_single_category_gives_group_mean_differences():
     frame = pd.DataFrame({"level": ["1", "1", "2", "2", "2", "3"], "y": [1.0, 0.5, 0.25, 0.0, 0.5, 1.0]})
     table = feature_regression(frame, "y", ["level"]).set_index("term")

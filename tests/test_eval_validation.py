@@ -146,6 +146,37 @@ def test_unbound_callback_and_bad_settings_fail_clearly():
         ValidationCallback(_dataset(2), "no_such_reward")
 
 
+def test_validation_prompts_use_the_trainers_chat_template_kwargs_like_trl(tmp_path):
+    """`GRPOConfig.chat_template_kwargs` (e.g. enable_thinking=False) reach TRL's training prompts; validation
+    rendered without them, so it sampled other prompts than training."""
+    from prorl_trl.tiny import CHAT_TEMPLATE
+
+    model, tokenizer = build_tiny(seed=0)
+    tokenizer.chat_template = CHAT_TEMPLATE + (
+        "{% if add_generation_prompt and enable_thinking is defined and not enable_thinking %}"
+        "{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+    )
+    args = GRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+        max_steps=1, report_to="none", use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True,
+        chat_template_kwargs={"enable_thinking": False},
+    )
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=_reward(), args=args, train_dataset=_dataset(), processing_class=tokenizer
+    )
+    validation = ValidationCallback(_dataset(3), "boxed_answer", num_generations=2, trainer=trainer)
+    prompts = [row["prompt"] for row in validation.rows]
+    ids = validation.prompt_ids(prompts)
+    training_ids, _, _ = trainer._tokenize_prompts(prompts)  # what TRL 1.16 feeds generation in training
+    assert ids == [list(row) for row in training_ids]
+    rendered = [
+        tokenizer.apply_chat_template(p, add_generation_prompt=True, return_dict=True, enable_thinking=False)
+        for p in prompts
+    ]
+    assert ids == [row["input_ids"] for row in rendered]
+    assert all(tokenizer.decode(row).endswith("<think>\n\n</think>\n\n") for row in ids)
+
+
 def test_prorl_trainer_binds_it_and_its_plateau_rule_sees_the_metric(tmp_path):
     """ProRLTrainer binds callbacks that have `bind`; eval entries carry `prorl/*` keys and drive the plateau rule."""
     from prorl_trl import ProRLConfig, ProRLTrainer

@@ -83,7 +83,13 @@ def run_distill(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"prorl-trl distill: {error}", file=sys.stderr)
         return 2
-    summary = distill(config)
+    from ..evaluation.runner import SampledWithOtherSettings
+
+    try:
+        summary = distill(config)
+    except SampledWithOtherSettings as error:  # refused before any sampling
+        print(f"prorl-trl distill: {error}", file=sys.stderr)
+        return 2
     from accelerate import PartialState
 
     if PartialState().is_main_process:

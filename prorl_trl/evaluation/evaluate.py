@@ -99,7 +99,8 @@ def evaluate(
         from .plots import plot_pass1_histogram, plot_passk
 
         try:
-            plot_paths = [plot_passk(passk, out, group_by) for group_by in [OVERALL, *breakdown]]
+            scope = None if reference is None else f"problems {reference} never solved"
+            plot_paths = [plot_passk(passk, out, group_by, scope) for group_by in [OVERALL, *breakdown]]
             plot_paths += [plot_pass1_histogram(per_problem, spec.name, out) for spec in models]
         except ImportError:
             print("prorl-trl eval: plots skipped: they need matplotlib (pip install -e '.[plots]').")

@@ -43,13 +43,16 @@ def _curves(ax, part: pd.DataFrame, title: str) -> None:
     ax.legend(fontsize="small")
 
 
-def plot_passk(passk: pd.DataFrame, out_dir: str | Path, group_by: str = OVERALL) -> Path:
-    """pass@k against k (log2 axis) with bootstrap bands; one panel per group of `group_by`, every model in each."""
+def plot_passk(passk: pd.DataFrame, out_dir: str | Path, group_by: str = OVERALL, scope: str | None = None) -> Path:
+    """pass@k against k (log2 axis) with bootstrap bands; one panel per group of `group_by`, every model in each.
+
+    `scope` names the problems when they are a subset (e.g. "problems base never solved"); None: all problems.
+    """
     plt = _pyplot()
-    return _save(plt, passk_figure(passk, group_by), out_dir, f"pass_at_k_{group_by}.png")
+    return _save(plt, passk_figure(passk, group_by, scope), out_dir, f"pass_at_k_{group_by}.png")
 
 
-def passk_figure(passk: pd.DataFrame, group_by: str = OVERALL) -> Any:
+def passk_figure(passk: pd.DataFrame, group_by: str = OVERALL, scope: str | None = None) -> Any:
     """The figure `plot_passk` saves (apart so its panels and legends can be inspected)."""
     plt = _pyplot()
     part = passk[passk["group_by"] == group_by]
@@ -60,9 +63,15 @@ def passk_figure(passk: pd.DataFrame, group_by: str = OVERALL) -> Any:
     for ax, group in zip(axes.flat, groups):
         rows_of_group = part[part["group"] == group]
         problems = int(rows_of_group["num_problems"].iloc[0])
-        _curves(ax, rows_of_group, "all problems" if group_by == OVERALL else f"{group_by} = {group} ({problems})")
+        if group_by != OVERALL:
+            title = f"{group_by} = {group} ({problems})"
+        else:
+            title = "all problems" if scope is None else f"{scope} ({problems})"
+        _curves(ax, rows_of_group, title)
     for ax in list(axes.flat)[len(groups):]:
         ax.axis("off")
+    if scope is not None and group_by != OVERALL:
+        fig.suptitle(scope)
     return fig
 
 

@@ -54,13 +54,17 @@ def with_problem_ids(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 _INTEGER = re.compile(r"^[+-]?\d+$")
+# A comma between digits followed by exactly three digits: "32,348", "11,\! 111" (not the list "-2,1").
+_THOUSANDS = re.compile(r"(?<=\d),\s*(?=\d{3}(?!\d))")
 
 
 def gold_text(row: dict[str, Any]) -> str:
-    """The gold final answer as text (`answer` column; a GSM8K worked solution is cut after `####`)."""
+    """The gold final answer as text (`answer` column; a GSM8K worked solution is cut after `####`), with dollar
+    signs (`\\$`, `$`), LaTeX thin spaces (`\\!`) and thousands separators removed."""
     value = row.get("answer", row.get("solution", ""))
     text = str(value).split("####")[-1].strip()
-    return text.replace("$", "").replace(",", "").replace("\\!", "").strip()
+    text = text.replace("\\$", "").replace("$", "").replace("\\!", "")
+    return _THOUSANDS.sub("", text).strip()
 
 
 def is_integer_answer(row: dict[str, Any]) -> bool:

@@ -189,7 +189,13 @@ def write_outputs(
         f"Unbiased pass@k (Chen et al. 2021), mean over problems, [{confidence:.0%} bootstrap interval over problems, "
         f"{settings.get('num_resamples')} resamples, seed {settings.get('seed')}]."
     )
-    lines += ["", "## pass@k", "", _passk_markdown(passk, ks, OVERALL), ""]
+    lines += ["", "## pass@k", ""]
+    if settings.get("always_wrong") is not None:
+        lines += [
+            f"Over the {len(always_wrong_problems or [])} problems `{settings['always_wrong']}` never solved "
+            f"(`--subset always-wrong:{settings['always_wrong']}`), here and in the breakdowns below.", "",
+        ]
+    lines += [_passk_markdown(passk, ks, OVERALL), ""]
     for field_ in breakdown:
         lines += [f"## pass@k by {field_}", "", _passk_markdown(passk, ks, field_), ""]
     if always_wrong is not None:

@@ -15,8 +15,9 @@ from typing import Any
 
 from .sampling import Completion, SamplingSettings, encode_prompt, sample_transformers, sample_vllm, vllm_available
 
-# Settings that change what a sample means; `num_samples`, `batch_size` and `seed` may differ between resumed runs.
-_RESUME_KEYS = ("temperature", "top_p", "max_completion_length")
+# Settings that change what a sample means (the seed too: stored samples are not redrawn under a new one, so a run
+# with another seed would report the old seed's draws). `num_samples` and `batch_size` may differ between runs.
+_RESUME_KEYS = ("temperature", "top_p", "max_completion_length", "seed")
 
 
 @dataclass
@@ -61,8 +62,45 @@ def read_samples(path: Path) -> dict[tuple[str, int], dict[str, Any]]:
     return found
 
 
+def end_with_newline(path: Path) -> None:
+    """Make `path` end with a newline before records are appended to it.
+
+    A run killed mid-write leaves a last line without its newline. `read_samples` skipped it if it is not valid JSON:
+    it is cut off (else the next record would be glued onto it and lost too); a complete record just gets its newline.
+    """
+    if not path.exists():
+        return
+    with open(path, "rb+") as handle:
+        size = handle.seek(0, 2)
+        if size == 0:
+            return
+        keep, position = 0, size
+        while position > 0:  # scan backwards in blocks for the last newline (samples files can be large)
+            start = max(0, position - 65536)
+            handle.seek(start)
+            newline = handle.read(position - start).rfind(b"\n")
+            if newline >= 0:
+                keep = start + newline + 1
+                break
+            position = start
+        if keep == size:
+            return
+        handle.seek(keep)
+        try:
+            json.loads(handle.read(size - keep))
+        except ValueError:  # JSONDecodeError and UnicodeDecodeError
+            handle.truncate(keep)
+        else:
+            handle.seek(size)
+            handle.write(b"\n")
+
+
 def _meta(spec: ModelSpec, settings: SamplingSettings) -> dict[str, Any]:
     return {"model": spec.path, **{k: getattr(settings, k) for k in _RESUME_KEYS}}
+
+
+class SampledWithOtherSettings(ValueError):
+    """Stored samples were drawn with other settings (a bad input: the command exits 2, nothing is sampled)."""
 
 
 def check_resumable(out_dir: str | Path, specs: list[ModelSpec], settings: SamplingSettings) -> None:
@@ -77,7 +115,7 @@ def _check_meta(meta_path: Path, meta: dict[str, Any], name: str, write: bool = 
         changed = [k for k in _RESUME_KEYS + ("model",) if k in old and old[k] != meta[k]]
         if changed:
             diff = ", ".join(f"{k}: {old[k]!r} -> {meta[k]!r}" for k in changed)
-            raise ValueError(
+            raise SampledWithOtherSettings(
                 f"{meta_path.parent / (name + '.jsonl')} was sampled with other settings ({diff}); "
                 "use another --out, or delete that file to resample."
             )
@@ -161,6 +199,7 @@ def sample_model(
         stats["backend"] = backend
         position = {p["problem_id"]: i for i, p in enumerate(problems)}
         path.parent.mkdir(parents=True, exist_ok=True)
+        end_with_newline(path)
         with open(path, "a", encoding="utf-8") as handle:
 
             def append(batch: list[Completion]) -> None:

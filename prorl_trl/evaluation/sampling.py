@@ -8,6 +8,8 @@ is importable (one call, `SamplingParams(n=...)`); that path cannot run on our C
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -27,7 +29,9 @@ class SamplingSettings:
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass, in (0, 1]."})
     max_completion_length: int = field(default=256, metadata={"help": "Maximum new tokens per completion."})
     batch_size: int = field(default=64, metadata={"help": "Sequences (prompt x sample rows) per generate call."})
-    seed: int = field(default=0, metadata={"help": "Seed of the sampler; batch i uses seed + i."})
+    seed: int = field(
+        default=0, metadata={"help": "Seed of the sampler; each batch is seeded from it and the jobs it holds."}
+    )
     compile: bool = field(
         default=False,
         metadata={"help": "Static KV cache + torch.compile'd decode step with fixed batch shapes (GPU; ~5x on small "
@@ -74,27 +78,33 @@ def is_conversational(prompt: Any) -> bool:
     return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
 
 
-def render_prompt(prompt: Any, tokenizer: Any) -> str:
-    """The text the model continues: the chat template (with the assistant turn opened) or the plain prompt."""
+def render_prompt(prompt: Any, tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None) -> str:
+    """The text the model continues: the chat template (with the assistant turn opened) or the plain prompt.
+
+    `chat_template_kwargs` are passed to the template (TRL's `GRPOConfig.chat_template_kwargs`, e.g.
+    `{"enable_thinking": False}`), so prompts render as in training.
+    """
     if is_conversational(prompt):
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError(
                 "The prompts are conversational (lists of messages) but the tokenizer has no chat template; "
                 "use a chat model, or a dataset with plain-text prompts."
             )
-        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            prompt, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+        )
     if not isinstance(prompt, str):
         raise TypeError(f"A prompt must be a string or a list of chat messages, got {type(prompt).__name__}.")
     return prompt
 
 
-def encode_prompt(prompt: Any, tokenizer: Any) -> list[int]:
+def encode_prompt(prompt: Any, tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids the model continues, tokenised like TRL does it for training.
 
     A chat-rendered prompt already holds any BOS token the template wants, so it is tokenised without special tokens
     (TRL does the same); a plain-text prompt gets the tokenizer's usual special tokens (a base model's BOS).
     """
-    text = render_prompt(prompt, tokenizer)
+    text = render_prompt(prompt, tokenizer, chat_template_kwargs)
     return tokenizer(text, add_special_tokens=not is_conversational(prompt))["input_ids"]
 
 
@@ -152,10 +162,11 @@ def sample_transformers(
     """Sample completions with `model.generate`; returns the completions and throughput stats.
 
     `prompt_ids` are tokenised prompts (`encode_prompt`). `jobs` lists the (prompt index, sample index) rows to draw
-    (default: every prompt x `num_samples`); a resumed run passes only the missing ones. `on_batch` receives each finished batch (used to append to a samples file). The
-    caller chooses the model's mode; this function only adds `torch.no_grad()`. With `settings.rollout_engine`, batches
-    go through `engine` (a `prorl_trl.rollout.engine.RolloutEngine`; a new one if None), seeded like `generate` from
-    torch's generator (`seed + batch index`).
+    (default: every prompt x `num_samples`); a resumed run passes only the missing ones. `on_batch` receives each
+    finished batch (used to append to a samples file). The caller chooses the model's mode; this function only adds
+    `torch.no_grad()`. Every batch seeds torch's generator with `batch_seed` (its jobs decide its draws). With
+    `settings.rollout_engine`, batches go through `engine` (a `prorl_trl.rollout.engine.RolloutEngine`; a new one if
+    None), which samples from that generator like `generate`.
     """
     if jobs is None:
         jobs = [(p, s) for p in range(len(prompt_ids)) for s in range(settings.num_samples)]
@@ -189,7 +200,7 @@ def sample_transformers(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(order), desc=desc, unit="completion")
-    for batch_index, batch in enumerate(batches):
+    for batch in batches:
         rows = [encoded[p] for p, _ in batch]
         if fixed_shapes:  # pad the last batch with copies of its last row; their outputs are dropped
             rows += [rows[-1]] * (min(settings.batch_size, len(order)) - len(rows))
@@ -200,7 +211,7 @@ def sample_transformers(
             if row:
                 input_ids[i, width - len(row) :] = torch.tensor(row)
                 attention_mask[i, width - len(row) :] = 1
-        torch.manual_seed(settings.seed + batch_index)
+        torch.manual_seed(batch_seed(settings.seed, batch))
         start = time.perf_counter()
         with torch.no_grad():
             if engine is not None:
@@ -229,6 +240,17 @@ def sample_transformers(
     if bar is not None:
         bar.close()
     return completions, stats
+
+
+def batch_seed(seed: int, batch: Sequence[tuple[int, int]]) -> int:
+    """The torch seed of one batch: a stable hash of `seed` and the (prompt index, sample index) jobs it holds.
+
+    Seeding by the jobs rather than by the batch's position means a resumed run with a larger n (whose missing
+    samples fill batches laid out like the first run's) draws new samples, not copies of samples 0..n-1; the same
+    jobs with the same seed still draw the same completions.
+    """
+    key = json.dumps([int(seed), [[int(p), int(s)] for p, s in batch]]).encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
 
 
 def vllm_available() -> bool:

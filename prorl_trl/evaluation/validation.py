@@ -114,6 +114,14 @@ class ValidationCallback(TrainerCallback):
             )
         return self.trainer
 
+    def prompt_ids(self, prompts: Sequence[Any]) -> list[list[int]]:
+        """`prompts` tokenised as the trainer tokenises training prompts, `GRPOConfig.chat_template_kwargs` included
+        (TRL 1.16 keeps them on `trainer.chat_template_kwargs` and passes them to `apply_chat_template`)."""
+        trainer = self._require_trainer()
+        tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)  # processors wrap one
+        template_kwargs = getattr(trainer, "chat_template_kwargs", None) or {}
+        return [encode_prompt(prompt, tokenizer, template_kwargs) for prompt in prompts]
+
     def _settings(self, trainer: Trainer) -> SamplingSettings:
         """Validation's sampling; the rollout engine exactly when the trainer generates with one (ProRLConfig)."""
         cap = self.max_completion_length or getattr(trainer, "max_completion_length", None)
@@ -132,7 +140,7 @@ class ValidationCallback(TrainerCallback):
         accelerator = trainer.accelerator
         tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)  # processors wrap one
         rows = self.rows[accelerator.process_index :: accelerator.num_processes]
-        encoded = [encode_prompt(row["prompt"], tokenizer) for row in rows]
+        encoded = self.prompt_ids([row["prompt"] for row in rows])
         settings = self._settings(trainer)
         if settings.rollout_engine and self._engine is None:
             from prorl_trl.rollout.engine import RolloutEngine
