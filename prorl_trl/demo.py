@@ -35,14 +35,14 @@ DEMO_RECIPE: dict[str, Any] = {
         "prompt_format": "plain",
         "options": {
             "num_train": 4000,
-            "num_validation": 100,
+            "num_validation": 40,
             "seed": 0,
             "num_steps": 1,
             "max_value": 9,
             "style": "expression",
         },
         "validation_split": "validation",
-        "validation_size": 100,
+        "validation_size": 40,
     },
     "rewards": [{"name": "boxed_answer"}],
     "training": {
@@ -186,9 +186,11 @@ def run_demo(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     before, after = summary["val_accuracy_before"], summary["val_accuracy_after"]
+    first, last = summary["train_reward_first"], summary["train_reward_last"]
+    trained = f"training reward {first:+.2f} -> {last:+.2f}; " if first is not None and last is not None else ""
     print(
-        f"\nvalidation pass@1: {before:.1%} before RL -> {after:.1%} after ({summary['seconds_total']:.0f} s). "
-        f"Report: {Path(args.out) / 'report.md'}, plots: {Path(args.out) / 'plots'}/"
+        f"\n{trained}held-out validation pass@1: {before:.1%} before RL -> {after:.1%} after "
+        f"({summary['seconds_total']:.0f} s). Report: {Path(args.out) / 'report.md'}, plots: {Path(args.out) / 'plots'}/"
     )
     return 0
 
@@ -243,7 +245,11 @@ def run_demo_pipeline(
     validation = validation_curve(history)
     if not validation[1]:
         raise RuntimeError("the demo's run logged no validation pass@1 (is `validation.enabled` off?)")
+    rewards = [float(entry["reward"]) for entry in history if "reward" in entry and "loss" in entry]
+    window = max(1, len(rewards) // 10)  # the first and last tenth of the training steps
     summary = {
+        "train_reward_first": sum(rewards[:window]) / window if rewards else None,
+        "train_reward_last": sum(rewards[-window:]) / window if rewards else None,
         "val_accuracy_before": validation[1][0],
         "val_accuracy_after": validation[1][-1],
         "val_accuracy_curve": {"steps": validation[0], "pass@1": validation[1]},

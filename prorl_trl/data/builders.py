@@ -49,7 +49,7 @@ def local_file(source: str, stem: str) -> Path:
     """The file a local source names: the file itself, or `<folder>/<stem>.jsonl|.json|.parquet`."""
     path = Path(source).expanduser()
     if path.is_dir():
-        found = next((path / f"{stem}{suffix}" for suffix in LOCAL_SUFFIXES if (path / f"{stem}{suffix}").is_file()), None)
+        found = next((path / f"{stem}{ext}" for ext in LOCAL_SUFFIXES if (path / f"{stem}{ext}").is_file()), None)
         if found is None:
             present = ", ".join(sorted(p.name for p in path.iterdir())) or "nothing"
             raise FileNotFoundError(f"no {stem}.jsonl/.json/.parquet in {path} (it holds: {present})")
@@ -76,14 +76,77 @@ def local_split_file(data: DataSection, which: str) -> Path | None:
     return local_file(source, spec.local_stem.format(split=split, **options))
 
 
+def split_identity(data: DataSection, which: str) -> tuple[Any, ...]:
+    """What a split reads, so training and validation can be compared: its local file, its generated side, or its
+    hub (source, config, split, files). Raises FileNotFoundError for a local folder without the split's file."""
+    spec = BUILDERS[data.builder]
+    source, split, _ = split_source(data, which)
+    local = local_split_file(data, which)
+    if local is not None:
+        return ("file", local.resolve())
+    if source is None:  # generated: "train" is the training side, any other split the validation side
+        return ("generated", split == "train")
+    config = data.config if data.config is not None else spec.default_config
+    files = tuple(data.data_files) if isinstance(data.data_files, list) else data.data_files
+    return ("hub", source, config, split, files)
+
+
+def same_split_problem(data: DataSection) -> DataProblem | None:
+    """A problem when validation would read exactly the rows training reads (validation would then measure
+    memorisation, not learning): one local file named for both, or the same hub/generated split."""
+    source, split, _ = split_source(data, "validation")
+    if split is None:
+        return None
+    try:
+        if split_identity(data, "train") != split_identity(data, "validation"):
+            return None
+    except FileNotFoundError:  # reported by the split's own scan
+        return None
+    local = local_split_file(data, "validation")
+    fix = "set `data.validation_source` to held-out data (a file, folder or hub id), or drop `data.validation_split`"
+    if local is not None and Path(source or "").expanduser().is_file():
+        return DataProblem(str(local), f"validation reads the training file: a file source holds one split, so "
+                                       f"`data.validation_split: {split}` cannot pick another part of it; {fix} "
+                                       "(or make `data.source` a folder of <split>.jsonl files)")  # fmt: skip
+    only = " (MATH-500 has one split, test)" if data.builder == "math500" else ""
+    where = str(local) if local is not None else f"{source or data.builder} [{split}]"
+    return DataProblem(where, f"`data.validation_split: {split}` is the training split{only}: validation would "
+                              f"score problems the model trains on; {fix}, or name another split")  # fmt: skip
+
+
+def ignored_setting_problems(data: DataSection, which: str) -> list[DataProblem]:
+    """A problem per `data` key the split's loader would silently ignore: `config` and `data_files` pick among hub
+    configs and files, so they mean nothing for a local file or generated data, and `kk` takes its hub config from
+    the split (`train`/`test`)."""
+    source, split, _ = split_source(data, which)
+    kind = "generated data" if source is None else "a local source" if is_local_source(source) else None
+    where = source or f"{data.builder} [{split}]"
+    problems = []
+    if kind is not None:
+        problems += [DataProblem(where, f"`data.{key}` is ignored for {kind} (it picks a hub config or files inside "
+                                        f"a hub repo): remove it, or name the file to read in `data.source`")
+                     for key in ("config", "data_files") if getattr(data, key) is not None]  # fmt: skip
+    elif data.builder == "kk" and data.config is not None:
+        problems.append(DataProblem(where, "`data.config` is ignored by the `kk` builder (its hub config is the split, "
+                                           "train or test; `data.options.num_people` picks the puzzle size): remove "
+                                           "it and set `data.split` / `data.validation_split`"))  # fmt: skip
+    return problems
+
+
 def scan_split_file(data: DataSection, which: str) -> list[DataProblem]:
-    """Row-level problems of a split's local file (nothing for hub or generated data); see `checks.scan_local_file`."""
+    """Problems found before anything is loaded: validation reading the training split (`same_split_problem`), then
+    the rows of a split's local file (nothing more for hub or generated data; see `checks.scan_local_file`)."""
     try:
         path = local_split_file(data, which)
     except FileNotFoundError as error:
         return [DataProblem(split_source(data, which)[0] or "", str(error))]
-    if path is None:
-        return []
+    same = same_split_problem(data) if which == "validation" else None
+    if same is not None:
+        return [same]
+    own_source = which == "train" or split_source(data, which)[0] != split_source(data, "train")[0]
+    ignored = ignored_setting_problems(data, which) if own_source else []  # said once per source
+    if ignored or path is None:
+        return ignored
     if not path.is_file():
         return [DataProblem(str(path), "local data file not found")]
     spec = BUILDERS[data.builder]
@@ -257,18 +320,27 @@ def unread_gold_problems(
     return problems
 
 
-def _synthetic(make: str, split: str, options: dict[str, Any], keep: list[str]) -> Dataset:
-    """A generated split: `num_train` or `num_validation` rows; the validation seed is offset so splits differ."""
+def _synthetic(task: str, split: str, options: dict[str, Any], keep: list[str]) -> Dataset:
+    """A generated split: `num_train` or `num_validation` rows (`split` "train": the training side, any other: the
+    validation side). The sides never share a problem (`synthetic.held_out`); each has its own seed."""
+    from datasets import Dataset
+
     from . import synthetic  # imports `datasets`; written alongside the offline demo
 
-    size = options.pop("num_train") if split == "train" else options.pop("num_validation")
-    options.pop("num_validation" if split == "train" else "num_train", None)
-    seed = options.pop("seed") + (0 if split == "train" else 1_000_003)
-    if isinstance(options.get("num_steps"), list):
-        options["num_steps"] = tuple(options["num_steps"])
-    if isinstance(options.get("num_people"), list):
-        options["num_people"] = tuple(options["num_people"])
-    data = getattr(synthetic, make)(size, seed=seed, **options)
+    validation = split != "train"
+    size = options.pop("num_validation") if validation else options.pop("num_train")
+    options.pop("num_train" if validation else "num_validation", None)
+    seed = options.pop("seed") + (1_000_003 if validation else 0)
+    for name in ("num_steps", "num_people"):
+        if isinstance(options.get(name), list):
+            options[name] = tuple(options[name])
+    examples = getattr(synthetic, f"{task}_examples")(seed, **options)
+    key = "quiz" if task == "kk" else "question"
+    try:
+        rows = synthetic.split_rows(examples, size, validation, key)
+    except synthetic.ProblemSpaceTooSmall as error:
+        raise DataError([DataProblem(f"synthetic_{task} [{split}]", f"data.options: {error}")]) from error
+    data = Dataset.from_list(rows)
     data = data.remove_columns([c for c in ("question",) if c in data.column_names]).rename_column(
         "prompt", "question"
     )
@@ -276,11 +348,11 @@ def _synthetic(make: str, split: str, options: dict[str, Any], keep: list[str]) 
 
 
 def load_synthetic_arithmetic(source, config, split: str, columns: dict[str, str], data_files=None, **options):
-    return _synthetic("make_arithmetic_dataset", split, options, ["answer", "num_steps"])
+    return _synthetic("arithmetic", split, options, ["answer", "num_steps"])
 
 
 def load_synthetic_kk(source, config, split: str, columns: dict[str, str], data_files=None, **options):
-    return _synthetic("make_kk_dataset", split, options, ["names", "solution", "solution_text_format", "num_people"])
+    return _synthetic("kk", split, options, ["names", "solution", "solution_text_format", "num_people"])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -289,12 +361,14 @@ def load_synthetic_kk(source, config, split: str, columns: dict[str, str], data_
 
 
 def prompt_token_count(prompt: str | list[dict[str, str]], tokenizer: Any) -> int:
-    """Tokens the model sees for this prompt (chat prompts include the template and the generation header)."""
+    """Tokens the model sees for this prompt, counted as TRL's `GRPOTrainer._tokenize_prompts` (trl 1.16) encodes it:
+    a chat prompt with the template and the generation header, a plain one with the tokenizer's special tokens
+    (`processing_class(text=prompts)`: a BOS-adding tokenizer puts one more token in front)."""
     if isinstance(prompt, list):
         ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         return len(ids)
-    return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    return len(tokenizer(text=prompt)["input_ids"])
 
 
 def text_chars(question: Any) -> int:
@@ -394,10 +468,18 @@ def _shape(rows: Dataset, data: DataSection, which: str, where: str, limit: int 
     before = len(rows)
     if cap is not None and tokenizer is not None:
         rows = drop_overlong_texts(rows, cap, tokenizer)
+    set_keys = [key for key in ("template", "system_prompt") if getattr(data, key) is not None]
+    if set_keys and len(rows) and isinstance(rows[0]["question"], list):  # a column holds one type
+        keys = " and ".join(f"`data.{key}`" for key in set_keys)
+        if keys:
+            message = (f"the rows are chat message lists, which are used as they are: {keys} would be ignored; "
+                       "remove it, or put the system message into the rows")  # fmt: skip
+            raise DataError([DataProblem(where, message, column="question")])
     template = data.template or spec.default_template
+    prompt_format = data.prompt_format or spec.default_prompt_format
     try:
         rows = rows.map(
-            lambda row: {"prompt": render_prompt(row["question"], template, data.prompt_format, data.system_prompt)},
+            lambda row: {"prompt": render_prompt(row["question"], template, prompt_format, data.system_prompt)},
             writer_batch_size=64,  # rows can be long: never hold a thousand of them in memory
         )
     except ValueError as error:
@@ -405,7 +487,8 @@ def _shape(rows: Dataset, data: DataSection, which: str, where: str, limit: int 
     if cap is not None and tokenizer is not None:
         rows = rows.filter(lambda row: prompt_token_count(row["prompt"], tokenizer) <= cap, batch_size=64)
         if len(rows) < before:
-            logger.warning("%s: kept %d of %d prompts of <= %d tokens (data.max_prompt_tokens)", which, len(rows), before, cap)
+            logger.warning("%s: kept %d of %d prompts of <= %d tokens (data.max_prompt_tokens)",
+                           which, len(rows), before, cap)  # fmt: skip
     if len(rows) == 0:
         message = (
             f"no rows left: all {before} prompts are longer than data.max_prompt_tokens = {cap} tokens; raise it"

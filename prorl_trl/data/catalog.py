@@ -23,6 +23,7 @@ class BuilderSpec:
     default_config: str | None = None
     default_split: str = "train"
     default_validation_split: str | None = None
+    default_prompt_format: str = "chat"  # `data.prompt_format` when the recipe leaves it out
     options: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # name -> (type annotation, default)
     option_rules: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {"min"/"max"/"choices": ...}
     needs_columns: bool = False
@@ -101,6 +102,7 @@ BUILDERS: dict[str, BuilderSpec] = {
         loader="prorl_trl.data.builders:load_areal",
         default_source=None,
         default_template="raw",
+        default_prompt_format="plain",  # the prompts carry their chat markup: a chat template would wrap it again
         gold_columns=("answer", "solutions"),
         prompt_column="prompt",
         source_gold_columns=("solutions",),

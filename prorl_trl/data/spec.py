@@ -32,11 +32,12 @@ class DataSection:
     template: str | None = field(
         default=None, metadata={"help": "Prompt template name (prorl_trl.data.templates); None: the builder's."}
     )
-    prompt_format: str = field(
-        default="chat",
+    prompt_format: str | None = field(
+        default=None,
         metadata={
             "help": "`chat`: message list rendered by the tokenizer's chat template (instruct models); "
-            "`plain`: one string (base models).",
+            "`plain`: one string (base models); None: the builder's (`plain` for `areal`, whose prompts are "
+            "already templated; `chat` otherwise).",
             "choices": ["chat", "plain"],
         },
     )

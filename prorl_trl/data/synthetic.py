@@ -14,8 +14,10 @@ without downloading anything. Both generators are deterministic functions of the
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import random
+from collections.abc import Iterator
 from typing import Any
 
 from datasets import Dataset
@@ -108,14 +110,17 @@ def arithmetic_example(
     }
 
 
+def arithmetic_examples(seed: int = 0, **difficulty: Any) -> Iterator[dict[str, Any]]:
+    """Arithmetic rows without end: row `i` is drawn from its own generator seeded with (`seed`, `i`)."""
+    for index in itertools.count():
+        yield arithmetic_example(random.Random(f"arithmetic-{seed}-{index}"), **difficulty)
+
+
 def make_arithmetic_dataset(num_examples: int, seed: int = 0, **difficulty: Any) -> Dataset:
     """`num_examples` arithmetic rows; `difficulty` goes to `arithmetic_example` (num_steps, max_value, style, ...)."""
     if num_examples < 1:
         raise ValueError(f"num_examples must be >= 1, got {num_examples}.")
-    rows = [
-        arithmetic_example(random.Random(f"arithmetic-{seed}-{index}"), **difficulty) for index in range(num_examples)
-    ]
-    return Dataset.from_list(rows)
+    return Dataset.from_list(list(itertools.islice(arithmetic_examples(seed, **difficulty), num_examples)))
 
 
 # ---------------------------------------------------------------------------------------- knights and knaves
@@ -255,12 +260,64 @@ def make_kk_dataset(
     """`num_examples` unique-solution puzzles with a `prompt` (quiz + answer-format instruction) column added."""
     if num_examples < 1:
         raise ValueError(f"num_examples must be >= 1, got {num_examples}.")
+    return Dataset.from_list(list(itertools.islice(kk_examples(seed, num_people, instruction), num_examples)))
+
+
+def kk_examples(
+    seed: int = 0, num_people: int | tuple[int, int] = (2, 4), instruction: str = KK_INSTRUCTION
+) -> Iterator[dict[str, Any]]:
+    """Puzzles without end, with their `prompt`: puzzle `i` comes from its own generator seeded with (`seed`, `i`)."""
     low, high = _as_range(num_people, "num_people", KK_MIN_PEOPLE)
     if high > KK_MAX_PEOPLE:
         raise ValueError(f"num_people must be at most {KK_MAX_PEOPLE} (brute-force solver), got {num_people!r}.")
-    rows = []
-    for index in range(num_examples):
+    for index in itertools.count():
         rng = random.Random(f"kk-{seed}-{index}")
         row = kk_example(rng, rng.randint(low, high))
-        rows.append({"prompt": f"{row['quiz']}\n{instruction}".strip(), **row})
-    return Dataset.from_list(rows)
+        yield {"prompt": f"{row['quiz']}\n{instruction}".strip(), **row}
+
+
+# ------------------------------------------------------------------------------------ train / validation split
+
+# One problem in VALIDATION_SHARE is held out for validation, chosen by a stable hash of its text.
+VALIDATION_SHARE = 4
+# Draws in a row that add no row before a split is declared too small for its problem space.
+MAX_FRUITLESS_DRAWS = 5000
+
+
+def held_out(question: str) -> bool:
+    """Whether a problem is on the validation side: a stable hash of its text (not Python's salted `hash`), so the
+    sides depend on neither the seed nor the split sizes, and no problem is ever on both."""
+    return int.from_bytes(hashlib.sha256(question.encode()).digest()[:8], "big") % VALIDATION_SHARE == 0
+
+
+class ProblemSpaceTooSmall(ValueError):
+    """The generator's settings give fewer problems than a split asks for."""
+
+
+def split_rows(examples: Iterator[dict[str, Any]], size: int, validation: bool, key: str) -> list[dict[str, Any]]:
+    """`size` rows of one side of a generated task (`key`: the problem-text column the side is read from).
+
+    Validation rows are distinct held-out problems; training rows are the other problems and may repeat (a small
+    space such as the demo's 144 one-step problems is drawn many times). Raises `ProblemSpaceTooSmall` when
+    `MAX_FRUITLESS_DRAWS` draws in a row add nothing."""
+    rows: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    fruitless = 0
+    while len(rows) < size:
+        row = next(examples)
+        text = row[key]
+        if held_out(text) != validation or (validation and text in seen):
+            fruitless += 1
+            if fruitless >= MAX_FRUITLESS_DRAWS:
+                side = (f"{len(rows)} distinct validation problems" if validation else "no training problems")
+                raise ProblemSpaceTooSmall(
+                    f"these settings give only {side} (one problem in {VALIDATION_SHARE}, chosen by a hash of its "
+                    f"text, is held out for validation), fewer than the {size} asked for: lower "
+                    f"{'num_validation' if validation else 'num_train'} or widen the task (arithmetic: max_value, "
+                    "num_steps, max_factor, style word; knights and knaves: num_people)"
+                )
+            continue
+        fruitless = 0
+        seen.add(text)
+        rows.append(row)
+    return rows

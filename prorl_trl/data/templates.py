@@ -31,7 +31,8 @@ KK_SYSTEM = (
 
 @dataclass(frozen=True)
 class PromptTemplate:
-    """How a problem becomes a prompt. `plain` is the base-model text; None: `system`, a blank line, `user`."""
+    """How a problem becomes a prompt. `plain` is the base-model text (without a `{system}` slot, a system prompt
+    goes before it, then a blank line); None: `system`, a blank line, `user`."""
 
     user: str
     system: str | None = None
@@ -92,6 +93,9 @@ def render_prompt(
     if prompt_format == "chat":
         messages = [{"role": "system", "content": system}] if system else []
         return messages + [{"role": "user", "content": user}]
-    if spec.plain is not None:
+    if spec.plain is None:
+        return f"{system}\n\n{user}" if system else user
+    if "{system}" in spec.plain:
         return spec.plain.replace("{system}", system or "").replace("{question}", str(question)).lstrip("\n")
-    return f"{system}\n\n{user}" if system else user
+    text = spec.plain.replace("{question}", str(question))
+    return f"{system}\n\n{text}" if system else text  # a plain form without a slot: the system text goes first
