@@ -290,9 +290,11 @@ def test_areal_prompts_default_to_plain(tmp_path):
 
 def test_settings_a_loader_would_ignore_are_refused(shared_data, tmp_path):
     local = str(shared_data / "gsm8k")
-    for key, value in (("config", "main"), ("data_files", "train.jsonl")):
+    for key, value in (("config", "socratic"), ("data_files", "train.jsonl")):
         with pytest.raises(DataError, match=f"`data.{key}` is ignored for a local source"):
             build_dataset(section(builder="gsm8k", source=local, **{key: value}))
+    # the builder's own default config is no choice: a hub recipe (GSM8K `main`) pointed at a local copy runs
+    assert len(build_dataset(section(builder="gsm8k", source=local, config="main"))) == 7473
     with pytest.raises(DataError, match="`data.config` is ignored by the `kk` builder"):
         build_dataset(section(builder="kk", source="K-and-K/knights-and-knaves", config="train"))
     path = tmp_path / "chats.jsonl"

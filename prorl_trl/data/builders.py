@@ -117,15 +117,21 @@ def same_split_problem(data: DataSection) -> DataProblem | None:
 def ignored_setting_problems(data: DataSection, which: str) -> list[DataProblem]:
     """A problem per `data` key the split's loader would silently ignore: `config` and `data_files` pick among hub
     configs and files, so they mean nothing for a local file or generated data, and `kk` takes its hub config from
-    the split (`train`/`test`)."""
+    the split (`train`/`test`). The builder's own default config is no choice (a recipe written for the hub names
+    it, e.g. GSM8K's `main`, and `--data.source` then points at a local copy of that data), so it passes."""
     source, split, _ = split_source(data, which)
     kind = "generated data" if source is None else "a local source" if is_local_source(source) else None
     where = source or f"{data.builder} [{split}]"
+    spec = BUILDERS.get(data.builder)
+    default_config = spec.default_config if spec is not None else None
+    set_keys = [key for key in ("config", "data_files") if getattr(data, key) is not None]
+    if data.config is not None and data.config == default_config:
+        set_keys.remove("config")
     problems = []
     if kind is not None:
         problems += [DataProblem(where, f"`data.{key}` is ignored for {kind} (it picks a hub config or files inside "
                                         f"a hub repo): remove it, or name the file to read in `data.source`")
-                     for key in ("config", "data_files") if getattr(data, key) is not None]  # fmt: skip
+                     for key in set_keys]  # fmt: skip
     elif data.builder == "kk" and data.config is not None:
         problems.append(DataProblem(where, "`data.config` is ignored by the `kk` builder (its hub config is the split, "
                                            "train or test; `data.options.num_people` picks the puzzle size): remove "
