@@ -151,6 +151,17 @@ def test_second_train_into_a_used_folder_exits_2_and_changes_nothing(reference, 
     assert snapshot(reference) == before
 
 
+def test_overwrite_with_a_lora_target_the_model_lacks_exits_2_and_deletes_nothing(reference, tiny_dir, shared_data):
+    """The targets are checked (PEFT's matching, on a meta-device model) before `--overwrite` deletes: a typo there
+    was found at model load, after the finished run had been deleted."""
+    before = snapshot(reference)
+    result = cli(reference, tiny_dir, shared_data, "--overwrite", "--phases.1.lora_target_modules", "[nope_proj]")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "phases.1.lora_target_modules" in result.stderr and "nope_proj" in result.stderr
+    assert "Traceback" not in result.stderr and "--overwrite: deleted" not in result.stdout
+    assert snapshot(reference) == before
+
+
 def test_sigterm_under_accelerate_launch_checkpoints_and_prints_the_resume_command(
     reference, tiny_dir, shared_data, tmp_path
 ):

@@ -36,6 +36,7 @@ from .output_folder import (
 )
 from .preflight import require_readable_golds, require_valid, reward_functions_for
 from .recipe import Recipe
+from .schema import RecipeError, RecipeProblem
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..trainer.interrupt import SignalStop
@@ -79,6 +80,43 @@ def _models_loaded(name_or_path: str, beta: float, peft: bool) -> str:
     if beta != 0.0 and not peft:
         return f"{name_or_path}: policy + reference (a second copy; beta={beta:g}, full fine-tuning)"
     return f"{name_or_path}: policy"
+
+
+def check_lora_targets(recipe: Recipe) -> None:
+    """Every phase's LoRA target modules exist in the model: PEFT's own matching, on a copy of the model built on the
+    meta device from its config (no weights read). Raises `RecipeError` (exit 2) naming the phase, before anything in
+    the run folder is deleted or written."""
+    base = recipe.peft_config()
+    if base is None:
+        return
+    import copy
+
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = recipe.model
+    config = AutoConfig.from_pretrained(
+        model.name_or_path, revision=model.revision, trust_remote_code=model.trust_remote_code
+    )
+    problems, checked = [], set()
+    for phase in getattr(recipe, "resolved_phases", None) or []:
+        targets = phase.lora_target_modules
+        key = targets if isinstance(targets, str) else tuple(sorted(targets or ()))
+        if key in checked or targets is None:
+            continue
+        checked.add(key)
+        lora = copy.deepcopy(base)
+        lora.target_modules = targets if isinstance(targets, str) else set(targets)
+        with torch.device("meta"):
+            bare = AutoModelForCausalLM.from_config(config, trust_remote_code=model.trust_remote_code)
+        try:
+            get_peft_model(bare, lora)
+        except ValueError as error:  # PEFT: "Target modules {...} not found in the base model ..."
+            path = f"phases.{phase.index}.lora_target_modules" if recipe.phases else "peft.target_modules"
+            problems.append(RecipeProblem(path, str(error).split("\n")[0], targets))
+    if problems:
+        raise RecipeError(recipe.file, problems)
 
 
 def _validation_callback(recipe: Recipe, eval_dataset: Any, args: Any) -> Any:
@@ -264,6 +302,8 @@ def _train(
         train_dataset = build_dataset(recipe.data, "train", tokenizer, reward_functions_for(recipe, "train"))
         eval_dataset = build_dataset(recipe.data, "validation", tokenizer, reward_functions_for(recipe, "validation"))
     require_readable_golds(recipe, train_dataset, eval_dataset)
+    check_lora_targets(recipe)  # before `--overwrite` deletes anything: a typo there would surface at model load
+    reward_funcs = recipe.reward_functions()
     if main and plan.overwrite:
         with signals.deferred():  # a signal stops after the deletion, never halfway through it
             deleted, kept = delete_run_outputs(plan.state)
@@ -283,7 +323,6 @@ def _train(
         recipe.model = dataclasses.replace(recipe.model, name_or_path=str(student), tokenizer_name_or_path=None)
     if recipe.distill is not None:  # the student's own tokenizer (the same files, saved with it)
         tokenizer = recipe.load_tokenizer()
-    reward_funcs = recipe.reward_functions()
     callback = _validation_callback(recipe, eval_dataset, args)
     from ..trainer import ProRLTrainer
     from ..trainer.finite import NonFiniteUpdate
