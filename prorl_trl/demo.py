@@ -119,6 +119,19 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 # What the demo writes into --out; `--overwrite` deletes these names and nothing else (`run/` through the run's own
 # manifest, as `prorl-trl train --overwrite` does).
 DEMO_OUTPUTS = ("warm_start", "sft", "plots", "recipe.yaml", "summary.json", "report.md")
+# Written first into --out: what marks a folder as a demo's, so `--overwrite` never deletes a user's files that
+# happen to carry the demo's names.
+DEMO_MARKER = ".prorl_demo"
+
+
+def _is_demo_folder(out: Path) -> bool:
+    """The marker, or (a demo from before the marker) a summary.json that only the demo writes."""
+    if (out / DEMO_MARKER).is_file():
+        return True
+    try:
+        return "val_accuracy_curve" in json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def _check_arguments(args: argparse.Namespace) -> list[str]:
@@ -132,11 +145,25 @@ def _check_arguments(args: argparse.Namespace) -> list[str]:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         problems.append(f"--out {out} exists and is not a folder")
+    elif out.is_dir() and any(out.iterdir()) and not _is_demo_folder(out):
+        problems.append(
+            f"--out {out} is not empty and was not written by the demo: nothing was changed (--overwrite deletes only "
+            "a demo's own outputs). Choose another --out"
+        )
     elif out.is_dir() and any(out.iterdir()) and not args.overwrite and not (out / "summary.json").is_file():
         problems.append(
-            f"--out {out} is not empty and holds no finished demo (an interrupted one, or other files): nothing was "
-            "changed. Pass --overwrite to delete the demo's own outputs there and run it again, or choose another --out"
+            f"--out {out} holds an interrupted demo: nothing was changed. Pass --overwrite to delete the demo's own "
+            "outputs there and run it again, or choose another --out"
         )
+    else:
+        from .recipe.output_folder import OutputFolderError, plan_start, refuse_shared_folder
+
+        try:
+            refuse_shared_folder(out)
+            if args.overwrite and (out / "run").exists():  # the training run's folder: refused before any deletion
+                plan_start(out / "run", overwrite=True)
+        except OutputFolderError as error:
+            problems.append(str(error))
     if importlib.util.find_spec("matplotlib") is None:
         problems.append(
             "the demo's plots need matplotlib: `pip install -e '.[plots]'` (or `pip install matplotlib`)"
@@ -217,6 +244,7 @@ def run_demo_pipeline(
 
     started = time.time()
     out.mkdir(parents=True, exist_ok=True)
+    (out / DEMO_MARKER).write_text("written by `prorl-trl demo`: its --overwrite deletes its own outputs here\n")
     size = SMOKE_MODEL_SIZE if smoke else MODEL_SIZE
     model, tokenizer = build_tiny(seed=seed, **size)
     warm_dir = out / "warm_start"

@@ -73,6 +73,21 @@ def test_a_second_demo_into_the_same_folder_changes_nothing_unless_overwrite(tmp
     assert again["val_accuracy_curve"] == first["val_accuracy_curve"] and (out / "mine.txt").read_text() == "mine"
 
 
+def test_overwrite_never_deletes_a_users_files_that_carry_the_demos_names(tmp_path, capsys):
+    """`--overwrite` deleted the demo's output names in any folder (a user's plots/, report.md, recipe.yaml), ran
+    the warm start, and only then refused the run folder, saying nothing was changed. A folder the demo did not
+    write is now refused first, whatever the flags."""
+    out = tmp_path / "project"
+    (out / "plots").mkdir(parents=True)
+    mine = {"plots/fig1.png": "png", "report.md": "my report", "recipe.yaml": "mine: 1", "notes.txt": "notes"}
+    for name, text in mine.items():
+        (out / name).write_text(text)
+    assert main(["demo", "--out", str(out), "--smoke", "--threads", "1", "--overwrite"]) == 2
+    assert "was not written by the demo" in capsys.readouterr().err
+    assert {name: (out / name).read_text() for name in mine} == mine
+    assert sorted(path.name for path in out.iterdir()) == ["notes.txt", "plots", "recipe.yaml", "report.md"]
+
+
 @pytest.mark.parametrize("flag", [["--sft-steps", "-1"], ["--threads", "0"], ["--sft-learning-rate", "0"]])
 def test_bad_arguments_exit_2_before_any_work(tmp_path, flag, capsys):
     out = tmp_path / "never"
