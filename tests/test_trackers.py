@@ -208,3 +208,25 @@ def test_a_resumed_run_continues_the_same_tracker_runs(tmp_path, monkeypatch):
         store = SQLiteStorage.get_project_db_path(project)
         for path in (store, store.with_suffix(".lock")):
             path.unlink(missing_ok=True)
+
+
+def test_a_tensorboard_folder_that_was_there_is_not_recorded_as_the_runs(tmp_path, monkeypatch):
+    """`TENSORBOARD_LOGGING_DIR` inside the run folder, holding other experiments: the run's manifest took the whole
+    folder, so `--overwrite` deleted the other experiments' events. Only the files the run's writer added are
+    recorded now; a folder the writer makes is still the run's."""
+    from prorl_trl.trainer.manifest import read_manifest
+
+    run = tmp_path / "run"
+    other = run / "tb" / "other-experiment" / "events.out.tfevents.1"
+    other.parent.mkdir(parents=True)
+    other.write_text("theirs")
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(run / "tb"))
+    model, tokenizer = tiny_model()
+    args = tiny_args(tmp_path, max_steps=1, report_to=["tensorboard"])
+    trainer = ProRLTrainer(model=model, processing_class=tokenizer, reward_funcs=[parity], args=args,
+                           train_dataset=prompts_dataset())  # fmt: skip
+    trainer.train()
+    recorded = read_manifest(run)
+    assert "tb/" not in recorded and "tb/other-experiment/" not in recorded
+    ours = [path for path in recorded if path.startswith("tb/")]
+    assert ours and all(path.startswith("tb/events.out.tfevents.") for path in ours), recorded

@@ -57,9 +57,10 @@ class TrackerSpan:
             if any(done is callback for done, _ in self._begun):
                 return None
             self._begun.append((callback, end))
+            before = _folder_entries(getattr(callback, "logging_dir", None))  # a TensorBoard folder that exists
             with self._continue_tracker_run(callback, args):
                 result = begin(args, state, control, **kwargs)
-            self._record_ids(callback, args)
+            self._record_ids(callback, args, before)
             return result
 
         def on_train_end(args, state, control, **kwargs):
@@ -114,7 +115,7 @@ class TrackerSpan:
                 else:
                     os.environ[key] = value
 
-    def _record_ids(self, callback: Any, args: Any) -> None:
+    def _record_ids(self, callback: Any, args: Any, before: set[str] | None = None) -> None:
         """What a resumed process needs to continue this tracker's run (main process, first phase only)."""
         if not self.trainer.accelerator.is_main_process:
             return
@@ -136,11 +137,22 @@ class TrackerSpan:
             from .manifest import record_outputs
 
             folder = os.path.relpath(os.path.abspath(callback.logging_dir), os.path.abspath(args.output_dir))
-            record_outputs(args.output_dir, [folder + "/"], created=True)  # outside the run folder: not recorded
+            if before is None:  # the writer made the folder: all of it is the run's
+                record_outputs(args.output_dir, [folder + "/"], created=True)  # outside the run folder: not recorded
+            else:  # a folder that was there (`TENSORBOARD_LOGGING_DIR`, other experiments in it): only the run's files
+                added = sorted(_folder_entries(callback.logging_dir) - before)
+                record_outputs(args.output_dir, [f"{folder}/{entry}" for entry in added], created=True)
         if ids:
             from ..reset.checkpoint import write_json
 
             write_json(self._ids_file(args), {**read_tracker_ids(args.output_dir), **ids})
+
+
+def _folder_entries(folder: str | None) -> set[str] | None:
+    """The names in `folder`, or None where there is no such folder."""
+    if not folder or not os.path.isdir(folder):
+        return None
+    return set(os.listdir(folder))
 
 
 def _reopen_tensorboard(callback: Any, args: Any, logging_dir: str | None, purge_step: int) -> None:
