@@ -355,3 +355,41 @@ def test_audit_cases_through_the_cli(tiny_dir, shared_data, tmp_path):
     assert (run / "phase-1-plan.md").exists() and (run / "runs").is_symlink()
     assert (shared / "other-experiment" / "events.out.tfevents.1.b").read_text() == "theirs"
     assert (shared / Path(tensorboard).name).is_dir()
+
+
+def test_a_users_own_files_named_like_a_runs_are_not_taken_for_an_earlier_run(tmp_path):
+    """Without a manifest, names alone made a folder an earlier run's: a user's recipe.yaml beside nothing else was
+    offered to --overwrite (which deleted it), and a --resume there trained among the user's files (a README.md
+    rewritten by the model card). A run leaves a phase folder, final/ or its log history."""
+    from prorl_trl.trainer.manifest import legacy_outputs, record_outputs
+
+    (tmp_path / "recipe.yaml").write_text("# my recipe\nmodel: x\n")
+    assert legacy_outputs(tmp_path) == []
+    for flags in ({"overwrite": True}, {"resume": True}):
+        with pytest.raises(OutputFolderError):
+            plan_start(tmp_path, **flags)
+    assert (tmp_path / "recipe.yaml").read_text() == "# my recipe\nmodel: x\n"
+    attempt = tmp_path / "attempt"  # an attempt that wrote no checkpoint, and a user's README.md added since
+    attempt.mkdir()
+    record_outputs(attempt, ["recipe.yaml"])
+    (attempt / "recipe.yaml").write_text("model: x\n")
+    (attempt / "README.md").write_text("my notes")
+    for flags in ({}, {"allow_other_files": True}):  # a name the run writes: never written over
+        with pytest.raises(OutputFolderError, match="README.md"):
+            plan_start(attempt, resume=True, **flags)
+    (attempt / "README.md").rename(attempt / "notes.txt")
+    with pytest.raises(OutputFolderError, match="notes.txt"):
+        plan_start(attempt, resume=True)
+    assert plan_start(attempt, resume=True, allow_other_files=True).note  # allowed: it starts again, said so
+
+
+def test_leftovers_are_only_the_temporary_names_the_package_writes():
+    """A user's `.final.old-keep-before-rerun/` beside the run's final/ was taken for a killed save's leftover and
+    deleted by --overwrite without being listed."""
+    from prorl_trl.trainer.manifest import is_leftover_of
+
+    owned = ["final/", "recipe.yaml"]
+    for name in (".final.old-4242", ".final.tmp-ab_3x9zq", ".recipe.yaml.tmp", MANIFEST_NAME):
+        assert is_leftover_of(name, owned), name
+    for name in (".final.old-keep-before-rerun", ".recipe.yaml.tmp-mynotes", ".other.old-12"):
+        assert not is_leftover_of(name, owned), name

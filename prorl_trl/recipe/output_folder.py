@@ -230,6 +230,7 @@ def plan_start(
             if not state.used:  # nothing to resume: a fresh start
                 _check_other_files(state, allow_other_files, writes)
                 return StartPlan(state)
+            _check_other_files(state, allow_other_files, writes)  # the earlier attempt's files only, as a start
             note = (
                 f"no complete checkpoint in {state.path}/ yet: starting from the beginning "
                 "(files of the earlier attempt are rewritten as the run goes)"

@@ -31,7 +31,9 @@ CLI_FILES = ("recipe.yaml", "resume_history.yaml", "data_files.json", "run_summa
 RUN_FILES = (*CLI_FILES, "prorl_log_history.json", "prorl_trackers.json", "README.md", "prorl_reset_request.json")
 RUN_FOLDERS = ("merged/", "frozen/", "final/", "nonfinite/", "prorl_reset_requests/")
 PHASE_FOLDER = re.compile(r"phase-\d+")
-_LEFTOVER = re.compile(r"\.(?P<name>.+?)\.(tmp|tmp-.+|old-.+)")
+# exactly the forms the package writes: `.tmp` (atomic file writes), `mkdtemp`'s `.tmp-` + 8 characters, `.old-<pid>`
+_LEFTOVER = re.compile(r"\.(?P<name>.+?)\.(tmp|tmp-[a-z0-9_]{8}|old-\d+)")
+_RUN_EVIDENCE = ("final/", "run_summary.json", "prorl_log_history.json")  # what only a run writes (`legacy_outputs`)
 
 
 TRACKER_IDS_NAME = "prorl_trackers.json"
@@ -156,6 +158,10 @@ def legacy_outputs(run_dir: str | os.PathLike) -> list[str]:
     for folder, written in (("distill", recipe.get("distill")), ("completions", training.get("log_completions"))):
         if written and (run_dir / folder).is_dir() and not (run_dir / folder).is_symlink():
             found.append(f"{folder}/")
+    # Names alone are no evidence (a user's own recipe.yaml or README.md beside the recipe it writes into): a run
+    # leaves a phase folder, final/ or its log history.
+    if not any(PHASE_FOLDER.fullmatch(name.rstrip("/")) or name in _RUN_EVIDENCE for name in found):
+        return []
     tensorboard = _tensorboard_folder(run_dir)
     return found + ([tensorboard] if tensorboard else [])
 
