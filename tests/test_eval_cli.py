@@ -136,6 +136,18 @@ def test_bad_arguments_exit_2_before_any_work(two_models, shared_data, tmp_path,
     assert not out.exists()
 
 
+def test_an_out_folder_of_other_files_is_refused_and_left_as_it_was(two_models, shared_data, tmp_path, capsys):
+    """The report, summaries and plots were written over a user's files of those names in any --out."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "report.md").write_text("my report")
+    (out / "summary.json").write_text("{}")
+    assert cli_main(_args(two_models, shared_data, out)) == 2
+    assert "holds no evaluation" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["report.md", "summary.json"]
+    assert (out / "report.md").read_text() == "my report"
+
+
 def _texts(path):
     samples = {}
     for line in open(path):

@@ -123,6 +123,11 @@ def _parse(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a directory.")
+    if out.is_dir() and any(out.iterdir()) and not any((out / "samples").glob("*.meta.json")):
+        raise ValueError(  # its report.md, summary.* and plots would be written over a user's files of those names
+            f"--out {out} is not empty and holds no evaluation (no samples/*.meta.json): nothing was written. "
+            "Choose a new or empty folder, or the --out of an earlier evaluation to add to it."
+        )
     return {"models": models, "ks": ks, "reference": reference, "settings": settings, "reward": reward,
             "breakdown": breakdown, "out": out, "columns": columns, "options": options}
 
