@@ -539,3 +539,19 @@ def test_min_kept_refuses_to_fine_tune_the_student_on_too_few_problems(tiny_dir,
     assert "fewer than min_kept = 4: the student is not fine-tuned" in err and "Traceback" not in err
     assert f"Only {summary['num_kept']} of 16 problems" in caplog.text and "set --min-kept" in caplog.text  # warned
     assert (out / DISTILLED_FILE).is_file() and not (out / "model").exists()
+
+
+def test_a_teacher_that_solves_nothing_stops_cleanly_whatever_min_kept(tiny_dir, tmp_path, capsys, one_thread):
+    """`--min-kept 0` accepts few rows, but with none the SFT raised a traceback; it is now the same clean stop."""
+    from prorl_trl.cli import main
+
+    out = tmp_path / "out"
+    code = main([
+        "distill", "--teacher", str(tiny_dir), "--student", str(tiny_dir), "--dataset", "synthetic_arithmetic",
+        "--dataset-kwargs", '{"options": {"num_train": 8}}', "--reward", "boxed_answer", "--out", str(out),
+        "--samples", "1", "--max-completion-length", "2", "--use-cpu", "true", "--bf16", "false", "--min-kept", "0",
+    ])  # fmt: skip
+    err = capsys.readouterr().err
+    assert json.loads((out / SUMMARY_FILE).read_text())["num_kept"] == 0
+    assert code == 1 and "kept none of 8 problems" in err and "Traceback" not in err, err[-2000:]
+    assert not (out / "model").exists()

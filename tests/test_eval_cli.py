@@ -127,7 +127,9 @@ def test_the_demos_generated_task_evaluates_and_the_report_path_is_printed(two_m
     ("extra", "message"),
     [(["--k", "1,8"], "--n"), (["--subset", "always-wrong:nobody"], "nobody"), (["--reward", "nope"], "Unknown reward"),
      (["--breakdown", "colour"], "colour"), (["--subset", "odd"], "non-integer"),
-     (["--model", "third=/no/such/model"], "third=/no/such/model: local model folder not found")],
+     (["--model", "third=/no/such/model"], "third=/no/such/model: local model folder not found"),
+     (["--model", "third=runs/no-run/final"], "third=runs/no-run/final: local model folder not found"),
+     (["--device", "cuda:0"], "CUDA is not available")],
 )
 def test_bad_arguments_exit_2_before_any_work(two_models, shared_data, tmp_path, capsys, extra, message):
     out = tmp_path / "never"

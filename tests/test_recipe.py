@@ -256,7 +256,11 @@ def test_unknown_reward_lists_every_registered_reward(capsys, tmp_path):
     assert code == 2 and len(rewards.available()) >= 5 and all(name in available for name in rewards.available()), err
 
 
-@pytest.mark.parametrize("key, value", [("data.source", "./no/such/folder"), ("model.name_or_path", "/no/such/model")])
+@pytest.mark.parametrize(
+    "key, value",
+    [("data.source", "./no/such/folder"), ("model.name_or_path", "/no/such/model"),
+     ("model.name_or_path", "runs/no-run/final")],  # two slashes: no hub id, a local path (it was taken for one)
+)  # fmt: skip
 def test_missing_local_paths_stop_validate_and_train(capsys, tmp_path, key, value):
     path = write(tmp_path, changed(key, value))
     for command in ("validate", "train"):

@@ -29,8 +29,14 @@ LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 def is_local_source(source: str) -> bool:
-    """Whether a `source` names a local file or folder rather than a hub id (checked before loading anything)."""
-    return source.startswith(("/", "./", "../", "~")) or source.endswith(LOCAL_SUFFIXES) or Path(source).exists()
+    """Whether a `source` names a local file or folder rather than a hub id (checked before loading anything). A hub
+    id is `name` or `namespace/name`, so a path with two slashes (`runs/<run>/final`) is local, present or not."""
+    return (
+        source.startswith(("/", "./", "../", "~"))
+        or source.endswith(LOCAL_SUFFIXES)
+        or source.count("/") > 1
+        or Path(source).exists()
+    )
 
 
 def read_local(path: str | Path) -> Dataset:

@@ -51,6 +51,11 @@ def check_kept(config: DistillConfig, summary: dict[str, Any], rows_path: Path) 
             "Only %s kept a verified completion: the student would be fine-tuned on %d example(s). To refuse such "
             "runs, set --min-kept (distill.min_kept); to keep more, %s.", share, kept, advice,
         )  # fmt: skip
+    if kept == 0 and config.min_kept <= 0:  # `min_kept: 0` accepts few rows, but SFT needs at least one
+        raise TooFewKept(
+            f"distillation kept none of {total} problems with a verified completion: the student is not fine-tuned "
+            f"(there is nothing to fine-tune on). {advice[0].upper()}{advice[1:]}."
+        )
     if kept < config.min_kept:
         raise TooFewKept(
             f"distillation kept {share} with a verified completion, fewer than min_kept = {config.min_kept}: the "

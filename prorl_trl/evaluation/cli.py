@@ -111,6 +111,9 @@ def _parse(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--backend vllm: vLLM is not importable here; install the `vllm` extra or use --backend transformers.")
     import torch
 
+    from .runner import resolve_device
+
+    resolve_device(args.device)  # `--device cuda` without CUDA: exit 2 here, not a traceback once sampling starts
     on_cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
     batch_size = args.batch_size if args.batch_size is not None else 256 if on_cuda else 32
     settings = SamplingSettings(
