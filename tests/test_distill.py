@@ -521,17 +521,23 @@ def test_recipe_with_distill_section_trains_the_phases_from_the_distilled_studen
     assert distance(final, distilled) < 0.1 * distance(final, original)
 
 
+def _tiny_distill_args(tiny_dir, out, num_train: int, samples: int, cap: int, min_kept: int) -> list[str]:
+    """`prorl-trl distill` with the tiny model as teacher and student on generated arithmetic."""
+    return [
+        "distill", "--teacher", str(tiny_dir), "--student", str(tiny_dir), "--dataset", "synthetic_arithmetic",
+        "--dataset-kwargs", json.dumps({"options": {"num_train": num_train}}), "--reward", "boxed_answer",
+        "--out", str(out), "--samples", str(samples), "--max-completion-length", str(cap), "--use-cpu", "true",
+        "--bf16", "false", "--min-kept", str(min_kept),
+    ]  # fmt: skip
+
+
 def test_min_kept_refuses_to_fine_tune_the_student_on_too_few_problems(tiny_dir, tmp_path, capsys, caplog, one_thread):
     """A random tiny teacher solves (almost) nothing: distill warns, and `--min-kept` stops it before the SFT with
     exit 1, keeping the distilled set to look at and writing no student."""
     from prorl_trl.cli import main
 
     out = tmp_path / "out"
-    code = main([
-        "distill", "--teacher", str(tiny_dir), "--student", str(tiny_dir), "--dataset", "synthetic_arithmetic",
-        "--dataset-kwargs", '{"options": {"num_train": 16}}', "--reward", "boxed_answer", "--out", str(out),
-        "--samples", "2", "--max-completion-length", "4", "--use-cpu", "true", "--bf16", "false", "--min-kept", "4",
-    ])  # fmt: skip
+    code = main(_tiny_distill_args(tiny_dir, out, num_train=16, samples=2, cap=4, min_kept=4))
     err = capsys.readouterr().err
     summary = json.loads((out / SUMMARY_FILE).read_text())
     assert summary["num_problems"] == 16 and summary["num_kept"] < 2, summary
@@ -546,11 +552,7 @@ def test_a_teacher_that_solves_nothing_stops_cleanly_whatever_min_kept(tiny_dir,
     from prorl_trl.cli import main
 
     out = tmp_path / "out"
-    code = main([
-        "distill", "--teacher", str(tiny_dir), "--student", str(tiny_dir), "--dataset", "synthetic_arithmetic",
-        "--dataset-kwargs", '{"options": {"num_train": 8}}', "--reward", "boxed_answer", "--out", str(out),
-        "--samples", "1", "--max-completion-length", "2", "--use-cpu", "true", "--bf16", "false", "--min-kept", "0",
-    ])  # fmt: skip
+    code = main(_tiny_distill_args(tiny_dir, out, num_train=8, samples=1, cap=2, min_kept=0))
     err = capsys.readouterr().err
     assert json.loads((out / SUMMARY_FILE).read_text())["num_kept"] == 0
     assert code == 1 and "kept none of 8 problems" in err and "Traceback" not in err, err[-2000:]
