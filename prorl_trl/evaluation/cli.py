@@ -126,9 +126,10 @@ def _parse(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a directory.")
-    if out.is_dir() and any(out.iterdir()) and not any((out / "samples").glob("*.meta.json")):
+    stored = [*(out / "samples").glob("*.jsonl"), *(out / "samples").glob("*.meta.json")]  # an evaluation's samples
+    if out.is_dir() and any(out.iterdir()) and not stored:
         raise ValueError(  # its report.md, summary.* and plots would be written over a user's files of those names
-            f"--out {out} is not empty and holds no evaluation (no samples/*.meta.json): nothing was written. "
+            f"--out {out} is not empty and holds no evaluation (no samples/*.jsonl): nothing was written. "
             "Choose a new or empty folder, or the --out of an earlier evaluation to add to it."
         )
     return {"models": models, "ks": ks, "reference": reference, "settings": settings, "reward": reward,
