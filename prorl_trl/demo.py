@@ -148,7 +148,8 @@ def _check_arguments(args: argparse.Namespace) -> list[str]:
     elif out.is_dir() and any(out.iterdir()) and not _is_demo_folder(out):
         problems.append(
             f"--out {out} is not empty and was not written by the demo: nothing was changed (--overwrite deletes only "
-            "a demo's own outputs). Choose another --out"
+            "a demo's own outputs). Choose another --out (a demo interrupted before 2026-11-29 left no mark: delete "
+            "its folder by hand)"
         )
     elif out.is_dir() and any(out.iterdir()) and not args.overwrite and not (out / "summary.json").is_file():
         problems.append(

@@ -303,3 +303,10 @@ def test_settings_a_loader_would_ignore_are_refused(shared_data, tmp_path):
         with pytest.raises(DataError, match=f"chat message lists, .*`data.{key}` would be ignored"):
             build_dataset(section(builder="jsonl", source=str(path), **{key: value}))
     assert build_dataset(section(builder="jsonl", source=str(path)))[0]["prompt"][0]["content"] == "1 + 1?"
+    # `raw` does nothing to a row (translated open-r1 configs write it): no refusal
+    assert build_dataset(section(builder="jsonl", source=str(path), template="raw"))[0]["prompt"][0]["role"] == "user"
+    # the hub file a recipe names (the RLinf recipe's data_files), with `--data.source` the local copy of it
+    copy = tmp_path / "copy" / "train.jsonl"
+    copy.parent.mkdir()
+    copy.write_text((shared_data / "gsm8k" / "train.jsonl").read_text())
+    assert len(build_dataset(section(builder="gsm8k", source=str(copy), data_files="train.jsonl"))) == 7473

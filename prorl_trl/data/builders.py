@@ -133,6 +133,9 @@ def ignored_setting_problems(data: DataSection, which: str) -> list[DataProblem]
     set_keys = [key for key in ("config", "data_files") if getattr(data, key) is not None]
     if data.config is not None and data.config == default_config:
         set_keys.remove("config")
+    named = [data.data_files] if isinstance(data.data_files, str) else list(data.data_files or [])
+    if source and named and all(Path(name).name == Path(source).name for name in named):
+        set_keys.remove("data_files")  # the hub file a recipe names, and `--data.source` the local copy of it
     problems = []
     if kind is not None:
         problems += [DataProblem(where, f"`data.{key}` is ignored for {kind} (it picks a hub config or files inside "
@@ -480,7 +483,7 @@ def _shape(rows: Dataset, data: DataSection, which: str, where: str, limit: int 
     before = len(rows)
     if cap is not None and tokenizer is not None:
         rows = drop_overlong_texts(rows, cap, tokenizer)
-    set_keys = [key for key in ("template", "system_prompt") if getattr(data, key) is not None]
+    set_keys = [key for key in ("template", "system_prompt") if getattr(data, key) not in (None, "raw")]  # raw: as is
     if set_keys and len(rows) and isinstance(rows[0]["question"], list):  # a column holds one type
         keys = " and ".join(f"`data.{key}`" for key in set_keys)
         if keys:

@@ -230,7 +230,8 @@ def plan_start(
             if not state.used:  # nothing to resume: a fresh start
                 _check_other_files(state, allow_other_files, writes)
                 return StartPlan(state)
-            _check_other_files(state, allow_other_files, writes)  # the earlier attempt's files only, as a start
+            # Only names this run writes over: a resume needs no --allow-other-files (the printed command drops it)
+            _check_other_files(state, True, writes)
             note = (
                 f"no complete checkpoint in {state.path}/ yet: starting from the beginning "
                 "(files of the earlier attempt are rewritten as the run goes)"
