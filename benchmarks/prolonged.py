@@ -891,6 +891,14 @@ def pct(values) -> str:
     return number(values, scale=100)
 
 
+def runs_planned(args, runs: list[dict], out: Path) -> dict[str, int]:
+    """Runs each arm was to make: one per seed of the call; in a gathered folder (`prolonged_gather.py`, whose
+    sources each ran their own arms and seeds: round 4's knob arms 4 seeds, (a)-(c) 6) the runs gathered for it."""
+    if (out / "gathered.json").is_file():
+        return {arm: sum(run["arm"] == arm for run in runs) for arm in ARMS}
+    return {arm: len(args.seeds) for arm in ARMS}
+
+
 def write_report(args, out: Path) -> dict:
     report_only = args.report_only
     if report_only and (out / "settings.json").is_file():
@@ -919,7 +927,7 @@ def write_report(args, out: Path) -> dict:
         f"{header} | never solved (1 - pass@{n}) | wall per run (s) |",
         "| --- " * (3 + 2 * len(ks)) + "| --- |",
     ]  # fmt: skip
-    summary = {}
+    summary, planned = {}, runs_planned(args, runs, out)
     for arm, done in finished.items():
         if arm not in args.arms:
             continue
@@ -931,13 +939,15 @@ def write_report(args, out: Path) -> dict:
         wall = f"{sum(seconds) / len(seconds):.0f}" if seconds else "-"
         row = " | ".join(cells) if done else " | ".join(["-"] * 2 * len(ks))
         stopped = sum(bool(run["stopped"]) for run in runs if run["arm"] == arm)
-        count = f"{len(done)} of {len(args.seeds)}" + (f" ({stopped} stopped: non-finite gradient)" if stopped else "")
+        count = f"{len(done)} of {planned[arm]}" + (f" ({stopped} stopped: non-finite gradient)" if stopped else "")
         lines.append(f"| {ARMS[arm]} | {count} | {row} | {never} | {wall} |")
     engine = sum(bool(run["done"].get("rollout_engine")) for run in runs if run["done"])
     note = (
         "Best is the maximum over the validations of a run after step 0 (biased upward by validation noise). Wall: "
         f"one run, with up to {args.per_gpu} runs sharing a GPU; the rollout engine generated in {engine} of "
-        f"{sum(bool(run['done']) for run in runs)} finished runs."
+        f"{sum(bool(run['done']) for run in runs)} finished runs. Stopped by a non-finite (NaN/inf) gradient: "
+        f"{sum(bool(run['stopped']) for run in runs)} of {len(runs)} runs; continued from a checkpoint in a later "
+        f"attempt: {sum((run['done'] or {}).get('attempts', 1) > 1 for run in runs)}."
     )
     lines += ["", note, "",
               "## Paired differences (final, points; 95% CI, t with n - 1 degrees of freedom)", ""]  # fmt: skip
@@ -1045,7 +1055,10 @@ def knob_lines(pairs: dict, ks: list[int]) -> list[str]:
         significant = "significant" if side(reset) else "not significant"
         said = f"(b) - (c) {scale * reset['mean']:+.1f} {unit}, {significant}"
         if carry or against:
-            parts = [f"{', '.join(carry)} carr{'ies' if len(carry) == 1 else 'y'} it" if carry else "",
+            carries = f"{', '.join(carry)} carr{'ies' if len(carry) == 1 else 'y'} it"
+            if carry and not side(reset):  # the rule's letter, but (b) shows no effect of its own to carry
+                carries += " by the rule's letter, though (b)'s own difference is not significant: a lead at most"
+            parts = [carries if carry else "",
                      f"{', '.join(against)} move{'s' if len(against) == 1 else ''} it the other way" if against
                      else ""]  # fmt: skip
             readings.append(f"- {label}: {said}; " + "; ".join(part for part in parts if part) + ".")
@@ -1332,9 +1345,8 @@ def plot_lines(path: Path, title: str, ylabel: str, groups: dict, marks: dict | 
         axis.axvline(step, color="grey", linestyle="--", linewidth=1)
     axis.set(title=title, xlabel="optimizer step", ylabel=ylabel)
     axis.grid(alpha=0.3)
-    axis.legend(fontsize="small")
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    axis.legend(fontsize="small", loc="upper left", bbox_to_anchor=(0, -0.14))  # below the axes: 6 arms hid curves
+    figure.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(figure)
     return path
 
