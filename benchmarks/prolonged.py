@@ -71,8 +71,9 @@ ARMS = {
     "ref": "ref: (c) + the KL reference moved to the policy at each boundary",
     "adapter": "adapter: (c) + a fresh adapter at each boundary (the old one frozen for the policy)",
 }
-PAIRS = (("prorl", "one_phase"), ("prorl", "no_reset"), ("plateau", "one_phase"), ("opt", "no_reset"),
-         ("ref", "no_reset"), ("adapter", "no_reset"))  # fmt: skip
+# (c) - (a) is the schedule without any reset, so (b) - (a) splits into it and (b) - (c)
+PAIRS = (("prorl", "one_phase"), ("prorl", "no_reset"), ("no_reset", "one_phase"), ("plateau", "one_phase"),
+         ("opt", "no_reset"), ("ref", "no_reset"), ("adapter", "no_reset"))  # fmt: skip
 SCHEDULED = ("prorl", "no_reset", "opt", "ref", "adapter")  # the arms on the 4-phase schedule
 RESET_AT_BOUNDARIES = ("prorl", "opt", "ref", "adapter")  # ... and those of them that reset at its boundaries
 # (reset_adapter, reset_optimizer, reset_reference) of the resets an arm makes; (b) and (d) reset all three
