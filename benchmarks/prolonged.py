@@ -681,11 +681,20 @@ STUDY_LOCK = "study.lock"  # OUT/study.lock: `study_lock`
 
 
 def mps_control() -> str:
-    """The MPS control program's path; a clear refusal where there is none, before any work."""
+    """The MPS control program's path; a clear refusal where there is none, or where CUDA_VISIBLE_DEVICES names GPUs
+    by indices the daemon would renumber, before any work."""
     control = shutil.which(MPS_CONTROL)
     if control is None:
         raise SystemExit(f"--mps: {MPS_CONTROL} is not on PATH (it comes with NVIDIA's driver): run without --mps, "
                          "or where the driver's tools are installed")  # fmt: skip
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    renumbered = [d for position, d in enumerate(visible) if d.isdigit() and int(d) != position]
+    if renumbered:  # the daemon inherits the variable and serves those GPUs as 0, 1, ...; a worker asking for
+        # GPU "1" would then ask for one it does not serve (NVIDIA's MPS docs; seen on a 2 x H200 in 2026-11)
+        raise SystemExit(f"--mps with CUDA_VISIBLE_DEVICES={','.join(visible)}: the MPS daemon renumbers the GPUs it "
+                         f"serves from 0, so the workers' GPU {renumbered[0]} would not exist for it. Name the GPUs by "
+                         "UUID (`nvidia-smi -L`), e.g. CUDA_VISIBLE_DEVICES=GPU-3c93a829..., which the daemon and the "
+                         "workers read the same way")  # fmt: skip
     return control
 
 

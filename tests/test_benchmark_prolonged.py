@@ -474,6 +474,15 @@ def test_the_mps_daemon_is_the_studys_own_and_quit_after_its_workers(tmp_path, m
     control.chmod(0o755)
     monkeypatch.setenv("PATH", f"{control.parent}:{os.environ['PATH']}")
     monkeypatch.setenv("MPS_CALLS", str(calls))
+    for renumbered in ("1", "0,2"):  # the daemon would serve these as 0 (, 1): the workers' "1" / "2" would not exist
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", renumbered)
+        with pytest.raises(SystemExit, match=f"CUDA_VISIBLE_DEVICES={renumbered}: the MPS daemon renumbers"):
+            prolonged.main(["--out", str(tmp_path / "refused"), "--launch", "subprocess", "--mps"])
+        assert not (tmp_path / "refused").exists() and not calls.exists()
+    for kept in ("0,1", "GPU-3c93a829"):  # the same numbers after renumbering, or UUIDs
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", kept)
+        assert prolonged.mps_control() == str(control)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     out = tmp_path / "o"
     (out / "logs").mkdir(parents=True)
     args = prolonged.parse_args(["--out", str(out), "--launch", "subprocess", "--mps", "--gpus", "1"])
