@@ -929,15 +929,19 @@ def write_report(args, out: Path) -> dict:
     devices = sorted({(run["done"] or run["stopped"])["device"] for run in runs if run["done"] or run["stopped"]})
     devices = devices or ["(no finished run)"]
     header = "| arm | runs finished | " + " | ".join(f"final pass@{k} | best pass@{k}" for k in ks)
+    planned = runs_planned(args, runs, out)
+    counts = {planned[arm] for arm in args.arms}
+    design = (f"{len(args.arms)} arms x {len(args.seeds)} seeds" if counts == {len(args.seeds)} else
+              f"{len(args.arms)} arms, {sum(planned[arm] for arm in args.arms)} runs")  # fmt: skip
     lines = [
-        f"# Prolonged RL with hard resets: {len(args.arms)} arms x {len(args.seeds)} seeds", "",
+        f"# Prolonged RL with hard resets: {design}", "",
         f"{', '.join(devices)}; {datetime.date.today()}{' (smoke)' if args.smoke else ''}.", "",
         settings_text(args, warm, "CPU" in devices[0], n), "",
         "## Results (%, mean ± s.e. across seeds)", "",
         f"{header} | never solved (1 - pass@{n}) | wall per run (s) |",
         "| --- " * (3 + 2 * len(ks)) + "| --- |",
     ]  # fmt: skip
-    summary, planned = {}, runs_planned(args, runs, out)
+    summary = {}
     for arm, done in finished.items():
         if arm not in args.arms:
             continue
@@ -950,6 +954,8 @@ def write_report(args, out: Path) -> dict:
         row = " | ".join(cells) if done else " | ".join(["-"] * 2 * len(ks))
         stopped = sum(bool(run["stopped"]) for run in runs if run["arm"] == arm)
         count = f"{len(done)} of {planned[arm]}" + (f" ({stopped} stopped: non-finite gradient)" if stopped else "")
+        if (out / "gathered.json").is_file():  # which seeds were gathered: a lease left out shows
+            count += " (seeds " + ", ".join(str(seed) for seed in sorted(r["seed"] for r in runs if r["arm"] == arm)) + ")"
         lines.append(f"| {ARMS[arm]} | {count} | {row} | {never} | {wall} |")
     engine = sum(bool(run["done"].get("rollout_engine")) for run in runs if run["done"])
     note = (
@@ -1144,6 +1150,10 @@ def final_and_best(run: dict, ks: list[int], steps: int) -> tuple[dict, dict]:
             f"runs/{run['arm']}-s{run['seed']}: validations at steps {logged}, but a finished run validates at step 0 "
             f"and at its last step ({steps}); a line of rows.jsonl is missing: run this (arm, seed) again."
         )
+    broken = [(row["prorl/global_step"], k) for row in run["evals"] for k in ks if math.isnan(row[f"eval_pass@{k}"])]
+    if broken:  # max() over NaN depends on the order: "best" would silently be NaN or skip it
+        raise SystemExit(f"runs/{run['arm']}-s{run['seed']}: pass@{broken[0][1]} of the validation at step "
+                         f"{broken[0][0]} is NaN: its counts.jsonl line is broken; run this (arm, seed) again.")
     trained = run["evals"][1:] or run["evals"]
     final = {k: run["evals"][-1][f"eval_pass@{k}"] for k in ks}
     return final, {k: max(row[f"eval_pass@{k}"] for row in trained) for k in ks}

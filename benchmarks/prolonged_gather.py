@@ -39,7 +39,7 @@ CALL_ONLY = frozenset({"out", "seeds", "arms", "gpus", "per_gpu", "solo_arms", "
                        "report_only", "warm_start", "export_warm_start", "step_split", "worker", "seed", "run_dir",
                        "warm_dir", "lock_fd", "mps_env", "warm_start_sha256"})  # fmt: skip
 # (the warm start is compared by identity, `warm_start_identity`: a call that trained it recorded no sha256)
-RUN_NAME = re.compile(r"[a-z_]+-s\d+")  # <arm>-s<seed>
+RUN_NAME = re.compile(r"[a-z_]+-s(?:0|[1-9]\d*)")  # <arm>-s<seed> as prolonged.py names it: "-s00" is no name
 RUN_MEMBER = re.compile(rf"runs/({RUN_NAME.pattern})/({'|'.join(re.escape(name) for name in RUN_FILES)})")
 GATHERED = "gathered.json"  # OUT/gathered.json: which runs came from which source
 
@@ -87,7 +87,10 @@ def run_files(folder: Path) -> dict[str, dict[str, bytes]]:
     `RUN_MEMBER` are refused, not extracted: an archive names no path of ours)."""
     runs: dict[str, dict[str, bytes]] = {}
     if (folder / "runs").is_dir():
-        for run in sorted(path for path in (folder / "runs").iterdir() if RUN_NAME.fullmatch(path.name)):
+        for run in sorted((folder / "runs").iterdir()):
+            if not RUN_NAME.fullmatch(run.name):  # e.g. "no_reset-s00", which the report would read as seed 0 again
+                raise SystemExit(f"{run} is not a run folder prolonged.py names (<arm>-s<seed>, the seed without "
+                                 f"leading zeros): rename or remove it, then gather again.")  # fmt: skip
             runs[run.name] = {name: (run / name).read_bytes() for name in RUN_FILES if (run / name).is_file()}
         return runs
     archive = folder / "runs.tar.gz"

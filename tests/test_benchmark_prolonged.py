@@ -298,8 +298,9 @@ def test_arms_split_over_calls_share_one_warm_start_and_gather_into_one_report(t
     result = result["report"]
     report = (gathered / "prolonged.md").read_text()
     for arm in ("one_phase", "prorl", "no_reset"):
-        assert f"| {prolonged.ARMS[arm]} | 1 of 1 |" in report
-    assert "| (d) one phase + resets on a plateau | 0 of 1 (1 stopped: non-finite gradient) |" in report
+        assert f"| {prolonged.ARMS[arm]} | 1 of 1 (seeds 0) |" in report  # a gather names the seeds it holds
+    assert "| (d) one phase + resets on a plateau | 0 of 1 (1 stopped: non-finite gradient) (seeds 0) |" in report
+    assert report.startswith("# Prolonged RL with hard resets: 4 arms x 1 seeds")
     assert "(stopped before step 3: non-finite gradient)" in report
     assert "Stopped by a non-finite (NaN/inf) gradient: 1 of 4 runs; continued from a checkpoint" in report
     assert {"prorl-one_phase@1", "prorl-no_reset@1"} <= set(result["pairs"])
@@ -329,6 +330,10 @@ def assert_gather_refuses_what_is_not_one_study(tmp_path, warm, packed, second, 
     (older / "settings.json").write_text(json.dumps({k: v for k, v in settings.items() if k != "full_determinism"}))
     assert gather_tool.study_settings(older) == gather_tool.study_settings(packed)
     refused([packed, older], "one_phase-s0 is in both")
+    padded = tmp_path / "padded"  # a hand-made "-s00" would be read as seed 0 a second time
+    shutil.copytree(second, padded, ignore=shutil.ignore_patterns("trainer", "study.lock", "mps"))
+    (padded / "runs" / "no_reset-s0").rename(padded / "runs" / "no_reset-s00")
+    refused([padded], r"no_reset-s00 is not a run folder prolonged.py names")
     unpinned = tmp_path / "unpinned"
     shutil.copytree(packed, unpinned)
     (unpinned / "settings.json").write_text(json.dumps({**settings, "warm_start_sha256": "0" * 64}))
@@ -514,6 +519,9 @@ def test_final_is_the_last_validation_and_best_leaves_out_the_warm_starts():
     for cut in (evals[1:], evals[:-1]):
         with pytest.raises(SystemExit, match=r"runs/prorl-s3: validations at steps \[.*a line of rows.jsonl is"):
             prolonged.final_and_best({**run, "evals": cut}, [1, 64], 1125)
+    broken = [*evals[:1], {**evals[1], "eval_pass@64": float("nan")}, *evals[2:]]  # max() would keep or drop it
+    with pytest.raises(SystemExit, match="runs/prorl-s3: pass@64 of the validation at step 375 is NaN"):
+        prolonged.final_and_best({**run, "evals": broken}, [1, 64], 1125)
 
 
 def test_the_plateau_criterion_reads_pooled_pass_at_1_over_the_last_third(tmp_path):
