@@ -257,7 +257,8 @@ def quantities_match(gold: Quantity, answer: Quantity) -> bool | None:
             return None
         return gold_rounded == answer_rounded
     if gold.value.denominator == 1 and answer.value.denominator == 1:
-        return gold.value == answer.value  # math-verify: two integers compare without their percent signs
+        # math-verify: two integers compare without their percent signs (10 = 10\%) or with them (2 = 200\%)
+        return gold.value == answer.value or gold.amount == answer.amount
     return gold.amount == answer.amount
 
 

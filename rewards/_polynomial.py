@@ -153,7 +153,8 @@ class _Parser:
             size = abs(coefficient.numerator).bit_length() + coefficient.denominator.bit_length()
             if size * exponent > MAX_COEFFICIENT_BITS:
                 raise _Decline  # 2^{999999}: left to the symbolic check and its time limit
-            return {tuple((variable, power * exponent) for variable, power in monomial): coefficient**exponent}
+            powers = tuple((variable, power * exponent) for variable, power in monomial if power * exponent)
+            return {powers: coefficient**exponent}  # x^0 is 1: no (x, 0) entry, which would differ from ()
         if exponent > MAX_GROUP_POWER:
             raise _Decline  # (x+1)^{9999}
         result: Polynomial = {(): Fraction(1)}

@@ -7,6 +7,7 @@ completion, so a reward built on these helpers cannot hang or crash a training s
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from decimal import Decimal
 from functools import lru_cache
@@ -14,6 +15,9 @@ from typing import Any
 
 _BOX_TAGS = ("\\boxed", "\\fbox")
 _NOT_NUMERIC = re.compile(r"[^0-9.\-]")
+# minus signs other than "-" (U+2212 minus, figure and en dashes, small and full-width hyphen-minus): dropped by the
+# seed rule's filter, `\boxed{−5}` would read as 5
+_MINUS_SIGNS = str.maketrans({character: "-" for character in "\u2212\u2012\u2013\ufe63\uff0d"})
 
 
 def completion_text(completion: Any) -> str:
@@ -142,6 +146,10 @@ def gold_text(gold: Any) -> str | None:
     """
     if isinstance(gold, bool) or gold is None:
         return None
+    if isinstance(gold, numbers.Integral):  # numpy's too (`Dataset.with_format("numpy")`): np.int64 is no int
+        gold = int(gold)
+    elif isinstance(gold, numbers.Real):
+        gold = float(gold)  # np.float64's repr is `np.float64(5.0)`
     if isinstance(gold, (int, float)):  # positional digits: repr's `1e+16` would read as 116 under the seed rule
         return format(Decimal(repr(gold)), "f") if math.isfinite(gold) else None
     if not isinstance(gold, str):
@@ -166,7 +174,7 @@ def to_float(text: str | None) -> float | None:
     """
     if not text:
         return None
-    kept = _NOT_NUMERIC.sub("", text)
+    kept = _NOT_NUMERIC.sub("", text.translate(_MINUS_SIGNS))
     if not kept or len(kept) > 400:  # 400 digits already overflows a double
         return None
     try:
@@ -199,6 +207,9 @@ _NORMALIZE_RULES = [
     (re.compile(r"\\frac\s*(\d)\s*\{"), r"\\frac{\1}{"),  # \frac1{2}
     (re.compile(r"\\frac\s*(\{[^{}]*\})\s*(\d)"), r"\\frac\1{\2}"),  # \frac{1}2
     (re.compile(r"\\sqrt\s*(\d)"), r"\\sqrt{\1}"),  # \sqrt2
+    (re.compile(r"\\sqrt\s+([a-zA-Z])"), r"\\sqrt{\1}"),  # \sqrt x (one token: \sqrt xy is \sqrt{x}y)
+    (re.compile(r"\\frac\s+([a-zA-Z0-9])\s*([a-zA-Z0-9])"), r"\\frac{\1}{\2}"),  # \frac x2, \frac ab
+    (re.compile(r"\\frac\s+([a-zA-Z])\s*\{"), r"\\frac{\1}{"),  # \frac x{2}
     # thousands separators: 1\,000, 1{,}000, 1~000, 11,\! 111 and 11, \!111 (MATH's spellings) -> 1000, 11111
     (re.compile(r"(\d)(?:\\[,;: ]|~|\\thinspace|\{,\}|,\s*\\!\s*)(?=\d{3}(?!\d))"), r"\1"),
     # any other spacing command between two digits stays a space: `5\;6` is not 56 (nor 11, as math-verify reads it)

@@ -81,6 +81,8 @@ class BoxedAnswer(CorrectnessReward):
 
 # Numbers in a base (`52_8`): math-verify drops the subscript, so they are compared literally.
 _BASE_NUMBER = re.compile(r"(\d[0-9A-Z]*)_\{?(\d+)\}?")
+# one number with comma thousands separators (MATH's `58,500`): not the list 58, 500
+_GROUPED_NUMBER = re.compile(r"[-+]?[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?")
 
 
 @dataclass(frozen=True)
@@ -109,14 +111,15 @@ def _read_gold(answer: str) -> _Gold | None:
     core, unit = split_unit(normalized)
     quantity = read_quantity(normalized)
     polynomial = read_polynomial(core)
+    grouped = _GROUPED_NUMBER.fullmatch(core.replace(" ", "")) is not None and quantity is not None
     return _Gold(
         latex=core,
         compact=compact(normalized),
         quantity=quantity,
         polynomial=polynomial,
         unit=quantity.unit if quantity is not None else unit,
-        scalar=(quantity is not None or polynomial is not None) and len(top_level_parts(core)) == 1,
-        listing=_read_listing(core),
+        scalar=(quantity is not None or polynomial is not None) and (grouped or len(top_level_parts(core)) == 1),
+        listing=None if grouped else _read_listing(core),
     )
 
 
@@ -275,7 +278,7 @@ class MathEquivalence(CorrectnessReward):
             parts = top_level_parts(normalized)
             if len({match[1] for part in parts if (match := _ASSIGNED.match(part))}) > 1:
                 return False  # `x=5, y=5`: a solution of several unknowns, not one value
-            if len(parts) > 1:
+            if len(parts) > 1 and not _GROUPED_NUMBER.fullmatch(split_unit(normalized)[0].replace(" ", "")):
                 verdicts = [_scalar_verdict(part, gold_read) for part in parts]
                 if None not in verdicts:
                     return all(verdicts)

@@ -92,6 +92,9 @@ BOXED_CASES = [
     (r"\boxed{2\times10^3}", "2103", 1.0),
     (r"\boxed{1.2.3}", "1.2", -1.0),
     (r"\boxed{--5}", "5", -1.0),
+    ("\\boxed{\u22125}", "5", -1.0),  # U+2212 and en-dash minus signs are "-" (they were dropped: +1 against 5)
+    ("\\boxed{\u2013 5}", "#### -5", 1.0),
+    (r"\boxed{\pm 5}", "5", 1.0),  # the seed rule keeps no sign but "-": a known false positive
     (r"\boxed{5-3}", "2", -1.0),
     (r"\boxed{-}", "0", -1.0),
     (r"\boxed{}", "0", -1.0),

@@ -176,6 +176,47 @@ def test_thousands_separators():
     assert grade([("3,49", "349"), ("0,349", "349")]) == [0.0, 0.0]
 
 
+# 2026-11-29 review against math-verify: each was ours 1 / its 0 (the first three: a grouped gold was read as the
+# list 58, 500 in any order) or ours 0 / its 1 (the percents and x^0)
+PEER_REVIEW = [
+    ("500, 58", "58,500", False),  # MATH-500's license-plate gold
+    ("500,58", "58,500", False),
+    ("234, 1", "1,234", False),
+    ("58,500", "58,500", True),
+    ("58500", "58,500", True),
+    (r"200\%", "2", True),  # two integers: with or without the percent sign
+    ("2", r"200\%", True),
+    (r"100\%", "1", True),
+    ("x^0", "1", True),
+    ("2x^0", "2", True),
+    ("3x^2+x^0", "3x^2+1", True),
+    (r"\frac x2", r"\frac{2}{x}", False),
+]
+# Intended difference from math-verify as TRL configures it (`malformed_operators=False`, our peer): a letter argument
+# without braces is one token, as LaTeX reads it and as `\frac12` already was; math-verify's defaults agree with us.
+LETTER_TOKENS = [(r"\sqrt x", r"\sqrt{x}"), (r"2\sqrt x", r"2\sqrt{x}"), (r"\frac x2", r"\frac{x}{2}")]
+
+
+def test_review_cases_agree_with_math_verify(math_verify):
+    pairs = [(answer, gold) for answer, gold, _ in PEER_REVIEW]
+    expected = [expected for _, _, expected in PEER_REVIEW]
+    assert grade(pairs, timeout_seconds=10.0) == [1.0 if value else 0.0 for value in expected]
+    assert [math_verify(gold, answer) for answer, gold in pairs] == expected
+    assert grade([("1,234, 5", "1,234"), ("3", r"200\%")]) == [0.0, 0.0]
+    assert grade(LETTER_TOKENS) == [1.0] * 3
+    assert [math_verify(gold, answer) for answer, gold in LETTER_TOKENS] == [False] * 3
+
+
+def test_numpy_golds_are_read_not_skipped():
+    """`Dataset.with_format("numpy")` gives np.int64 / np.float64 golds; they were None (every sample skipped)."""
+    import numpy as np
+
+    golds = [np.int64(5), np.float64(5.0), np.int32(-3)]
+    completions = [r"\boxed{5}", r"\boxed{5}", r"\boxed{-3}"]
+    assert get_reward("math_equivalence")(completions=completions, answer=golds) == [1.0, 1.0, 1.0]
+    assert get_reward("boxed_answer")(completions=completions, answer=golds) == [1.0, 1.0, 1.0]
+
+
 def test_numeric_gold_against_answers_without_digits_goes_to_the_symbolic_check():
     pairs = [(r"\frac{a}{a}", "1"), (r"e^{i\pi}", "-1"), ("i^2", "-1"), (r"\text{one}", "1"), ("x", "1")]
     assert grade(pairs, timeout_seconds=10.0) == [1.0, 1.0, 1.0, 0.0, 0.0]
