@@ -40,6 +40,7 @@ from prorl_trl.reset.provenance import (
     base_model_difference,
     base_model_identity,
     file_hashes,
+    file_sha256,
     resolve_in_run,
     verify_files,
 )
@@ -147,6 +148,49 @@ def test_base_model_identity_follows_the_weights_not_the_path(tiny_dir, tmp_path
     assert base_model_difference(None, hub) is None  # a checkpoint from before base models were recorded
 
 
+def swap_two_token_ids(folder: Path) -> None:
+    """Swap the ids of two vocabulary entries in `folder`'s tokenizer.json: the same text, other token ids."""
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = list(vocab)[10:12]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+
+
+def test_base_model_identity_records_the_tokenizer_files(tiny_dir, tmp_path):
+    """Review finding: a tokenizer.json changed in the base model folder was not noticed on resume (the fingerprint
+    covers config.json and the weights only). The tokenizer files are recorded apart and compared by sha256, file by
+    file, wherever the tokenizer is loaded from; a record from before (no `tokenizer_files`) still passes."""
+    run = tmp_path / "run"
+    model = tmp_path / "tiny2"
+    shutil.copytree(tiny_dir, model)
+    recorded = base_model_identity(str(model), None, None, run)
+    assert set(recorded["tokenizer_files"]) == {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
+    assert "tokenizer_name_or_path" not in recorded  # the model's own folder
+    moved = tmp_path / "moved-model"
+    shutil.copytree(model, moved)
+    assert base_model_difference(recorded, base_model_identity(str(moved), None, None, run)) is None
+    swap_two_token_ids(model)
+    current = base_model_identity(str(model), None, None, run)
+    assert current["fingerprint"] == recorded["fingerprint"]  # what runs recorded before this fix keep comparing
+    assert f"{model / 'tokenizer.json'} (changed)" in base_model_difference(recorded, current)
+    old_record = {key: value for key, value in recorded.items() if key != "tokenizer_files"}
+    assert base_model_difference(old_record, current) is None  # recorded before tokenizers were: not refused
+    (moved / "chat_template.jinja").unlink()
+    removed = base_model_identity(str(moved), None, None, run)
+    assert "chat_template.jinja (removed)" in base_model_difference(recorded, removed)
+    # `model.tokenizer_name_or_path`: another folder, recorded with its files (the model folder's are not used)
+    tokenizer = tmp_path / "tokenizer"
+    shutil.copytree(tiny_dir, tokenizer)
+    separate = base_model_identity(str(moved), None, None, run, str(tokenizer))
+    assert separate["tokenizer_name_or_path"] == str(tokenizer)
+    assert separate["tokenizer_files"] == recorded["tokenizer_files"]
+    swap_two_token_ids(tokenizer)
+    difference = base_model_difference(separate, base_model_identity(str(moved), None, None, run, str(tokenizer)))
+    assert f"{tokenizer / 'tokenizer.json'} (changed)" in difference
+    assert "tokenizer_files" not in base_model_identity(str(moved), None, None, run, "")  # built in memory
+
+
 # ---------------------------------------------------------------------------------------------------- CLI runs
 def test_moved_run_resumes_to_the_uninterrupted_weights(tiny_dir, shared_data, tmp_path):
     reference = tmp_path / "reference"
@@ -189,6 +233,51 @@ def test_the_same_values_spelled_otherwise_resume_without_allow_changes(tiny_dir
     resumed = cli(out, tiny_dir, shared_data, *SHORT, *spelled, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming with changes" not in resumed.stdout and not (out / RESUME_HISTORY_NAME).exists()
+
+
+def tokenizer_run(model: Path, tokenizer: Path, output_dir: Path, max_steps: int):
+    """A ProRLTrainer on the tiny model and tokenizer saved at `model` and `tokenizer`, saving every step."""
+    from _prorl_helpers import lora, prompts_dataset, tiny_args
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from prorl_trl import ProRLTrainer
+
+    args = tiny_args(output_dir, max_steps=max_steps, save_strategy="steps", save_steps=1, num_generations=2)
+    return ProRLTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model), processing_class=AutoTokenizer.from_pretrained(tokenizer),
+        reward_funcs=[lambda completion_ids, **kw: [sum(ids) % 7 / 7 for ids in completion_ids]], args=args,
+        train_dataset=prompts_dataset(8), peft_config=lora(),
+    )  # fmt: skip
+
+
+def test_a_changed_tokenizer_is_refused_on_resume(tiny_dir, tmp_path):
+    """Review finding, end to end: vocabulary ids swapped in the base model folder's tokenizer.json after a
+    checkpoint were accepted by a resume, and the run went on with other token ids. Refused (`RunFilesError`: the
+    CLI exits 2), naming the file, as changed weights are; nothing is loaded."""
+    model = tmp_path / "tiny2"
+    shutil.copytree(tiny_dir, model)
+    tokenizer_run(model, model, tmp_path, max_steps=1).train()
+    state = json.loads((tmp_path / "run" / "phase-0" / "checkpoint-1" / "prorl_state.json").read_text())
+    assert state["base_model"]["tokenizer_files"]["tokenizer.json"] == file_sha256(model / "tokenizer.json")
+    swap_two_token_ids(model)
+    resumed = tokenizer_run(model, model, tmp_path, max_steps=2)
+    with pytest.raises(RunFilesError, match="another base model") as refused:
+        resumed.train(resume_from_checkpoint=True)
+    assert f"{model / 'tokenizer.json'} (changed)" in str(refused.value)
+    assert resumed.state.global_step == 0 and RunFilesError.exit_status == 2
+
+
+def test_the_trainer_records_the_tokenizer_it_was_given(tiny_dir, tmp_path):
+    """The trainer records the files of the tokenizer it trains with (`model.tokenizer_name_or_path`: another folder
+    than the model's), which a resume compares (`base_model_difference`)."""
+    tokenizer = tmp_path / "tokenizer"
+    shutil.copytree(tiny_dir, tokenizer)
+    swap_two_token_ids(tokenizer)
+    recorded = tokenizer_run(tiny_dir, tokenizer, tmp_path, max_steps=1).prorl_base_model
+    assert recorded["tokenizer_name_or_path"] == str(tokenizer)
+    assert recorded["tokenizer_files"]["tokenizer.json"] == file_sha256(tokenizer / "tokenizer.json")
+    own = base_model_identity(str(tiny_dir), None, None, tmp_path / "run")  # the model folder's tokenizer: another
+    assert "tokenizer.json (changed)" in base_model_difference(recorded, own)
 
 
 def test_merge_mode_never_loads_another_runs_merged_base(tiny_dir, shared_data, tmp_path):

@@ -5,9 +5,9 @@ A run folder may be moved or copied (`mv runA runB`) between a kill and its `--r
 `prorl_state.json` is therefore relative to the run folder and resolved against the folder the checkpoint is in now
 (`resolve_in_run`); an absolute path from an older run is read only when it lies inside that folder, never another
 run's. At each hard reset the run records the sha256 of what a resume will load (the frozen factors file, or the
-merged base's weight files: `file_hashes`), and the identity of the base model the deltas sit on
-(`base_model_identity`); a resume checks both (`verify_files`, `base_model_difference`) and refuses a mismatch, which
-would otherwise train on a different policy without a word.
+merged base's weight files: `file_hashes`), and the identity of the base model the deltas sit on, with the files its
+tokenizer loads from (`base_model_identity`); a resume checks both (`verify_files`, `base_model_difference`) and
+refuses a mismatch, which would otherwise train on a different policy (or other token ids) without a word.
 """
 
 from __future__ import annotations
@@ -21,6 +21,11 @@ from typing import Any
 # The weight files of a `save_pretrained` folder (what `checkpoint.load_merged_base` reads, and what a base model
 # fingerprint samples).
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json")
+# The files a tokenizer (or its chat template) is loaded from, those a folder has; each is hashed whole (a few MiB).
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json", "vocab.txt", "spiece.model",
+)  # fmt: skip
 # Base model fingerprint: bytes read at each end of a weight file and the number of evenly spaced chunks between.
 _EDGE_BYTES = 1 << 20
 _SAMPLED_CHUNKS = 16
@@ -123,7 +128,10 @@ def resolve_in_run(recorded: str, run_dir: Path, checkpoint: Path, key: str) -> 
     )
 
 
-def base_model_identity(name_or_path: str, revision: str | None, commit: str | None, run_dir: Path) -> dict[str, Any]:
+def base_model_identity(
+    name_or_path: str, revision: str | None, commit: str | None, run_dir: Path,
+    tokenizer_name_or_path: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """What identifies the base model a run's LoRA deltas sit on (recorded in every checkpoint).
 
     A hub model is its name, revision and the snapshot's commit (`config._commit_hash`). A local folder is a
@@ -132,6 +140,11 @@ def base_model_identity(name_or_path: str, revision: str | None, commit: str | N
     model would read 15-30 GB at every start), survives a copy (mtimes do not), and tells two checkpoints of one
     architecture apart (their sizes are equal, but training changes every tensor, so the sampled bytes differ). A
     folder inside the run folder (a distilled student) is recorded relative to it.
+
+    The tokenizer, loaded from `tokenizer_name_or_path` (None: the model's folder; "": built in memory), is recorded
+    apart when it is a local folder: the sha256 of each of its files (`tokenizer_files`), and the folder when it is
+    not the model's. Apart, so the fingerprint keeps its meaning for runs recorded before tokenizers were, and a
+    resume can name the file that changed.
     """
     identity: dict[str, Any] = {"name_or_path": name_or_path, "revision": revision, "commit": commit}
     folder = Path(name_or_path) if name_or_path else None
@@ -139,7 +152,22 @@ def base_model_identity(name_or_path: str, revision: str | None, commit: str | N
         identity["fingerprint"] = folder_fingerprint(folder)
         if is_inside(folder, run_dir):
             identity["name_or_path"] = run_relative(folder, run_dir)
+    if tokenizer_name_or_path is None:
+        tokenizer = folder
+    else:  # "": a tokenizer built in memory, nothing to record
+        tokenizer = Path(tokenizer_name_or_path) if tokenizer_name_or_path else None
+    hashes = tokenizer_files(tokenizer) if tokenizer is not None and tokenizer.is_dir() else {}
+    if hashes:  # none for a hub tokenizer (not recorded)
+        identity["tokenizer_files"] = hashes
+        if folder is None or tokenizer.resolve() != folder.resolve():
+            inside = is_inside(tokenizer, run_dir)
+            identity["tokenizer_name_or_path"] = run_relative(tokenizer, run_dir) if inside else str(tokenizer)
     return identity
+
+
+def tokenizer_files(folder: Path) -> dict[str, str]:
+    """sha256 of each tokenizer file (`TOKENIZER_FILES`) that `folder` holds, keyed by its name in the folder."""
+    return {name: file_sha256(folder / name) for name in TOKENIZER_FILES if (folder / name).is_file()}
 
 
 def folder_fingerprint(folder: Path) -> str:
@@ -170,10 +198,14 @@ def base_model_difference(recorded: dict[str, Any] | None, current: dict[str, An
     """How the base model of a resume differs from the one its checkpoint recorded (None: the same, or unknown).
 
     Local folders compare by fingerprint only (a moved model folder is the same model); hub models by commit when
-    both are known, else by name and revision.
+    both are known, else by name and revision. Then the tokenizer files (`tokenizer_difference`).
     """
     if not recorded:
         return None  # a checkpoint from before base models were recorded
+    return _weights_difference(recorded, current) or tokenizer_difference(recorded, current)
+
+
+def _weights_difference(recorded: dict[str, Any], current: dict[str, Any]) -> str | None:
     if recorded.get("fingerprint") and current.get("fingerprint"):
         if recorded["fingerprint"] == current["fingerprint"]:
             return None
@@ -191,3 +223,26 @@ def base_model_difference(recorded: dict[str, Any] | None, current: dict[str, An
     if (recorded.get("revision") or "main") != (current.get("revision") or "main"):
         return f"the checkpoint was made on revision {recorded.get('revision')}, this run has {current.get('revision')}"
     return None
+
+
+def tokenizer_difference(recorded: dict[str, Any], current: dict[str, Any]) -> str | None:
+    """Which tokenizer files differ from those the checkpoint recorded, by sha256 (None: the same, or unknown).
+
+    Compared only when both sides recorded them: a checkpoint written before tokenizers were recorded, or a
+    tokenizer that is not a local folder now (a hub name, one built in memory), has nothing to compare. A file
+    added or removed is a difference: it changes what the tokenizer loads.
+    """
+    old, new = recorded.get("tokenizer_files"), current.get("tokenizer_files")
+    if not isinstance(old, dict) or not old or not new:
+        return None
+    changed = sorted(name for name in old.keys() | new.keys() if old.get(name) != new.get(name))
+    if not changed:
+        return None
+    folder = current.get("tokenizer_name_or_path") or current["name_or_path"]
+    how = ["changed" if name in old and name in new else "added" if name in new else "removed" for name in changed]
+    files = ", ".join(f"{Path(folder) / name} ({what})" for name, what in zip(changed, how))
+    return (
+        f"this run's tokenizer files differ (by sha256) from those the checkpoint was written with: {files}; the same "
+        "text would map to other token ids. Put the run's own tokenizer files back (or point "
+        "`model.tokenizer_name_or_path` at a copy of them)"
+    )
