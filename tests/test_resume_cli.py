@@ -302,3 +302,26 @@ def test_resume_completes_a_run_stopped_right_after_final_was_written(reference,
     assert (out / "final" / "README.md").read_text() == (reference / "final" / "README.md").read_text()
     after = snapshot(out)
     assert {k: v for k, v in after.items() if k in before} == before  # nothing else touched
+
+
+def test_an_extension_the_trainer_refuses_keeps_final_and_the_resume_history(
+    reference, tiny_dir, shared_data, tmp_path
+):
+    """A finished run with a damaged log history, extended: the CLI's checks pass and the trainer refuses (exit 2).
+    `final/` keeps its name and `resume_history.yaml` gets no entry: every refusal comes before the records (before
+    the fix, final/ was renamed final-phase1-step6/ and the extension recorded, for a run that never trained on)."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    log = out / "prorl_log_history.json"
+    log.write_bytes(log.read_bytes()[:300])
+    before = snapshot(out)
+    result = cli(out, tiny_dir, shared_data, "--resume", "--allow-changes", "--phases.1.max_steps", "4")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "prorl_log_history.json" in result.stderr and "Traceback" not in result.stderr
+    assert (out / "final" / "prorl_state.json").is_file() and not (out / "final-phase1-step6").exists()
+    assert not (out / "resume_history.yaml").exists()
+    after = snapshot(out)
+    changed = {name for name in after.keys() | before.keys() if after.get(name) != before.get(name)}
+    assert changed <= {".prorl_manifest.json"}, changed

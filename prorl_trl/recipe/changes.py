@@ -210,27 +210,61 @@ def read_history(run_dir: Path) -> list[dict[str, Any]]:
     return history
 
 
-def recorded_recipe(run_dir: Path) -> dict[str, Any] | None:
-    """The run's recipe as its resumes left it: `recipe.yaml` with every change recorded in the resume history
-    applied (flattened; None when the run recorded no recipe)."""
+def live_history(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The resume-history entries on the run's current path: a resume from global step N abandons what came after N
+    (its checkpoints are un-committed, `supersede_after`), so an earlier entry recorded at a later step than N no
+    longer describes the run. An entry without a step (a plain TRL checkpoint) counts as step 0."""
+    live: list[dict[str, Any]] = []
+    for entry in history:
+        step = _entry_step(entry)
+        live = [kept for kept in live if _entry_step(kept) <= step] + [entry]
+    return live
+
+
+def _entry_step(entry: dict[str, Any]) -> int:
+    step = entry.get("global_step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else 0
+
+
+def checkpoint_global_step(state: dict[str, Any]) -> int | None:
+    """The run's global step at a checkpoint (`state`: its `prorl_state.json`); None when unknown (`{}`)."""
+    if isinstance(state.get("global_step"), int):
+        return state["global_step"]
+    if isinstance(state.get("phase_global_step"), int):
+        return int(state.get("global_step_offset") or 0) + state["phase_global_step"]
+    return None
+
+
+def recorded_recipe(run_dir: Path, global_step: int | None = None) -> dict[str, Any] | None:
+    """The run's recipe as its resumes left it (flattened; None when the run recorded no recipe): `recipe.yaml` with
+    the changes of the resume history on the run's current path (`live_history`) applied, and with `global_step`
+    (a checkpoint's) only those recorded up to that step: a checkpoint trained with the recipe as it was then, and
+    a change recorded at a later step took effect after it."""
     path = run_dir / RECORDED_RECIPE_NAME
     if not path.is_file():
         return None
     flat = flatten(canonical(_read_run_yaml(path, dict, "the recipe the run was started with")))
-    for entry in read_history(run_dir):
+    for entry in live_history(read_history(run_dir)):
+        if global_step is not None and _entry_step(entry) > global_step:
+            continue
         for change in entry.get("changes") or []:
-            if str(change.get("key", "")).startswith("launch."):  # how it ran (`world_size_change`), not a recipe key
+            key = str(change.get("key", ""))
+            # how it ran (`world_size_change`) and what a data file held (`data_files.json`): not recipe keys
+            if key.startswith("launch.") or key.startswith(f"{DATA_FILE_KEY} ("):
                 continue
             if "new" in change:
-                flat[change["key"]] = change["new"]
+                flat[key] = change["new"]
             else:
-                flat.pop(change["key"], None)
+                flat.pop(key, None)
     return flat
 
 
-def changes_since_recorded(run_dir: Path, current: dict[str, Any]) -> list[Change] | None:
-    """The changes of `current` (a `Recipe.raw`) against the run's recorded recipe; None when there is none."""
-    flat = recorded_recipe(run_dir)
+def changes_since_recorded(
+    run_dir: Path, current: dict[str, Any], global_step: int | None = None
+) -> list[Change] | None:
+    """The changes of `current` (a `Recipe.raw`) against the run's recorded recipe (as recorded up to a checkpoint's
+    `global_step`, `recorded_recipe`); None when there is none."""
+    flat = recorded_recipe(run_dir, global_step)
     return None if flat is None else _changes(flat, current)
 
 
@@ -291,39 +325,55 @@ def phase_of_key(key: str) -> int | None:
 
 
 def recorded_changes(run_dir: Path, current: dict[str, Any], state: dict[str, Any]) -> list[Change] | None:
-    """`changes_since_recorded`, less a model path naming the very weights the checkpoint (`state`: its
-    `prorl_state.json`, or `{}`) sits on (`same_base_model_folder`); None when the run recorded no recipe."""
-    recorded = changes_since_recorded(run_dir, current)
+    """`changes_since_recorded` as recorded up to the checkpoint's global step (`state`: its `prorl_state.json`, or
+    `{}`), less a model path naming the very weights the checkpoint sits on (`same_base_model_folder`); None when the
+    run recorded no recipe."""
+    recorded = changes_since_recorded(run_dir, current, checkpoint_global_step(state))
     if recorded is None or not state:
         return recorded
     return [change for change in recorded if not same_base_model_folder(change, state)]
 
 
 def _phase_stays_complete(changes: list[Change], state: dict[str, Any]) -> bool:
-    """Whether the checkpoint's own phase is over for this resume too: it ended (its last step, a plateau stop, a
-    reset on demand) and no longer `phases.<i>.max_steps` takes it on (only a phase that ran to its length can)."""
-    if not state.get("phase_complete"):
-        return False
-    if state.get("phase_end_reason", "max_steps") != "max_steps":
+    """Whether no step of the checkpoint's own phase is left to train after this resume: it ended (its last step, a
+    plateau stop, a reset on demand) and no longer `phases.<i>.max_steps` takes it on (only a phase that ran to its
+    length can), or this resume's `phases.<i>.max_steps` ends it at the checkpoint's step (or before it: refused as
+    shorter than trained, `trainer.state.resumed_phase_complete`)."""
+    reason = state.get("phase_end_reason", "max_steps")
+    if state.get("phase_complete") and reason != "max_steps":
         return True
-    length = next((change.new for change in changes if change.key == f"phases.{state['phase_index']}.max_steps"), None)
-    return not (isinstance(length, int) and length > state.get("phase_global_step", 0))
+    length = next((change.new for change in changes if change.key == _own_length_key(state)), None)
+    if isinstance(length, int) and not isinstance(length, bool):
+        return length <= state.get("phase_global_step", 0)
+    return bool(state.get("phase_complete"))
+
+
+def _own_length_key(state: dict[str, Any]) -> str:
+    return f"phases.{state['phase_index']}.max_steps"
 
 
 def refuse_finished_phase_changes(changes: list[Change], state: dict[str, Any], checkpoint: Path) -> None:
-    """A change to a phase the checkpoint (`state`: its `prorl_state.json`) is past (`phases.<i>.*`, i below its
-    phase) cannot be honoured: that phase trained as recorded. Refused (exit 2) even with `--allow-changes`, rather
-    than accepted and left without effect."""
+    """A change to a phase with no step left to train after the resume from the checkpoint (`state`: its
+    `prorl_state.json`) cannot be honoured (`phases.<i>.*`, i below its phase, or its own phase when it is over or
+    this resume ends it at the checkpoint's step): that phase trained as recorded. Refused (exit 2) even with
+    `--allow-changes`, rather than accepted and left without effect. The length change that ends the phase is not
+    one of them: ending a phase at the checkpoint's step is what a resume can do."""
     current = state["phase_index"]
     if _phase_stays_complete(changes, state):  # its checkpoint ends it: a resume starts the next phase
         current += 1
-    finished = [change for change in changes if (phase := phase_of_key(change.key)) is not None and phase < current]
+    finished = [
+        change for change in changes
+        if (phase := phase_of_key(change.key)) is not None and phase < current and change.key != _own_length_key(state)
+    ]  # fmt: skip
     if finished:
         listed = "\n".join(f"  {change.describe()}" for change in finished)
+        ended = current - 1 == state["phase_index"]
         raise ChangedRecipeError(
-            f"--resume: {checkpoint} resumes into phase {current}, so these settings of earlier, finished phases "
-            f"cannot take effect:\n{listed}\nNothing was loaded or changed. Drop those overrides (keep the finished phases as "
-            "recorded); a change to the current phase or a later one, or to `training`, is what a resume can apply."
+            f"--resume: {checkpoint} resumes into phase {current}"
+            + (f" (phase {state['phase_index']} has no step left to train after it)" if ended else "")
+            + f", so these settings of earlier, finished phases cannot take effect:\n{listed}\nNothing was loaded or "
+            "changed. Drop those overrides (keep the finished phases as recorded); a change to the current phase or "
+            "a later one, or to `training`, is what a resume can apply."
         )
 
 
@@ -366,12 +416,20 @@ def check_resume_changes(
         listed = "\n".join(f"  {change.describe()}" for change in altering)
         raise ChangedRecipeError(
             f"--resume: the recipe differs from the one {run_dir}/ was trained with ({RECORDED_RECIPE_NAME}"
-            f"{' and the changes in ' + RESUME_HISTORY_NAME if read_history(run_dir) else ''}) in settings that "
+            f"{_history_part(run_dir, checkpoint_global_step(state))}) in settings that "
             f"change training:\n{listed}\nNothing was loaded or changed. Resume with the run's settings (drop those "
             "overrides, or pass the old values), or pass --allow-changes to continue with the new ones (they are "
             f"recorded in {RESUME_HISTORY_NAME}; {RECORDED_RECIPE_NAME} keeps the original)."
         )
     return changes
+
+
+def _history_part(run_dir: Path, global_step: int | None) -> str:
+    """How a refusal names the changes an earlier resume recorded (those the checkpoint is compared with)."""
+    if not read_history(run_dir):
+        return ""
+    upto = f" up to global step {global_step}" if global_step else ""
+    return f" and the changes in {RESUME_HISTORY_NAME}{upto}"
 
 
 def record_resume(
@@ -425,9 +483,9 @@ def write_run_recipe(
 ) -> None:  # fmt: skip
     """Main process, before training: a start writes `recipe.yaml` (and drops the history of an earlier attempt that
     left no checkpoint); a resume never rewrites it, and appends the changes it went on with (and `extended`, what it
-    adds to a finished run) to the history.
-    `data_files.json` holds what the local data files held at the start, or at the last resume that accepted a
-    change to them."""
+    adds to a finished run) to the history, also with no change when it abandons steps an earlier resume recorded
+    changes at (`live_history`). `data_files.json` holds what the local data files held at the start, or at the last
+    resume that accepted a change to them."""
     from ..reset.checkpoint import write_json
 
     data_changed = any(change.key.startswith(f"{DATA_FILE_KEY} (") for change in changes)
@@ -445,7 +503,10 @@ def write_run_recipe(
         if checkpoint is None:
             (output_dir / RESUME_HISTORY_NAME).unlink(missing_ok=True)
         return
-    if changes or extended:
-        committed = Path(checkpoint, PRORL_STATE_NAME).is_file()  # a plain TRL checkpoint has none
-        step = read_prorl_state(checkpoint).get("global_step") if committed else None
+    committed = Path(checkpoint, PRORL_STATE_NAME).is_file()  # a plain TRL checkpoint has none
+    step = checkpoint_global_step(read_prorl_state(checkpoint)) if committed else None
+    # A resume from before a step where an earlier resume recorded changes abandons them (`live_history`): recorded
+    # with no change of its own, so that the checkpoints it writes are compared with the recipe they train with.
+    abandons = step is not None and any(_entry_step(entry) > step for entry in live_history(read_history(output_dir)))
+    if changes or extended or abandons:
         record_resume(output_dir, changes, checkpoint, step, extended=extended)

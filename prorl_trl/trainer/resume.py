@@ -77,11 +77,24 @@ def _accepted(trainer: Any) -> None:
         hook()
 
 
+def epoch_phase_length(trainer: Any, phase: Any) -> tuple[int | None, int | None]:
+    """A phase of `num_train_epochs` (`max_steps` < 1, one-phase runs): its length in optimizer steps and the steps
+    per epoch, as HF's `train()` derives them (`Trainer.set_initial_training_values` on this run's train dataloader);
+    (None, None) for a phase of `max_steps`, or a dataloader without a length."""
+    if phase.max_steps > 0:
+        return None, None
+    values = trainer.set_initial_training_values(trainer.args, trainer.get_train_dataloader())
+    per_epoch, length = values[1], values[-1]
+    return (length, per_epoch) if isinstance(length, int) and length > 0 else (None, None)
+
+
 def prepare_resume(trainer: Any, resume_from_checkpoint: str | bool | None) -> Path | None:
     """Restore the ProRL side of a checkpoint (phase, earlier deltas, adapter shape, counters) before TRL's part.
 
     `True` means the latest complete checkpoint of `output_dir`. Resuming from an older one un-commits the later
     checkpoints (`supersede_after`), so a later "resume from the latest" cannot jump back onto the abandoned path.
+    Every check that can refuse (exit 2) comes before `on_resume_accepted` (the CLI's records: the resume history, a
+    finished run's `final/` renamed) and the un-committing: a refused resume leaves the run folder as it was.
     """
     trainer._resumed_phase_step = 0
     trainer._resumed_phase_complete = False
@@ -100,7 +113,7 @@ def prepare_resume(trainer: Any, resume_from_checkpoint: str | bool | None) -> P
     state = resume_state(checkpoint, trainer.phases[0])  # a plain GRPOTrainer checkpoint resumes as phase 0
     phase = resumed_phase(state, trainer.phases, checkpoint)  # a run with fewer phases than it trained: refused
     # At the phase's last step (of this run's length) or a plateau stop: the phase is over. Refused before any change.
-    complete = resumed_phase_complete(state, phase, checkpoint)
+    complete = resumed_phase_complete(state, phase, checkpoint, *epoch_phase_length(trainer, phase))
     difference = base_model_difference(state.get("base_model"), trainer.prorl_base_model)
     if difference:
         raise RunFilesError(
@@ -108,6 +121,11 @@ def prepare_resume(trainer: Any, resume_from_checkpoint: str | bool | None) -> P
             "only reproduce the run's policy on the base they were trained on; nothing was loaded. Resume with the "
             "run's base model (`model.name_or_path`, `model.revision`), or start a new run."
         )
+    # The run's log history, read (and refused when damaged) before anything is recorded.
+    history = Path(trainer.args.output_dir) / LOG_HISTORY_NAME
+    saved_history = None
+    if "log_history" not in state and history.is_file():
+        saved_history = read_json(history, list, "It is the run's log history, which a resume continues.")
     trainer.prorl_merged_path = recorded_merged_path(trainer, state.get("merged_base"), checkpoint)
     restore_reset_deltas(trainer, state, checkpoint)
     trainer.prorl_resets = state["resets"]
@@ -124,28 +142,27 @@ def prepare_resume(trainer: Any, resume_from_checkpoint: str | bool | None) -> P
         reinit_adapter(trainer, phase)
     if not complete and trainer._superset is None:
         refuse_adapter_shape_change(trainer, phase, checkpoint)
-    # After every refusal above (the adapter's shape too): a refused resume leaves the later checkpoints committed
-    # and the run's records as they were.
-    _accepted(trainer)
-    if trainer.accelerator.is_main_process and trainer.args.should_save:
-        supersede_after(trainer.args.output_dir, checkpoint)
-    trainer.accelerator.wait_for_everyone()
-    trainer._apply_phase(phase)
+    trainer._apply_phase(phase)  # in memory only; its checks (sampling settings) refuse before the records too
     trainer._scheduler_horizon = state.get("scheduler_horizon")
     trainer._scheduler_start = state.get("scheduler_start", 0)
     if trainer._scheduler_horizon is not None and "scheduler_start" in state and phase.max_steps > 0:
         trainer._scheduler_horizon = max(phase.max_steps - trainer._scheduler_start, 1)  # this run's phase length
     trainer._resumed_loss_sum = state.get("phase_loss_sum")  # none in older checkpoints and plain TRL ones
     trainer._state_callback.load_state_dict(state.get("callbacks", {}))
-    history = Path(trainer.args.output_dir) / LOG_HISTORY_NAME
     if "log_history" in state:
         trainer.prorl_log_history = state["log_history"]
-    elif history.is_file():
+    elif saved_history is not None:
         step = trainer._global_step_offset + trainer._resumed_phase_step
-        saved = read_json(history, list, "It is the run's log history, which a resume continues.")
-        trainer.prorl_log_history = resumed_log_history(saved, phase.index, step, phase_continues=not complete)
+        trainer.prorl_log_history = resumed_log_history(saved_history, phase.index, step, phase_continues=not complete)
+    probe_rows = load_probe_rows(trainer, checkpoint)  # what a reset before the first step probes
+    # After every refusal above (the adapter's shape, the log history too): a refused resume leaves the later
+    # checkpoints committed and the run's records (a finished run's final/ included) as they were.
+    _accepted(trainer)
+    if trainer.accelerator.is_main_process and trainer.args.should_save:
+        supersede_after(trainer.args.output_dir, checkpoint)
+    trainer.accelerator.wait_for_everyone()
     trainer._trackers.resumed_at = trainer._global_step_offset + trainer._resumed_phase_step
-    trainer._resumed_probe_rows = load_probe_rows(trainer, checkpoint)  # what a reset before the first step probes
+    trainer._resumed_probe_rows = probe_rows  # after `_apply_phase`, which clears them
     announce_phase(trainer, phase)
     return checkpoint
 

@@ -6,6 +6,7 @@ phase plateau rule, and `prorl_state.json` in every checkpoint (what a resume ne
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -83,27 +84,43 @@ class PhaseLengthError(ValueError):
     exit_status = 2
 
 
-def resumed_phase_complete(state: dict[str, Any], phase: Any, checkpoint: Path) -> bool:
+def resumed_phase_complete(
+    state: dict[str, Any], phase: Any, checkpoint: Path, length: int | None = None, steps_per_epoch: int | None = None
+) -> bool:
     """Whether the checkpoint's phase is over under this run's settings (a resume then goes to the next phase).
 
-    A phase that ran to its `max_steps` is measured against the phase length this run asks for, not the recorded one:
+    A phase that ran to its length is measured against the phase length this run asks for, not the recorded one:
     a longer phase trains on to its new end, one whose new end is the checkpoint's step ends there. A phase already
     past its new end is refused: the steps it trained cannot be taken back, and ending it there would leave a phase
-    longer than asked. A plateau stop stays a stop; epoch-based phases, plain TRL checkpoints and ProRL ones that
-    recorded no `phase_end_reason` (a plateau stop cannot be told from a length) keep the recorded answer.
+    longer than asked. The length is the phase's `max_steps`, or for a phase of `num_train_epochs` (`max_steps` < 1)
+    `length`, the steps HF derives from the epochs (`epoch_phase_length`; `steps_per_epoch` names the rate in the
+    refusal). A plateau stop stays a stop; an epoch-based phase whose length is not given, plain TRL checkpoints
+    and ProRL ones that recorded no `phase_end_reason` (a plateau stop cannot be told from a length) keep the
+    recorded answer.
     """
     step, reason = state["phase_global_step"], state.get("phase_end_reason")
     if reason is not None and reason != "max_steps":
         return True
-    if phase.max_steps < 1 or reason is None:
+    epochs = phase.max_steps < 1
+    planned = length if epochs else phase.max_steps
+    if reason is None or planned is None or planned < 1:
         return bool(state.get("phase_complete", 0 < phase.max_steps <= step))
-    if step > phase.max_steps:
+    if step > planned:
+        if epochs:
+            rate = f" ({steps_per_epoch} steps per epoch)" if steps_per_epoch else ""
+            least = f"{math.ceil(step / steps_per_epoch)}" if steps_per_epoch else "more epochs"
+            raise PhaseLengthError(
+                f"{checkpoint} has trained {step} steps of phase {phase.index} ({phase.name}), and this run makes that "
+                f"phase {planned} steps long (num_train_epochs={phase.num_train_epochs:g}{rate}): the steps already "
+                f"trained cannot be taken back. Nothing was written. Resume with `--training.num_train_epochs {least}`"
+                f" or more (or `--training.max_steps {step}` or more), or start a new run with the shorter phase."
+            )
         raise PhaseLengthError(
             f"{checkpoint} has trained {step} steps of phase {phase.index} ({phase.name}), and this run makes that "
             f"phase {phase.max_steps} steps long: the steps already trained cannot be taken back. Resume with "
             f"`--phases.{phase.index}.max_steps {step}` or more, or start a new run with the shorter phase."
         )
-    return step >= phase.max_steps
+    return step >= planned
 
 
 def resumed_phase(state: dict[str, Any], phases: list[Any], checkpoint: Path) -> Any:
