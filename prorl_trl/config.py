@@ -611,6 +611,9 @@ def _check_phase(
             f"overlong_buffer ({v['overlong_buffer']}) must be shorter than max_completion_length "
             f"({v['max_completion_length']})"
         )
+    if v["overlong_penalty_factor"] < 0:  # a negative factor would reward length near the cap (verl clips it to 0)
+        problems.append(f"overlong_penalty_factor must be >= 0 (the penalty at the cap), got "
+                        f"{v['overlong_penalty_factor']}")  # fmt: skip
     if v["temperature"] <= 0:
         problems.append(f"temperature must be > 0, got {v['temperature']}")
     if not 0 < v["top_p"] <= 1:

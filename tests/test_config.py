@@ -79,6 +79,7 @@ def test_group_size_change_rounds_up_to_whole_micro_batches(tmp_path):
         (PhaseConfig(max_steps=1, temperature=0.0), "temperature must be > 0"),
         (PhaseConfig(max_steps=1, top_p=1.5), "top_p"),
         (PhaseConfig(max_steps=1, overlong_buffer=16, max_completion_length=16), "overlong_buffer"),
+        (PhaseConfig(max_steps=1, overlong_buffer=4, overlong_penalty_factor=-1.0), "overlong_penalty_factor must"),
         (PhaseConfig(max_steps=1, lora_r=8), "no peft_config"),
     ],
 )

@@ -101,3 +101,62 @@ def test_a_refused_adapter_shape_leaves_the_later_checkpoints_committed(tmp_path
     with pytest.raises(RunFilesError, match="inside phase 1"):
         trainer.train(resume_from_checkpoint=str(run / "phase-1" / "checkpoint-2"))
     assert later.is_file()
+
+
+def even_prompts_uniform(prompts, completions, **kwargs):
+    """Correctness that is uniform for even-numbered prompts (their groups are dropped and refilled) and varies with
+    the completion's length for odd ones."""
+    return [1.0 if int(str(p).split(":")[0].lstrip("Q")) % 2 == 0 else float(len(str(c)) % 2)
+            for p, c in zip(prompts, completions)]  # fmt: skip
+
+
+def test_dynamic_sampling_resumes_its_refill_stream_where_it_stood(tmp_path):
+    """The refill prompts of dynamic sampling come from a stream of their own, which checkpoints did not hold: a
+    resumed run drew the phase's first refill prompts again and trained on other prompts than the uninterrupted
+    run (review, 2026-11-29). The checkpoint now records how far the stream had gone."""
+
+    def trainer(out, callbacks=()):
+        torch.manual_seed(0)
+        model, tokenizer = tiny_model()
+        args = tiny_args(out, save_strategy="steps", save_steps=1, seed=0, max_steps=4, dynamic_sampling=True)
+        return ProRLTrainer(model=model, reward_funcs=[even_prompts_uniform], args=args, callbacks=list(callbacks),
+                            train_dataset=prompts_dataset(), processing_class=tokenizer, peft_config=lora())  # fmt: skip
+
+    whole = trainer(tmp_path / "whole")
+    whole.train()
+    drawn = whole.refill_position()
+    assert drawn is not None and drawn[1] >= 2, drawn  # refills happened, before and after the stop below
+    stopped = trainer(tmp_path / "cut", [StopRequestAt(2)])
+    with pytest.raises(RunInterrupted):
+        stopped.train()
+    assert 0 < stopped.refill_position()[1] < drawn[1]
+    resumed = trainer(tmp_path / "cut")
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.refill_position() == drawn
+    expected, got = weights(whole), weights(resumed)
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+
+
+class ResetRecorder(ProRLTrainer):
+    """Records where each hard reset runs: its global step and whether TRL generates anew after it."""
+
+    def hard_reset(self, *args, **kwargs):
+        self.resets_at = [*getattr(self, "resets_at", []), (self.prorl_global_step, self.at_generation_boundary())]
+        return super().hard_reset(*args, **kwargs)
+
+
+def test_a_reset_inside_a_generation_cycle_waits_for_its_end(tmp_path):
+    """One generation serves two optimizer steps (`num_iterations=2`); the buffered second micro-batch holds
+    reference log-probs computed before a reset in between, so the KL term of that step used the old reference
+    (review of 2026-11-29). A reset due inside the cycle (every step here) now waits for the cycle's end."""
+    from prorl_trl import HardResetCallback
+
+    torch.manual_seed(0)
+    model, tokenizer = tiny_model()
+    args = tiny_args(tmp_path, seed=0, num_iterations=2, max_steps=6)
+    trainer = ResetRecorder(model=model, reward_funcs=[length_reward], args=args, train_dataset=prompts_dataset(),
+                            processing_class=tokenizer, peft_config=lora(),
+                            callbacks=[HardResetCallback(every_steps=1)])  # fmt: skip
+    trainer.train()
+    assert trainer.resets_at == [(2, True), (4, True)]  # steps 1, 3 and 5 end inside a cycle; step 6 ends the run

@@ -45,6 +45,31 @@ def test_overlong_penalty_follows_each_phase_cap(tmp_path):
     assert any(-1.0 < v < 0.0 for v in values), "some completions should end inside the buffer"
 
 
+def none_for_every_other(completions, **kwargs):
+    """None (unscorable) for every other completion of the batch, a number by length for the rest."""
+    return [None if i % 2 == 0 else float(len(str(c)) % 3) for i, c in enumerate(completions)]
+
+
+def test_a_completion_no_reward_scored_stays_unscored_beside_the_overlong_penalty(tmp_path):
+    """TRL skips a completion (advantage 0) only when every reward column is None/NaN; the penalty column is a number
+    for every completion, so unscorable groups were trained on their lengths alone (review of 2026-11-29). The
+    penalty is now NaN where every other reward is, and TRL's own mask gives those completions advantage 0."""
+    model, tokenizer = tiny_model()
+    args = tiny_args(tmp_path, max_steps=1, max_completion_length=8, overlong_buffer=4)
+    trainer = ProRLTrainer(model=model, processing_class=tokenizer, reward_funcs=[none_for_every_other], args=args,
+                           train_dataset=prompts_dataset(), peft_config=lora())  # fmt: skip
+    probe = BufferProbe()
+    probe.bind(trainer)
+    trainer.add_callback(probe)
+    trainer.train()
+    rewards = trainer._last_rewards_per_func
+    unscored = torch.isnan(rewards[:, 0])
+    assert unscored.any() and (~unscored).any()
+    assert torch.isnan(rewards[unscored, 1]).all() and not torch.isnan(rewards[~unscored, 1]).any()
+    advantages = probe.advantages[0]  # one process: every row, shuffled by TRL; the unscored ones are exactly 0
+    assert len(advantages) == len(unscored) and int((advantages == 0).sum()) >= int(unscored.sum())
+
+
 def correctness(prompts, completion_ids, kind, **kwargs):
     """1/0 by the prompt's `kind`: easy = all right, hard = all wrong, mixed = alternating inside the group."""
     return [1.0 if k == "easy" else 0.0 if k == "hard" else float(i % 2) for i, k in enumerate(kind)]

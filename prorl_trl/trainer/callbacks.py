@@ -142,7 +142,11 @@ class HardResetCallback(_BoundCallback):
     def on_step_end(self, args, state, control, **kwargs):
         trainer = self._require_trainer()
         if self.every_steps and trainer.prorl_global_step % self.every_steps == 0 and state.global_step < state.max_steps:
-            trainer.hard_reset(reason=f"every {self.every_steps} steps")  # restarts the plateau's patience
+            reason = f"every {self.every_steps} steps"
+            if trainer.at_generation_boundary():
+                trainer.hard_reset(reason=reason)  # restarts the plateau's patience
+            else:  # inside a generation's steps: at the cycle's end (`request_hard_reset`), not on stale log-probs
+                trainer.request_hard_reset(reason=reason)
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):

@@ -5,8 +5,10 @@ default `dapo` token normaliser, dilutes the gradient of the useful groups. TRL 
 to the async trainer, issues #3708/#3973), so `DynamicSamplingMixin._generate_and_score_completions` (below) wraps TRL's method: it
 scores the generation batch as usual, then this module decides which groups to keep and asks for more generation
 rounds (fresh prompts from a private sampler) until every rank has enough informative groups or
-`dynamic_sampling_max_rounds` is spent. Groups still missing are filled with dropped ones (advantage 0), so the batch
-keeps the fixed size TRL's buffering and loss normaliser expect.
+`dynamic_sampling_max_rounds` is spent. Groups still missing are filled with dropped ones, so the batch keeps the
+fixed size TRL's buffering and loss normaliser expect. A filler group is uniform in correctness only: its advantages
+are 0 when every reward is uniform in it, and otherwise come from the rewards that vary (the overlong penalty, a
+format reward), as in any group TRL scores.
 
 DDP: the decision uses the rewards TRL gathered over all ranks, so every rank computes the same keep masks and the
 same number of rounds (each round runs collectives). Each rank must hold whole groups (checked at init).
@@ -66,6 +68,7 @@ class RefillSampler:
         self.shuffle = shuffle
         self.generator = torch.Generator().manual_seed(seed)
         self._order: list[int] = []
+        self.batches_drawn = 0  # checkpointed: a resume draws on from here (`skip`), not from the phase's start
 
     def _next_prompt(self) -> int:
         if not self._order:
@@ -75,7 +78,13 @@ class RefillSampler:
 
     def next_batch(self) -> list[int]:
         prompts = [self._next_prompt() for _ in range(self.prompts_per_batch)]
+        self.batches_drawn += 1
         return [index for index in prompts for _ in range(self.num_generations)]
+
+    def skip(self, batches: int) -> None:
+        """Draw and drop `batches` batches: the stream as it stood after them (the generator's state included)."""
+        for _ in range(batches):
+            self.next_batch()
 
 
 def _pad_cat(tensors: list[torch.Tensor], value: Any, side: str) -> torch.Tensor:
@@ -176,6 +185,12 @@ class DynamicSamplingMixin:
 
     _last_rewards_per_func: torch.Tensor | None = None
     _refill_samplers: dict | None = None
+    _resumed_refill: list[int] | None = None  # [phase index, batches drawn] of the checkpoint a resume loaded
+
+    def refill_position(self) -> list[int] | None:
+        """[phase index, batches drawn] of the running phase's refill stream, for the checkpoint; None before any."""
+        sampler = (self._refill_samplers or {}).get(self.current_phase.index)
+        return None if sampler is None else [self.current_phase.index, sampler.batches_drawn]
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         """Keep TRL's gathered (all-rank) rewards: dynamic sampling keys on one function's column, which TRL folds
@@ -232,4 +247,7 @@ class DynamicSamplingMixin:
                 seed=self.args.seed + 100_003,
                 shuffle=self.args.shuffle_dataset,
             )
+            resumed, self._resumed_refill = self._resumed_refill, None
+            if resumed and resumed[0] == phase.index:  # the uninterrupted run's next refill prompts, not the first ones
+                self._refill_samplers[phase.index].skip(resumed[1])
         return self._refill_samplers[phase.index]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 
 def overlong_penalty(length: int, max_completion_length: int, overlong_buffer: int, factor: float = 1.0) -> float:
     """Penalty of one completion of `length` tokens (EOS included): 0 up to `L_max - B`, linear down to `-factor` at
@@ -24,6 +26,17 @@ def overlong_penalty(length: int, max_completion_length: int, overlong_buffer: i
     if length <= expected:
         return 0.0
     return max((expected - length) / overlong_buffer, -1.0) * factor
+
+
+def unscored_rows_stay_unscored(rewards_per_func: torch.Tensor) -> torch.Tensor:
+    """In place: the penalty column (the last) is NaN where every other reward function returned None.
+
+    TRL skips a completion (advantage 0, out of its group's baseline) only when every column is NaN; the penalty is a
+    number for every completion, so without this a completion no reward could score was trained on its length alone.
+    """
+    if rewards_per_func.size(1) > 1:
+        rewards_per_func[torch.isnan(rewards_per_func[:, :-1]).all(dim=1), -1] = torch.nan
+    return rewards_per_func
 
 
 class OverlongPenalty:

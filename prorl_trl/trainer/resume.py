@@ -148,6 +148,7 @@ def prepare_resume(trainer: Any, resume_from_checkpoint: str | bool | None) -> P
     if trainer._scheduler_horizon is not None and "scheduler_start" in state and phase.max_steps > 0:
         trainer._scheduler_horizon = max(phase.max_steps - trainer._scheduler_start, 1)  # this run's phase length
     trainer._resumed_loss_sum = state.get("phase_loss_sum")  # none in older checkpoints and plain TRL ones
+    trainer._resumed_refill = state.get("refill_position")  # none before 2026-11-29: the stream restarted
     trainer._state_callback.load_state_dict(state.get("callbacks", {}))
     if "log_history" in state:
         trainer.prorl_log_history = state["log_history"]

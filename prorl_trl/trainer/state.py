@@ -187,7 +187,9 @@ class ProRLStateCallback(TrainerCallback):
         return control
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if self.trainer._pending_reset:
+        # Only where TRL generates anew: the micro-batches a generation buffered hold the old reference's log-probs
+        # (`ref_per_token_logps`), which a reference reset inside the cycle would leave stale for its other steps.
+        if self.trainer._pending_reset and self.trainer.at_generation_boundary():
             self.trainer.hard_reset(reason=self.trainer._pending_reset)
         return control
 
@@ -250,6 +252,7 @@ class ProRLStateCallback(TrainerCallback):
                 "scheduler_horizon": trainer._scheduler_horizon,
                 "scheduler_start": trainer._scheduler_start,  # a resume puts the horizon over its phase length
                 "phase_loss_sum": trainer._phase_loss_sum(),  # a resumed phase's `train_loss` covers the whole phase
+                "refill_position": trainer.refill_position(),  # dynamic sampling's refill stream goes on from there
                 "sampling": trainer.sampling,
                 "world_size": trainer.accelerator.num_processes,  # a resume on another number changes the batch
                 "callbacks": self.state_dict(),

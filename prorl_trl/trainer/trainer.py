@@ -74,7 +74,7 @@ from .interrupt import RunInterrupted
 from .kl_clamp import KLClampMixin
 from .manifest import record_outputs, trainer_outputs
 from .on_demand import OnDemandResetCallback, next_phase_after
-from .overlong import OverlongPenalty
+from .overlong import OverlongPenalty, unscored_rows_stay_unscored
 from .phase_switch import announce_phase, apply_phase
 from .placement import fsdp2_model_init_kwargs, move_stray_tensors_
 from .progress import use_run_progress
@@ -359,6 +359,13 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         """`<output_dir>/final/`: the merged model, tokenizer and what was trained (`saves.save_final`)."""
         save_final(self)
 
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's gathered rewards; with the overlong penalty, a completion no other reward scored stays unscored."""
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self.overlong_penalty is not None:
+            unscored_rows_stay_unscored(rewards)  # in place: dynamic sampling's kept copy sees it too
+        return rewards
+
     def _on_train_begin(self) -> None:
         """After HF built this `train()` call's engine: put a carried DeepSpeed optimizer into it."""
         if self._zero_carry is not None:
@@ -392,7 +399,9 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
 
     # --------------------------------------------------------------------------------------------------- reset
     def request_hard_reset(self, reason: str = "requested") -> None:
-        """Ask for a hard reset at the start of the next step (safe point: no pending gradients, before generation)."""
+        """Ask for a hard reset at the start of the next step that generates (`at_generation_boundary`: no pending
+        gradients, and no buffered micro-batches scored against the old reference); at a phase's end, if none is
+        left in it, the next phase starts with it."""
         self._pending_reset = reason
 
     def hard_reset(self, reason: str = "manual", lora_phase: ResolvedPhase | None = None) -> None:
