@@ -69,6 +69,14 @@ def _deepspeed_config(args: Any) -> dict[str, Any] | None:
     return config if isinstance(config, dict) else None
 
 
+# A problem of the engine itself, not only of resets: every phase boundary (a new DeepSpeed engine per `train()` call)
+# carries the optimizer, so a run of several phases is refused for it even without a reset.
+BF16_OPTIMIZER_PROBLEM = (
+    "ZeRO stage 1 with bf16 and `data_types.grad_accum_dtype: fp32` (DeepSpeed's BF16_Optimizer, whose fp32 master "
+    "weights a phase boundary cannot carry into the next engine); use ZeRO stage 2, or drop grad_accum_dtype"
+)
+
+
 def _zero_engine(stage: int, offload_optimizer: str, offload_param: str, config: dict[str, Any]) -> Engine:
     label = f"DeepSpeed ZeRO-{stage}"
     problems = []
@@ -88,6 +96,13 @@ def _zero_engine(stage: int, offload_optimizer: str, offload_param: str, config:
         )
     if stage == 0:
         problems.append("ZeRO stage 0 (use plain DDP, `recipes/accelerate/multi_gpu.yaml`, instead)")
+    accumulate = str(((config or {}).get("data_types") or {}).get("grad_accum_dtype", "")).lower()
+    bf16 = ((config or {}).get("bf16") or {}).get("enabled", "auto")
+    if stage == 1 and accumulate in ("fp32", "float32", "float") and bf16 is not False:
+        # DeepSpeed's engine then builds its `BF16_Optimizer` (engine.py `_do_optimizer_sanity_check`), whose fp32
+        # masters (`fp32_groups_flat_partition`) a phase boundary does not carry: the optimizer would silently
+        # restart at every phase, `reset_optimizer: false` included
+        problems.append(BF16_OPTIMIZER_PROBLEM)
     kind = ZERO3 if stage == 3 else ZERO2
     return Engine("unsupported" if problems else kind, label, tuple(problems))
 

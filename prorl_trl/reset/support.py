@@ -183,7 +183,8 @@ def check_reset_support(args: Any, model: nn.Module | None, accelerator: Any = N
 
     Call it once, before the first step, whenever the run will hard-reset. Refused:
     * Engines whose weights a reset cannot edit in place (`check_engine_support`: FSDP1, CPU/NVMe offload, ZeRO++
-      hpZ, a DeepSpeed `scheduler` block, Megatron-LM). Single process, DDP, FSDP2 and ZeRO-2/3 are supported.
+      hpZ, a DeepSpeed `scheduler` block, ZeRO-1 with bf16 and fp32 gradient accumulation, Megatron-LM). Single process,
+      DDP, FSDP2 and ZeRO-1/2/3 otherwise are supported.
     * With `lora_reset_mode="merge"`, a quantised base (QLoRA, GPTQ, ...): merging re-quantises the base at every
       reset and the rounding error accumulates over a long run. The default `"frozen"` never writes the base, so a
       bitsandbytes 4/8-bit base is supported there, in one process or under DDP (other quantisations have LoRA

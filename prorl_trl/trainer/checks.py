@@ -7,6 +7,7 @@ from typing import Any
 
 from ..config import ProRLConfig, ResolvedPhase, peft_lora_shape
 from ..reset import FSDP2, ZERO2, ZERO3, Engine, ResetNotSupportedError, check_engine_support, engine_of
+from ..reset.engine import BF16_OPTIMIZER_PROBLEM
 from ..rollout.vllm_sync import shadowed_by_generation_kwargs
 from .callbacks import HardResetCallback, SamplingScheduleCallback
 from .sampling import SAMPLING_KEYS
@@ -84,7 +85,7 @@ def check_launch(args: ProRLConfig, engine: Engine, phases: list[ResolvedPhase],
     `ValueError` for compiled generation under ZeRO-3/FSDP2, for TRL's reference model under FSDP2 with
     rank-0-only loading, and for a ready PeftModel whose LoRA shape the phases change under a sharded engine.
     """
-    if resets_possible(phases, callbacks):
+    if resets_possible(phases, callbacks) or (len(phases) > 1 and BF16_OPTIMIZER_PROBLEM in engine.problems):
         check_engine_support(engine)
     if args.max_nonfinite_skips > 0 and engine.kind in (ZERO2, ZERO3):
         raise ValueError(
