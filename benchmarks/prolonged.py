@@ -901,10 +901,10 @@ def pct(values) -> str:
     return number(values, scale=100)
 
 
-def runs_planned(args, runs: list[dict], out: Path) -> dict[str, int]:
+def runs_planned(args, runs: list[dict], gathered: bool) -> dict[str, int]:
     """Runs each arm was to make: one per seed of the call; in a gathered folder (`prolonged_gather.py`, whose
     sources each ran their own arms and seeds: round 4's knob arms 4 seeds, (a)-(c) 6) the runs gathered for it."""
-    if (out / "gathered.json").is_file():
+    if gathered:
         return {arm: sum(run["arm"] == arm for run in runs) for arm in ARMS}
     return {arm: len(args.seeds) for arm in ARMS}
 
@@ -929,7 +929,8 @@ def write_report(args, out: Path) -> dict:
     devices = sorted({(run["done"] or run["stopped"])["device"] for run in runs if run["done"] or run["stopped"]})
     devices = devices or ["(no finished run)"]
     header = "| arm | runs finished | " + " | ".join(f"final pass@{k} | best pass@{k}" for k in ks)
-    planned = runs_planned(args, runs, out)
+    gathered = (out / "gathered.json").is_file()  # runs of several calls (`prolonged_gather.py`)
+    planned = runs_planned(args, runs, gathered)
     counts = {planned[arm] for arm in args.arms}
     design = (f"{len(args.arms)} arms x {len(args.seeds)} seeds" if counts == {len(args.seeds)} else
               f"{len(args.arms)} arms, {sum(planned[arm] for arm in args.arms)} runs")  # fmt: skip
@@ -954,7 +955,7 @@ def write_report(args, out: Path) -> dict:
         row = " | ".join(cells) if done else " | ".join(["-"] * 2 * len(ks))
         stopped = sum(bool(run["stopped"]) for run in runs if run["arm"] == arm)
         count = f"{len(done)} of {planned[arm]}" + (f" ({stopped} stopped: non-finite gradient)" if stopped else "")
-        if (out / "gathered.json").is_file():  # which seeds were gathered: a lease left out shows
+        if gathered:  # which seeds were gathered: a lease left out shows
             count += " (seeds " + ", ".join(str(seed) for seed in sorted(r["seed"] for r in runs if r["arm"] == arm)) + ")"
         lines.append(f"| {ARMS[arm]} | {count} | {row} | {never} | {wall} |")
     engine = sum(bool(run["done"].get("rollout_engine")) for run in runs if run["done"])

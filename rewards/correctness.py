@@ -85,6 +85,11 @@ _BASE_NUMBER = re.compile(r"(\d[0-9A-Z]*)_\{?(\d+)\}?")
 _GROUPED_NUMBER = re.compile(r"[-+]?[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?")
 
 
+def _is_grouped_number(core: str) -> bool:
+    """Whether `core` (an answer without its unit) is one number written with comma thousands separators."""
+    return _GROUPED_NUMBER.fullmatch(core.replace(" ", "")) is not None
+
+
 @dataclass(frozen=True)
 class _Gold:
     """A gold answer read once: its normalised LaTeX (unit removed), compact form, and the fast-path readings."""
@@ -111,7 +116,7 @@ def _read_gold(answer: str) -> _Gold | None:
     core, unit = split_unit(normalized)
     quantity = read_quantity(normalized)
     polynomial = read_polynomial(core)
-    grouped = _GROUPED_NUMBER.fullmatch(core.replace(" ", "")) is not None and quantity is not None
+    grouped = quantity is not None and _is_grouped_number(core)
     return _Gold(
         latex=core,
         compact=compact(normalized),
@@ -278,7 +283,7 @@ class MathEquivalence(CorrectnessReward):
             parts = top_level_parts(normalized)
             if len({match[1] for part in parts if (match := _ASSIGNED.match(part))}) > 1:
                 return False  # `x=5, y=5`: a solution of several unknowns, not one value
-            if len(parts) > 1 and not _GROUPED_NUMBER.fullmatch(split_unit(normalized)[0].replace(" ", "")):
+            if len(parts) > 1 and not _is_grouped_number(split_unit(normalized)[0]):
                 verdicts = [_scalar_verdict(part, gold_read) for part in parts]
                 if None not in verdicts:
                     return all(verdicts)

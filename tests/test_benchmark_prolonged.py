@@ -306,8 +306,8 @@ def test_arms_split_over_calls_share_one_warm_start_and_gather_into_one_report(t
     assert {"prorl-one_phase@1", "prorl-no_reset@1"} <= set(result["pairs"])
     runs = prolonged.load_runs(gathered)  # each arm counts the runs gathered for it, not the union of all seeds
     runs += [{**run, "seed": 1} for run in runs if run["arm"] == "no_reset"]
-    assert prolonged.runs_planned(None, runs, gathered)["no_reset"] == 2
-    assert prolonged.runs_planned(None, runs, gathered)["one_phase"] == 1
+    assert prolonged.runs_planned(None, runs, gathered=True)["no_reset"] == 2
+    assert prolonged.runs_planned(None, runs, gathered=True)["one_phase"] == 1
     assert_gather_refuses_what_is_not_one_study(tmp_path, warm, packed, second, gathered)
 
 

@@ -215,10 +215,9 @@ class ProRLTrainer(StepBatchesMixin, DynamicSamplingMixin, MinibatchEarlyStopMix
         )
         use_run_progress(self)  # one bar (or line per log) over all phases with rate and ETA, not a dict per log
         config = base_model_of(self.model).config  # a resume refuses another base (the deltas sit on this one)
-        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)  # a processor: its tokenizer
         self.prorl_base_model = base_model_identity(
             getattr(config, "_name_or_path", "") or "", (args.model_init_kwargs or {}).get("revision"),
-            getattr(config, "_commit_hash", None), Path(args.output_dir), getattr(tokenizer, "name_or_path", None),
+            getattr(config, "_commit_hash", None), Path(args.output_dir), getattr(self._tokenizer, "name_or_path", None),
         )  # fmt: skip
 
         self._check_after_init()
