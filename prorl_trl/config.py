@@ -234,13 +234,17 @@ class ProRLConfig(GRPOConfig):
 
         > Overlong penalty
 
-        overlong_buffer (`int`, defaults to `0`): DAPO soft overlong buffer (tokens); 0 disables.
+        overlong_buffer (`int`, defaults to `0`): DAPO soft overlong buffer (tokens); 0 disables. The penalty is added
+            to the score before the group advantage, as in DAPO/verl: it needs `multi_objective_aggregation`
+            `"sum_then_normalize"` (TRL's default; `"normalize_then_sum"` would make it a per-group z-score).
         overlong_penalty_factor (`float`, defaults to `1.0`): Penalty at the cap.
 
         > Dynamic sampling
 
-        dynamic_sampling (`bool`, defaults to `False`): Drop groups whose correctness is uniform, refill with
-            fresh prompts.
+        dynamic_sampling (`bool`, defaults to `False`): Drop groups whose correctness is uniform (all values
+            exactly equal, as verl's filter), refill with fresh prompts. The kept groups keep their per-group
+            advantages, so it needs `scale_rewards` `"group"` or `"none"` with `"sum_then_normalize"` (batch-wide
+            statistics would include the dropped groups).
         dynamic_sampling_reward (`str`, *optional*): `__name__` of the correctness reward it keys on (default:
             the first reward function).
         dynamic_sampling_max_rounds (`int`, defaults to `3`): Extra generation rounds per step to refill.
@@ -348,14 +352,21 @@ class ProRLConfig(GRPOConfig):
         },
     )
     overlong_buffer: int = field(
-        default=0, metadata={"help": "DAPO soft overlong buffer length in tokens before the cap; 0 disables."}
+        default=0,
+        metadata={
+            "help": "DAPO soft overlong buffer length in tokens before the cap; 0 disables. Added to the score before "
+            "the group advantage: needs multi_objective_aggregation sum_then_normalize (TRL's default)."
+        },
     )
     overlong_penalty_factor: float = field(
         default=1.0, metadata={"help": "Overlong penalty at the completion cap (linear inside the buffer)."}
     )
     dynamic_sampling: bool = field(
         default=False,
-        metadata={"help": "Drop groups whose correctness is all-right or all-wrong and refill with fresh prompts."},
+        metadata={
+            "help": "Drop groups whose correctness is all-right or all-wrong and refill with fresh prompts. Needs "
+            "per-group advantages: scale_rewards group or none, multi_objective_aggregation sum_then_normalize."
+        },
     )
     dynamic_sampling_reward: str | None = field(
         default=None,

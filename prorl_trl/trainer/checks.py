@@ -38,6 +38,7 @@ def check_before_init(
                 f"entries for {len(reward_funcs)} reward functions (the overlong penalty is added separately)."
             )
     check_generation_kwargs(args, phases, callbacks)
+    check_reward_shaping(args, phases)
     check_user_optimizers(args, phases, peft_config, callbacks, optimizers)
     if args.use_liger_kernel and (args.liger_kernel_config or {}).get("fused_linear_cross_entropy"):
         # TRL 1.16 refuses it too, but in GRPOTrainer.__init__, after the model is loaded.
@@ -115,6 +116,53 @@ def check_launch(args: ProRLConfig, engine: Engine, phases: list[ResolvedPhase],
             f"Phases change the LoRA rank or targets under {engine.label}, but the model is a ready PeftModel. "
             "Pass the base model with `peft_config=LoraConfig(...)` instead: the adapter must be allocated for "
             "every phase (largest rank, union of targets) before the engine wraps the model."
+        )
+
+
+def check_reward_shaping(args: ProRLConfig, phases: list[ResolvedPhase]) -> None:
+    """Refuse the DAPO overlong penalty and dynamic sampling with a TRL aggregation that would not compute DAPO's.
+
+    DAPO (and verl) add the penalty to the correctness score, then take the group advantage of the score; dynamic
+    sampling drops the groups of uniform correctness and computes the advantages of the kept batch. TRL 1.16's
+    `_generate_and_score_completions`: `sum_then_normalize` sums the weighted columns (the penalty with weight 1), then
+    subtracts the group mean and divides by the group's std ('group'), nothing ('none') or the std of the whole
+    generation batch ('batch'); `normalize_then_sum` turns each column into per-group z-scores before the sum, then
+    standardises the sum over the whole generation batch (and ignores `scale_rewards`). Dynamic sampling keeps each
+    round's advantages, so a statistic over the batch would include the groups it drops.
+    """
+    penalised = [phase for phase in phases if phase.overlong_buffer > 0]
+    if penalised and args.multi_objective_aggregation == "normalize_then_sum":
+        first = penalised[0]
+        where = f"overlong_buffer={first.overlong_buffer}"
+        if first.index:
+            where = f"ProRLConfig phase {first.index} ({first.name}) sets {where}"
+        raise ValueError(
+            f"The DAPO overlong penalty ({where}) cannot be used with multi_objective_aggregation="
+            "'normalize_then_sum': TRL then normalises every reward function within its group before summing, so the "
+            "penalty becomes a per-group z-score: overlong_penalty_factor has no effect, and a completion one token "
+            "into the buffer is punished as hard as a wrong answer. DAPO and verl add the penalty to the score before "
+            "the group advantage, which is what multi_objective_aggregation: sum_then_normalize (TRL's default) "
+            "computes. Set multi_objective_aggregation: sum_then_normalize, or overlong_buffer: 0 (in every phase) to "
+            "train without the penalty."
+        )
+    if not args.dynamic_sampling:
+        return
+    if args.multi_objective_aggregation == "normalize_then_sum":
+        raise ValueError(
+            "dynamic_sampling with multi_objective_aggregation='normalize_then_sum' is refused: after normalising each "
+            "reward within its group, TRL standardises the summed reward over the whole generation batch, the groups "
+            "dynamic sampling then drops included, and each refill round has its own mean and std, so the kept groups "
+            "would train on advantages scaled by groups that are not trained. Set multi_objective_aggregation: "
+            "sum_then_normalize (TRL's default; advantages per group, as DAPO computes them on the kept batch), or "
+            "dynamic_sampling: false."
+        )
+    if args.scale_rewards == "batch":
+        raise ValueError(
+            "dynamic_sampling with scale_rewards='batch' is refused: TRL divides by the std of the whole generation "
+            "batch, the groups dynamic sampling then drops included, and each refill round has its own std, so the "
+            "kept groups would train on advantages scaled by groups that are not trained (DAPO and verl compute the "
+            "advantages of the kept batch). Set scale_rewards: group (TRL's default) or none, whose statistics are "
+            "per group, or dynamic_sampling: false."
         )
 
 

@@ -10,6 +10,11 @@ fixed size TRL's buffering and loss normaliser expect. A filler group is uniform
 are 0 when every reward is uniform in it, and otherwise come from the rewards that vary (the overlong penalty, a
 format reward), as in any group TRL scores.
 
+The kept rows keep the advantages TRL gave them in their own round. That is verl's advantage of the kept batch only
+when every statistic is taken per group (`multi_objective_aggregation='sum_then_normalize'` with `scale_rewards`
+'group' or 'none'); batch-wide statistics would include the dropped groups and differ between rounds, so
+`checks.check_reward_shaping` refuses them.
+
 DDP: the decision uses the rewards TRL gathered over all ranks, so every rank computes the same keep masks and the
 same number of rounds (each round runs collectives). Each rank must hold whole groups (checked at init).
 """
@@ -40,16 +45,19 @@ RECOMPUTED = {"num_items_in_batch"}
 def uniform_groups(correctness: torch.Tensor, num_generations: int) -> torch.Tensor:
     """Bool per group: True when every scored completion of the group has the same correctness (no signal).
 
+    Same means exactly equal, as in verl's DAPO filter (`np.std(values) > 0` keeps a group); a tolerance is relative to
+    the reward's scale (`torch.isclose` called [100, 100, 100, 99.9995] uniform; TRL gives its odd one -1.08).
+    Rewards a Python function returns equal are equal float32 numbers in TRL's table, so no uniform group is kept.
     NaN (a reward that returned None) is ignored; a group with no scored completion counts as uniform.
 
-    >>> uniform_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]), 3).tolist()
-    [False, True]
+    >>> uniform_groups(torch.tensor([1.0, 1.0, 0.0, -1.0, -1.0, -1.0, 100.0, 100.0, 99.9995]), 3).tolist()
+    [False, True, False]
     """
     groups = correctness.view(-1, num_generations)
     scored = ~torch.isnan(groups)
     high = torch.where(scored, groups, torch.full_like(groups, -torch.inf)).amax(dim=1)
     low = torch.where(scored, groups, torch.full_like(groups, torch.inf)).amin(dim=1)
-    return ~scored.any(dim=1) | torch.isclose(high, low)
+    return ~scored.any(dim=1) | (high == low)
 
 
 class RefillSampler:

@@ -4,6 +4,11 @@
 phases (and a `SamplingScheduleCallback` may change it inside one), so a fixed cap would silently penalise the wrong
 lengths. `OverlongPenalty` is a callable class whose cap and buffer the trainer overwrites every time it applies new
 sampling settings (`ProRLTrainer.apply_sampling`), so it can never go stale.
+
+DAPO (and verl) add the penalty to the score before the group advantage. Here it is one more reward column, which
+TRL's default `multi_objective_aggregation="sum_then_normalize"` sums (weight 1) before the advantage: the same score,
+whatever `scale_rewards` does with it afterwards. `"normalize_then_sum"` would standardise the column within each group
+first (the penalty's size lost), so `checks.check_reward_shaping` refuses it.
 """
 
 from __future__ import annotations
