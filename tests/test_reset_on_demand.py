@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from test_launch import free_port
-from test_resume_cli import LAUNCHER, assert_same_weights, cli, history
+from test_resume_cli import LAUNCHER, assert_same_weights, cli, history, snapshot
 
 THREE_PHASES = ["--phases", "[{name: first, max_steps: 4}, {name: middle, max_steps: 2},"
                 " {name: last, max_steps: 2, lora_r: 2, lora_alpha: 4}]", "--validation.eval_steps", "4"]  # fmt: skip
@@ -101,8 +101,8 @@ def test_a_request_written_while_the_job_is_down_acts_at_its_first_step_and_surv
     jumped, tiny_dir, shared_data, tmp_path, capsys
 ):
     """Killed before step 2; the verb writes the request (a bad phase is refused first); the resume acts at its first
-    step end (step 2), is killed right after phase 0's last checkpoint, and the next resume skips phase 1 and ends on
-    the uninterrupted run's weights and log."""
+    step end (step 2), is killed right after phase 0's last checkpoint; a resume that changes the skipped phase 1 is
+    refused; the next resume skips phase 1 and ends on the uninterrupted run's weights and log."""
     reference, _ = jumped
     out = tmp_path / "run"
     killed = cli(out, tiny_dir, shared_data, *THREE_PHASES, env={"PRORL_TEST_KILL_AT": "on_step_begin:0:2"})
@@ -116,6 +116,14 @@ def test_a_request_written_while_the_job_is_down_acts_at_its_first_step_and_surv
     killed = cli(out, tiny_dir, shared_data, *THREE_PHASES, "--resume", env={"PRORL_TEST_KILL_AT": "on_train_end:0:2"})
     assert killed.returncode == -9 and "Reset on demand at global step 2" in console(killed), killed.stderr[-2000:]
     assert (out / "prorl_reset_requests" / "handled-step-2.json").is_file()
+    # A setting of the phase the jump skipped would never take effect: refused, even with --allow-changes, before
+    # anything loads or is written (before 2026-11-29 it was recorded in resume_history.yaml and ignored).
+    before = snapshot(out)
+    refused = cli(out, tiny_dir, shared_data, *THREE_PHASES, "--phases.1.temperature", "1.7", "--resume",
+                  "--allow-changes")  # fmt: skip
+    assert refused.returncode == 2 and "phase 1 never trains" in console(refused), refused.stderr[-2000:]
+    assert "phases.1.temperature: (not set) -> 1.7" in console(refused) and "Traceback" not in refused.stderr
+    assert snapshot(out) == before
     done = cli(out, tiny_dir, shared_data, *THREE_PHASES, "--resume")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Reset on demand at global step" not in console(done)  # acted on once

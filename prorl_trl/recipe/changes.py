@@ -14,6 +14,7 @@ import dataclasses
 import datetime
 import fnmatch
 import json
+import re
 import shlex
 import sys
 from dataclasses import dataclass
@@ -279,20 +280,15 @@ class ChangedRecipeError(RecipeError):
         return self.message
 
 
-def data_file_changes(run_dir: Path, data_now: dict[str, dict[str, str]]) -> list[Change]:
-    """A change per split whose local data file holds other bytes than the run recorded (`data_files.json`), or whose
-    recorded file is gone from the recipe; none for a run that recorded no data files."""
-    path = run_dir / DATA_FILES_NAME
-    if not path.is_file():
+def data_file_changes(
+    run_dir: Path, data_now: dict[str, dict[str, str]], global_step: int | None = None
+) -> list[Change]:
+    """A change per split whose local data file holds other bytes than the run recorded up to the checkpoint's
+    `global_step` (`recorded_data_files`), or whose recorded file is gone from the recipe; none for a run that
+    recorded no data files."""
+    recorded = recorded_data_files(run_dir, global_step)
+    if recorded is None:
         return []
-    from ..files import UnreadableFileError, read_json
-
-    try:
-        recorded = read_json(path, dict)
-    except UnreadableFileError as error:
-        raise ChangedRecipeError(_unreadable(path, "what the run's data files held", error.problem)) from None
-    if not all(isinstance(v, dict) for v in recorded.values()):
-        raise ChangedRecipeError(_unreadable(path, "what the run's data files held", "it is not a mapping of splits"))
     changes = []
     for split in sorted(recorded.keys() | data_now.keys()):
         old, new = recorded.get(split, {}), data_now.get(split, {})
@@ -301,6 +297,61 @@ def data_file_changes(run_dir: Path, data_now: dict[str, dict[str, str]]) -> lis
             changes.append(Change(f"{DATA_FILE_KEY} ({split}) {where}", old.get("fingerprint", _UNSET),
                                   new.get("fingerprint", _UNSET), alters_training=True))  # fmt: skip
     return changes
+
+
+def recorded_data_files(run_dir: Path, global_step: int | None = None) -> dict[str, dict[str, Any]] | None:
+    """What the run's local data files held (`{split: {"file", "fingerprint"}}`) as recorded up to a checkpoint's
+    `global_step`, the way `recorded_recipe` reads the recipe; None when the run recorded none. `data_files.json` is
+    rewritten by a resume that accepts new bytes, so it is the latest record, not the start's: a split a resume
+    changed held at the start what its first recorded change calls `old`. The data-file changes of the live history
+    up to the step are applied on top: a checkpoint trained on the bytes of its own path, not the latest ones."""
+    path = run_dir / DATA_FILES_NAME
+    if not path.is_file():
+        return None
+    held, history = _read_data_files(path), read_history(run_dir)
+    started: dict[str, tuple[str, Any]] = {}
+    for entry in history:
+        for split, file, change in _data_changes_of(entry):
+            started.setdefault(split, (file, change.get("old", _UNSET)))
+    for split, (file, fingerprint) in started.items():
+        _hold(held, split, file, fingerprint)
+    for entry in live_history(history):
+        if global_step is None or _entry_step(entry) <= global_step:
+            for split, file, change in _data_changes_of(entry):
+                _hold(held, split, file, change.get("new", _UNSET))
+    return held
+
+
+def _read_data_files(path: Path) -> dict[str, dict[str, Any]]:
+    """`data_files.json`, refused (exit 2, naming it) when it is not the mapping of splits the run wrote."""
+    from ..files import UnreadableFileError, read_json
+
+    try:
+        recorded = read_json(path, dict)
+    except UnreadableFileError as error:
+        raise ChangedRecipeError(_unreadable(path, "what the run's data files held", error.problem)) from None
+    if not all(isinstance(v, dict) for v in recorded.values()):
+        raise ChangedRecipeError(_unreadable(path, "what the run's data files held", "it is not a mapping of splits"))
+    return recorded
+
+
+def _data_changes_of(entry: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """(split, file, change record) of each data-file change a resume-history entry recorded (`data_file_changes`
+    names them `data file (<split>) <file>`)."""
+    found = []
+    for change in entry.get("changes") or []:
+        match = re.fullmatch(rf"{DATA_FILE_KEY} \((\w+)\) (.*)", str(change.get("key", "")), re.S)
+        if match:
+            found.append((match[1], match[2], change))
+    return found
+
+
+def _hold(held: dict[str, dict[str, Any]], split: str, file: str, fingerprint: Any) -> None:
+    """Record that `split` held `fingerprint` (`_UNSET`: the recipe had no such local file)."""
+    if fingerprint is _UNSET:
+        held.pop(split, None)
+    else:
+        held[split] = {"file": file, "fingerprint": fingerprint}
 
 
 def same_base_model_folder(change: Change, state: dict[str, Any]) -> bool:
@@ -352,29 +403,83 @@ def _own_length_key(state: dict[str, Any]) -> str:
     return f"phases.{state['phase_index']}.max_steps"
 
 
+def _length_applies(state: dict[str, Any]) -> bool:
+    """Whether a new `max_steps` of the checkpoint's own phase can take effect: only where the phase ends at its
+    length; one ended otherwise (a plateau stop, a reset on demand) stays ended (`resumed_phase_complete`)."""
+    return state.get("phase_end_reason", "max_steps") == "max_steps"
+
+
+def _jumps(state: dict[str, Any]) -> list[tuple[int, int, Any]]:
+    """(from phase, to phase, global step) of each reset on demand the checkpoint recorded (`on_demand_resets`):
+    the trainer skips the phases between (`trainer.on_demand.next_phase_after`)."""
+    records = state.get("on_demand_resets") or []
+    return [
+        (record["from_phase"], record["to_phase"], record.get("step")) for record in records
+        if isinstance(record, dict) and all(_is_index(record.get(key)) for key in ("from_phase", "to_phase"))
+    ]  # fmt: skip
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def resumed_into(changes: list[Change], state: dict[str, Any]) -> int:
+    """The first phase a resume from the checkpoint (`state`: its `prorl_state.json`) can still train: its own, the
+    next when no step of its own is left (`_phase_stays_complete`), or the phase a recorded reset on demand jumped to
+    (the phases before it are skipped)."""
+    own = state["phase_index"] + (1 if _phase_stays_complete(changes, state) else 0)
+    return max([own] + [to for _, to, _ in _jumps(state)])
+
+
 def refuse_finished_phase_changes(changes: list[Change], state: dict[str, Any], checkpoint: Path) -> None:
     """A change to a phase with no step left to train after the resume from the checkpoint (`state`: its
-    `prorl_state.json`) cannot be honoured (`phases.<i>.*`, i below its phase, or its own phase when it is over or
-    this resume ends it at the checkpoint's step): that phase trained as recorded. Refused (exit 2) even with
-    `--allow-changes`, rather than accepted and left without effect. The length change that ends the phase is not
-    one of them: ending a phase at the checkpoint's step is what a resume can do."""
-    current = state["phase_index"]
-    if _phase_stays_complete(changes, state):  # its checkpoint ends it: a resume starts the next phase
-        current += 1
+    `prorl_state.json`) cannot be honoured (`phases.<i>.*`, i below the phase it resumes into, `resumed_into`: phases
+    that trained, its own when it is over or this resume ends it at the checkpoint's step, and phases a reset on
+    demand skipped). Refused (exit 2) even with `--allow-changes`, rather than accepted and left without effect. The
+    own phase's length change that ends it at the checkpoint is not one of them (ending a phase at the checkpoint's
+    step is what a resume can do), unless the phase ended otherwise than at its length: then no length applies."""
+    current = resumed_into(changes, state)
+    own_length = _own_length_key(state) if _length_applies(state) else None
     finished = [
         change for change in changes
-        if (phase := phase_of_key(change.key)) is not None and phase < current and change.key != _own_length_key(state)
+        if (phase := phase_of_key(change.key)) is not None and phase < current and change.key != own_length
     ]  # fmt: skip
-    if finished:
-        listed = "\n".join(f"  {change.describe()}" for change in finished)
-        ended = current - 1 == state["phase_index"]
-        raise ChangedRecipeError(
-            f"--resume: {checkpoint} resumes into phase {current}"
-            + (f" (phase {state['phase_index']} has no step left to train after it)" if ended else "")
-            + f", so these settings of earlier, finished phases cannot take effect:\n{listed}\nNothing was loaded or "
-            "changed. Drop those overrides (keep the finished phases as recorded); a change to the current phase or "
-            "a later one, or to `training`, is what a resume can apply."
-        )
+    if not finished:
+        return
+    listed = "\n".join(f"  {change.describe()}" for change in finished)
+    ended = _phase_stays_complete(changes, state)
+    skipped = _skipped_note({phase_of_key(change.key) for change in finished}, state)
+    raise ChangedRecipeError(
+        f"--resume: {checkpoint} resumes into phase {current}"
+        + (f" (phase {state['phase_index']} has no step left to train after it)" if ended else "")
+        + (f"; {skipped[0]}" if skipped else "")
+        + f", so these settings of {'earlier phases, finished or skipped,' if skipped else 'earlier, finished phases'}"
+        f" cannot take effect:\n{listed}\nNothing was loaded or changed. Drop those overrides (keep those phases as "
+        "recorded); a change to the current phase or a later one, or to `training`, is what a resume can apply (a "
+        f"phase inherits what it leaves unset from the phase before it: to change a setting from phase {current} on, "
+        f"set it there, `--phases.{current}.<key> VALUE`)." + (f" {skipped[1]}" if skipped else "")
+    )
+
+
+def _skipped_note(phases: set[int | None], state: dict[str, Any]) -> tuple[str, str] | None:
+    """How a refusal names the refused phases a reset on demand skipped, and how to train them after all; None
+    when none of them was skipped."""
+    said, steps = [], []
+    for start, to, step in _jumps(state):
+        skipped = [str(phase) for phase in range(start + 1, to) if phase in phases]
+        if skipped:
+            many = len(skipped) > 1
+            said.append(f"phase{'s' if many else ''} {', '.join(skipped)} never train{'' if many else 's'}: the reset "
+                        f"on demand at global step {step} (`prorl-trl reset --to-phase {to}`) ended phase {start} and "
+                        f"skipped {'them' if many else 'it'}")  # fmt: skip
+            steps += [step] if _is_index(step) else []
+    if not said:
+        return None
+    before = f"before global step {min(steps)}" if steps else "before that reset"
+    return "; ".join(said), (
+        f"To train a skipped phase with these settings after all, resume from a checkpoint written {before} "
+        "(`--resume RUN_DIR/phase-<i>/checkpoint-<step>`): from there that phase is still ahead."
+    )
 
 
 def world_size_change(state: dict[str, Any], world_size: int | None) -> Change | None:
@@ -406,7 +511,8 @@ def check_resume_changes(
             "changes training (the run wrote that file when it started). Nothing was loaded or changed. Restore it, "
             "or pass --allow-changes to continue with this recipe as given (it is then recorded as the run's recipe)."
         )
-    changes = (recorded or []) + (data_file_changes(run_dir, data_now) if data_now is not None else [])
+    step = checkpoint_global_step(state)
+    changes = (recorded or []) + (data_file_changes(run_dir, data_now, step) if data_now is not None else [])
     launched = world_size_change(state, world_size)
     changes += [launched] if launched is not None else []
     altering = [change for change in changes if change.alters_training]
@@ -416,7 +522,7 @@ def check_resume_changes(
         listed = "\n".join(f"  {change.describe()}" for change in altering)
         raise ChangedRecipeError(
             f"--resume: the recipe differs from the one {run_dir}/ was trained with ({RECORDED_RECIPE_NAME}"
-            f"{_history_part(run_dir, checkpoint_global_step(state))}) in settings that "
+            f"{_history_part(run_dir, step)}) in settings that "
             f"change training:\n{listed}\nNothing was loaded or changed. Resume with the run's settings (drop those "
             "overrides, or pass the old values), or pass --allow-changes to continue with the new ones (they are "
             f"recorded in {RESUME_HISTORY_NAME}; {RECORDED_RECIPE_NAME} keeps the original)."
@@ -485,7 +591,8 @@ def write_run_recipe(
     left no checkpoint); a resume never rewrites it, and appends the changes it went on with (and `extended`, what it
     adds to a finished run) to the history, also with no change when it abandons steps an earlier resume recorded
     changes at (`live_history`). `data_files.json` holds what the local data files held at the start, or at the last
-    resume that accepted a change to them."""
+    resume that accepted a change to them; a resume compares with the record in effect at its checkpoint's step
+    (`recorded_data_files`: the start's, with the data-file changes of the history up to that step)."""
     from ..reset.checkpoint import write_json
 
     data_changed = any(change.key.startswith(f"{DATA_FILE_KEY} (") for change in changes)

@@ -27,6 +27,7 @@ from .changes import (
     Change,
     ChangedRecipeError,
     canonical,
+    checkpoint_global_step,
     data_file_changes,
     flatten,
     phase_of_key,
@@ -161,9 +162,11 @@ def extended_plan(
 def _changes(
     run_dir: Path, current: dict[str, Any], data_now: dict[str, dict[str, str]] | None, saved: dict[str, Any]
 ) -> list[Change]:
-    """The recipe's changes against the run's recorded one (and its data files'), as a resume sees them."""
+    """The recipe's changes against the run's recorded one (and its data files'), as a resume from the checkpoint
+    (`saved`: its `prorl_state.json`) sees them: both as recorded up to its global step."""
     changes = recorded_changes(run_dir, current, saved) or []
-    return changes + (data_file_changes(run_dir, data_now) if data_now is not None else [])
+    step = checkpoint_global_step(saved)
+    return changes + (data_file_changes(run_dir, data_now, step) if data_now is not None else [])
 
 
 def _refuse_changes_to_trained_phases(
