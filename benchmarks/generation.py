@@ -34,10 +34,8 @@ GPU machine needs no TRL):
                        block's load waits instead of overlapping the previous block's arithmetic).
   rollout_engine_default_pool  A/B: rollout_engine with `arena.PRIVATE_POOL` off (the generation arena in the caching
                        allocator's default pool, cached between generations, instead of given back to the driver).
-  rollout_engine_l2_mlp  A/B: rollout_engine with `l2_prefetch.PREFETCH_MLP` on (each layer's gate/up and down
-                       weights pulled into L2 on a side stream at the layer's start).
-  rollout_engine_l2_all  A/B: rollout_engine_l2_mlp plus `l2_prefetch.PREFETCH_NEXT_ATTENTION` (the next layer's
-                       q/k/v and o weights at each MLP).
+  rollout_engine_ieee_mlp_lora  A/B: rollout_engine with `fused_mlp.LORA_TF32X3` off (the fused MLP kernel's LoRA
+                       delta products in IEEE float32 on CUDA cores instead of three TF32 tensor-core products).
   continuous_batching  `model.generate_batch(prompt_ids, generation_config=..., continuous_batching_config=
                        ContinuousBatchingConfig(max_memory_percent=0.5))` as TRL's `use_transformers_continuous_batching`.
 Continuous batching runs last for each model: it reserves half the free GPU memory for its paged cache.
@@ -96,8 +94,7 @@ METHODS = (
     "rollout_engine_torch_softmax",
     "rollout_engine_no_prefetch",
     "rollout_engine_default_pool",
-    "rollout_engine_l2_mlp",
-    "rollout_engine_l2_all",
+    "rollout_engine_ieee_mlp_lora",
 )
 # Inductor options an engine method takes after '@' (joined with '+'), for A/B rows without a new method each.
 INDUCTOR_PRESETS = {
@@ -260,7 +257,7 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
     top_p = 1.0 if method == "static_compile_top_p1" else args.top_p
     config = trl_generation_config(args, max_new_tokens, eos, pad, top_p)
     if method.startswith("rollout_engine"):
-        from prorl_trl.rollout import arena, decode_attention, fused_mlp, fused_weights, l2_prefetch, lora_decode, sampler
+        from prorl_trl.rollout import arena, decode_attention, fused_mlp, fused_weights, lora_decode, sampler
         from prorl_trl.rollout.engine import RolloutEngine
 
         cache_len = max(args.cache_len or 0, args.prompt_length + max_new_tokens)
@@ -273,9 +270,8 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
             switches = (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, fused_mlp.FUSED_MLP,
                         decode_attention.LIVE_SPLITS, lora_decode.FOLD_LORA_A, sampler.RACE_KERNEL,
                         sampler.SOFTMAX_KERNEL, arena.PRIVATE_POOL, prefetch_switches())  # fmt: skip
-            l2_switches = (l2_prefetch.PREFETCH_MLP, l2_prefetch.PREFETCH_NEXT_ATTENTION)
-            l2_prefetch.PREFETCH_MLP = method in ("rollout_engine_l2_mlp", "rollout_engine_l2_all") or l2_switches[0]
-            l2_prefetch.PREFETCH_NEXT_ATTENTION = method == "rollout_engine_l2_all" or l2_switches[1]
+            tf32x3 = fused_mlp.LORA_TF32X3
+            fused_mlp.LORA_TF32X3 = method != "rollout_engine_ieee_mlp_lora" and tf32x3
             lora_decode.FUSE_LORA = method != "rollout_engine_unfused"  # the A/B switches
             arena.PRIVATE_POOL = method != "rollout_engine_default_pool" and arena.PRIVATE_POOL
             fused_weights.FUSE_BASE = method != "rollout_engine_separate"
@@ -293,7 +289,7 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
                  decode_attention.LIVE_SPLITS, lora_decode.FOLD_LORA_A, sampler.RACE_KERNEL,
                  sampler.SOFTMAX_KERNEL, arena.PRIVATE_POOL, prefetch) = switches  # fmt: skip
                 set_prefetch(prefetch)
-                l2_prefetch.PREFETCH_MLP, l2_prefetch.PREFETCH_NEXT_ATTENTION = l2_switches
+                fused_mlp.LORA_TF32X3 = tf32x3
             if output.tokens.shape[1] != max_new_tokens:
                 raise RuntimeError(f"generated {output.tokens.shape[1]} tokens per sequence, expected {max_new_tokens}")
             model.train()

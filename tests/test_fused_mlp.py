@@ -80,3 +80,31 @@ def test_kernel_matches_reference_in_triton_interpreter():
 @pytest.mark.skipif(not (torch.cuda.is_available() and triton_available()), reason="needs CUDA and Triton")
 def test_kernel_matches_reference_on_cuda_and_replays_from_a_graph():
     check_kernel("cuda", (torch.bfloat16, torch.float16, torch.float32))
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and triton_available()), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("tf32x3", [True, False])
+def test_lora_deltas_keep_float32_precision_on_cuda(tf32x3):
+    """bf16 model, float32 r64 adapters on gate and up, 64 rows (the reset-4 shape), zero base weights so the outputs
+    are the deltas alone: the kernel's outputs equal torch's (float32 cuBLAS products, TF32 off) except where a
+    summation order moves a 16-bit rounding, with the products as three TF32 products (`LORA_TF32X3`, the default) or
+    IEEE float32. One TF32 product (10 mantissa bits) would move about a tenth of them."""
+    from prorl_trl.rollout.fused_mlp_triton import launch_gated_activation
+
+    generator = torch.Generator().manual_seed(3)
+    rows, intermediate, depth, rank = 64, 4864, 896, 64
+    x = torch.randn(rows, depth, generator=generator).to("cuda", torch.bfloat16)
+    weight = torch.zeros(2 * intermediate, depth, dtype=torch.bfloat16, device="cuda")
+    gate, up = (LoraDelta(torch.randn(rows, rank, generator=generator).cuda(),
+                          torch.randn(intermediate, rank, generator=generator).cuda() * 0.1, 2.0) for _ in range(2))  # fmt: skip
+    assert not torch.backends.cuda.matmul.allow_tf32
+    want = gated_activation_reference(x, weight, gate, up)
+    got = launch_gated_activation(x, weight, gate, up, tile_layout(rows, intermediate), lora_tf32x3=tf32x3)
+    differing = (got != want).float().mean().item()
+    assert differing < 0.01, differing
+    def tf32(t: torch.Tensor) -> torch.Tensor:  # float32 cut to TF32's 10 mantissa bits
+        return (t.view(torch.int32) & ~0x1FFF).view(torch.float32)
+
+    one_tf32 = (((tf32(gate.hidden) @ tf32(gate.up).T) * 2.0).to(torch.bfloat16)
+                != ((gate.hidden @ gate.up.T) * 2.0).to(torch.bfloat16)).float().mean().item()  # fmt: skip
+    assert one_tf32 > 5 * max(differing, 1e-4), (one_tf32, differing)  # the test could tell a coarser product apart

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import fused_weights, l2_prefetch
+from . import fused_weights
 from .arena import Region
 from .decode_attention import gqa_decode_attention
 from .fused_weights import FusedLinear, copy_members, copyable, stack_copies
@@ -264,31 +264,6 @@ def prefill(parts: DecoderParts, input_ids: torch.Tensor, attention_mask: torch.
     return outputs.logits[:, -1], [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def attention_weights(parts: DecoderParts, index: int) -> list[torch.Tensor]:
-    """What layer `index`'s q/k/v and o GEMMs read: their stacked copies where stacked, else the base weights."""
-    layer = parts.layers[index]
-    fused_qkv = parts.fused_qkv[index] if parts.fused_qkv else None
-    fused_o = parts.fused_o[index] if parts.fused_o else None
-    inputs = [fused_qkv.stacked] if fused_qkv is not None else [base_linear(m).weight for m in _attention_inputs(layer)]
-    return [*inputs, fused_o.stacked if fused_o is not None else base_linear(layer.self_attn.o_proj).weight]
-
-
-def mlp_weights(parts: DecoderParts, index: int) -> list[torch.Tensor]:
-    """What layer `index`'s gate/up and down GEMMs read: their stacked copies where stacked, else the base weights."""
-    layer = parts.layers[index]
-    fused_gate_up = parts.fused_gate_up[index] if parts.fused_gate_up else None
-    fused_down = parts.fused_down[index] if parts.fused_down else None
-    gate_up = (
-        [fused_gate_up.stacked]
-        if fused_gate_up is not None
-        else [base_linear(module).weight for module in _mlp_inputs(layer) if module is not None]
-    )
-    down = _down_projection(layer)
-    if fused_down is not None:
-        return [*gate_up, fused_down.stacked]
-    return [*gate_up, *(base_linear(module).weight for module in down)]
-
-
 def decode_logits(
     parts: DecoderParts,
     tokens: torch.Tensor,
@@ -297,14 +272,12 @@ def decode_logits(
     key_caches: list[torch.Tensor],
     value_caches: list[torch.Tensor],
     float32: bool = True,
-    prefetch_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Logits `(batch, vocab)` for one new token per row, writing its keys/values at column `write_index`; float32 as
     `generate` hands them to its processors, or (`float32=False`) in the LM head's dtype.
 
     `tokens` are the previous step's tokens, `start[b]` the first live cache column of row b (its left padding), so
     its position is `write_index - start[b]`, as in `generate` (positions count only real tokens).
-    `prefetch_order`: where `l2_prefetch`'s switches are on, the tensor its prefetches declare they write (None: none).
     """
     batch = tokens.shape[0]
     hidden = torch.nn.functional.embedding(tokens[:, None], parts.embed_tokens.weight)
@@ -313,12 +286,8 @@ def decode_logits(
     unfused = [None] * len(parts.layers)
     fused_qkv, fused_gate_up = parts.fused_qkv or unfused, parts.fused_gate_up or unfused
     fused_o, fused_down = parts.fused_o or unfused, parts.fused_down or unfused
-    order = prefetch_order if l2_prefetch.enabled() else None
-    last = len(parts.layers) - 1
     for index, (layer, key_cache, value_cache) in enumerate(zip(parts.layers, key_caches, value_caches, strict=True)):
         attention = layer.self_attn
-        if l2_prefetch.PREFETCH_MLP:
-            l2_prefetch.prefetch(mlp_weights(parts, index), order)
         normed = layer.input_layernorm(hidden)
         query, key, value = [
             projected.view(batch, 1, -1, parts.head_dim)
@@ -331,10 +300,7 @@ def decode_logits(
         value_cache.index_copy_(2, write_index, value.transpose(1, 2).to(value_cache.dtype))
         attended = gqa_decode_attention(query, key_cache, value_cache, start, write_index, attention.scaling)
         hidden = hidden + project(attended.reshape(batch, 1, -1), (attention.o_proj,), fused_o[index])[0]
-        if l2_prefetch.PREFETCH_NEXT_ATTENTION and index < last:
-            l2_prefetch.prefetch(attention_weights(parts, index + 1), order)
         normed = layer.post_attention_layernorm(hidden)
         hidden = hidden + gated_mlp(layer.mlp, normed, fused_gate_up[index], fused_down[index])
     logits = parts.lm_head(parts.norm(hidden))[:, 0]
-    l2_prefetch.join(order)
     return logits.float() if float32 else logits

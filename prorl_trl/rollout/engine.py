@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import arrivals, decode_attention, fused_mlp, fused_weights, l2_prefetch, lora_decode
+from . import arrivals, decode_attention, fused_mlp, fused_weights, lora_decode
 from . import sampler as sampler_module
 from .arena import GenerationArena, Region
 from .compiled import raise_recompile_limit
@@ -88,14 +88,13 @@ class DecodeState(NamedTuple):
     finished: torch.Tensor  # (batch,) bool: the row has emitted an EOS
     out: torch.Tensor  # (batch, columns) chosen tokens, column = step
     done: torch.Tensor  # () bool: every row finished
-    order: torch.Tensor  # (1,) never written: `l2_prefetch`'s ops declare they write it, which keeps them in order
 
 
 def state_regions(batch: int, columns: int) -> list[Region]:
     """`DecodeState` as arena regions: the integer tensors in buffer "state", the two flags in "flags" (one dtype per
     buffer). Nothing of the state stays allocated between generations (the flags' and the sampler's few bytes
     outside the arena were the engine's +5 KB of peak allocated memory over `compiled_generation` at commit 178044a)."""
-    shapes = {"token": (batch,), "step": (1,), "width": (1,), "start": (batch,), "out": (batch, columns), "order": (1,)}
+    shapes = {"token": (batch,), "step": (1,), "width": (1,), "start": (batch,), "out": (batch, columns)}
     flags = {"finished": (batch,), "done": ()}
     return [*(Region(name, shape, torch.long, "state") for name, shape in shapes.items()),
             *(Region(name, shape, torch.bool, "flags") for name, shape in flags.items())]  # fmt: skip
@@ -200,11 +199,11 @@ class CaptureKey:
     fuse_lora: bool  # lora_decode.FUSE_LORA when traced (A/B benchmarks flip it)
     fuse_base: bool  # fused_weights.FUSE_BASE, likewise
     fused_mlp: bool  # fused_mlp.FUSED_MLP, likewise
+    mlp_lora_tf32x3: bool  # fused_mlp.LORA_TF32X3, likewise (read at capture)
     live_splits: bool  # decode_attention.LIVE_SPLITS, likewise (read at capture)
     fold_lora_a: bool  # lora_decode.FOLD_LORA_A, likewise
     race_kernel: bool  # sampler.RACE_KERNEL, likewise
     softmax_kernel: bool  # sampler.SOFTMAX_KERNEL, likewise
-    l2_prefetch: tuple[bool, bool]  # l2_prefetch.PREFETCH_MLP and PREFETCH_NEXT_ATTENTION, likewise
 
 
 class CaptureRecord(NamedTuple):
@@ -244,8 +243,7 @@ def forward_half(parts: DecoderParts):
 
     def forward(state: DecodeState, keys: tuple, values: tuple) -> torch.Tensor:
         write_index = state.width + state.step - 1
-        return decode_logits(parts, state.token, state.start, write_index, list(keys), list(values), float32=False,
-                             prefetch_order=state.order)  # fmt: skip
+        return decode_logits(parts, state.token, state.start, write_index, list(keys), list(values), float32=False)
 
     return forward
 
@@ -464,10 +462,9 @@ class RolloutEngine:
             device=str(device), batch=batch, cache_len=self.prompt_budget + chunks * self.steps_per_graph,
             chunks=chunks, layout=settings.layout, kv_dtype=prompt_kv[0][0].dtype, autocast_dtype=autocast_dtype,
             model=id(parts.model), cuda_graphs=use_graphs, fuse_lora=lora_decode.FUSE_LORA,
-            fuse_base=fused_weights.FUSE_BASE, fused_mlp=fused_mlp.FUSED_MLP,
+            fuse_base=fused_weights.FUSE_BASE, fused_mlp=fused_mlp.FUSED_MLP, mlp_lora_tf32x3=fused_mlp.LORA_TF32X3,
             live_splits=decode_attention.LIVE_SPLITS, fold_lora_a=lora_decode.FOLD_LORA_A,
             race_kernel=sampler_module.RACE_KERNEL, softmax_kernel=sampler_module.SOFTMAX_KERNEL,
-            l2_prefetch=(l2_prefetch.PREFETCH_MLP, l2_prefetch.PREFETCH_NEXT_ATTENTION),
         )  # fmt: skip
         kv_shape = (2, len(parts.layers), batch, parts.num_kv_heads, key.cache_len, parts.head_dim)
         layout = (

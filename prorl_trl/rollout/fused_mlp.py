@@ -28,6 +28,12 @@ import torch
 from .decode_attention import triton_available
 
 FUSED_MLP = True  # `lora_decode.gated_mlp` runs its first half as `gated_activation` where that is its function
+# The LoRA deltas' float32 products on tensor cores as three TF32 products (~21 mantissa bits) where the model is
+# 16-bit, instead of IEEE float32 on CUDA cores: at 64 rows with r64 adapters on gate and up, the IEEE products were
+# 22 of the kernel's 29 us a layer on an H200 (7.4 us without adapters; benchmarks/results/rollout_engine.md, section
+# 2026-11-29). float32 models keep IEEE. Read at each launch, part of the engine's capture key; the A/B method is
+# `benchmarks/generation.py`'s `rollout_engine_ieee_mlp_lora`.
+LORA_TF32X3 = True
 
 
 class LoraDelta(NamedTuple):
@@ -97,7 +103,8 @@ def _gated_activation_op(
 
     gate = LoraDelta(gate_hidden, gate_up, gate_scaling) if gate_hidden.numel() else None
     up = LoraDelta(up_hidden, up_up, up_scaling) if up_hidden.numel() else None
-    return launch_gated_activation(x, weight, gate, up, tile_layout(x.shape[0], weight.shape[0] // 2))
+    return launch_gated_activation(x, weight, gate, up, tile_layout(x.shape[0], weight.shape[0] // 2),
+                                   lora_tf32x3=LORA_TF32X3)  # fmt: skip
 
 
 @_gated_activation_op.register_fake

@@ -3,8 +3,12 @@
 One program per `(BLOCK_M rows, BLOCK_N columns)` tile of the `(rows, intermediate)` output: it accumulates the gate
 and the up GEMM for its columns over the whole input width (`K` in `BLOCK_K` slices; 16-bit weights on tensor cores
 with float32 accumulation, float32 weights in IEEE float32), rounds each to the weights' dtype (what the base GEMM
-returns), adds each LoRA delta `(hidden @ B.T) * scaling` in IEEE float32 and rounds again (PEFT), and stores
+returns), adds each LoRA delta `(hidden @ B.T) * scaling` in float32 and rounds again (PEFT), and stores
 `SiLU(gate) * up` computed in float32. Each weight element is read once a launch (per row tile).
+
+The deltas' float32 products: IEEE float32 (CUDA cores) for float32 models; for 16-bit models (`LORA_PRECISION`
+"tf32x3", `fused_mlp.LORA_TF32X3`) three TF32 tensor-core products (each operand as a TF32 part and its remainder,
+~21 mantissa bits against float32's 24), whose error is far below the 16-bit rounding the sum then goes through.
 """
 
 from __future__ import annotations
@@ -15,13 +19,14 @@ import triton.language as tl
 
 
 @triton.jit
-def _add_lora(base, Hidden, Up, rows, cols, M, N, stride_h, scaling, RANK: tl.constexpr, BLOCK_R: tl.constexpr):
+def _add_lora(base, Hidden, Up, rows, cols, M, N, stride_h, scaling, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
+              PRECISION: tl.constexpr):  # fmt: skip
     ranks = tl.arange(0, BLOCK_R)
     hidden = tl.load(Hidden + rows[:, None] * stride_h + ranks[None, :],
                      mask=(rows < M)[:, None] & (ranks < RANK)[None, :], other=0.0)  # fmt: skip
     up_mask = (cols < N)[:, None] & (ranks < RANK)[None, :]
     up = tl.load(Up + cols[:, None] * RANK + ranks[None, :], mask=up_mask, other=0.0)
-    delta = tl.dot(hidden, tl.trans(up), input_precision="ieee") * scaling
+    delta = tl.dot(hidden, tl.trans(up), input_precision=PRECISION) * scaling
     return (base.to(tl.float32) + delta).to(base.dtype)
 
 
@@ -31,7 +36,7 @@ def _gated_kernel(
     M, stride_xm, stride_gh, stride_uh, gate_scaling, up_scaling,
     N: tl.constexpr, K: tl.constexpr, GATE_RANK: tl.constexpr, UP_RANK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GATE_BLOCK_R: tl.constexpr, UP_BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
+    GATE_BLOCK_R: tl.constexpr, UP_BLOCK_R: tl.constexpr, IEEE: tl.constexpr, LORA_PRECISION: tl.constexpr,
 ):
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -54,9 +59,10 @@ def _gated_kernel(
     gate = gate.to(Out.dtype.element_ty)  # the base GEMM's output
     up = up.to(Out.dtype.element_ty)
     if GATE_RANK > 0:
-        gate = _add_lora(gate, GateHidden, GateUp, rows, cols, M, N, stride_gh, gate_scaling, GATE_RANK, GATE_BLOCK_R)
+        gate = _add_lora(gate, GateHidden, GateUp, rows, cols, M, N, stride_gh, gate_scaling, GATE_RANK, GATE_BLOCK_R,
+                         LORA_PRECISION)  # fmt: skip
     if UP_RANK > 0:
-        up = _add_lora(up, UpHidden, UpUp, rows, cols, M, N, stride_uh, up_scaling, UP_RANK, UP_BLOCK_R)
+        up = _add_lora(up, UpHidden, UpUp, rows, cols, M, N, stride_uh, up_scaling, UP_RANK, UP_BLOCK_R, LORA_PRECISION)
     gate = gate.to(tl.float32)
     activated = gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)
     inside = (rows < M)[:, None] & (cols < N)[None, :]
@@ -71,11 +77,13 @@ def _rank_block(delta) -> tuple[int, int]:
 
 
 def launch_gated_activation(
-    x: torch.Tensor, weight: torch.Tensor, gate, up, layout: tuple[int, int], block_k: int = 128
+    x: torch.Tensor, weight: torch.Tensor, gate, up, layout: tuple[int, int], block_k: int = 128, num_warps: int = 4,
+    num_stages: int = 3, lora_tf32x3: bool = True,
 ) -> torch.Tensor:
     """`x (rows, in)` with unit stride along `in`; `weight (2 x intermediate, in)` contiguous, gate rows first; LoRA
     `hidden (rows, rank)` float32 with unit stride along `rank`, `up (intermediate, rank)` float32 contiguous (each a
-    `fused_mlp.LoraDelta`, or None)."""
+    `fused_mlp.LoraDelta`, or None). `lora_tf32x3`: the deltas' products as three TF32 products where `x` is 16-bit
+    (IEEE float32 otherwise, and for float32 `x` always)."""
     rows, depth = x.shape
     intermediate = weight.shape[0] // 2
     if x.stride(1) != 1:
@@ -98,6 +106,8 @@ def launch_gated_activation(
         gate.scaling if gate else 0.0, up.scaling if up else 0.0,
         N=intermediate, K=depth, GATE_RANK=gate_rank, UP_RANK=up_rank,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, max(16, triton.next_power_of_2(depth))),
-        GATE_BLOCK_R=gate_block, UP_BLOCK_R=up_block, IEEE=x.dtype == torch.float32, num_warps=4, num_stages=3,
+        GATE_BLOCK_R=gate_block, UP_BLOCK_R=up_block, IEEE=x.dtype == torch.float32,
+        LORA_PRECISION="tf32x3" if lora_tf32x3 and x.dtype != torch.float32 else "ieee",
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
