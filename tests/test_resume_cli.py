@@ -1,5 +1,6 @@
 """`prorl-trl train --resume` as users run it: CLI processes killed with SIGKILL at eight exact points, a SIGTERM under
-`accelerate launch` and under a 2-process torchrun, a full disk, and a second `train` into a used folder.
+`accelerate launch` and under a 2-process torchrun, a resume on more processes than the run's, a full disk, and a
+second `train` into a used folder.
 
 Every run goes through `tests/_kill_launcher.py` (the real CLI; the launcher only injects the fault named by an
 environment variable and registers the `token_hash` reward, which varies inside every group so every step moves the
@@ -14,6 +15,8 @@ import hashlib
 import json
 import os
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +24,7 @@ from pathlib import Path
 import _cli_fork
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCHER = [sys.executable, str(REPO / "tests" / "_kill_launcher.py")]
@@ -44,12 +47,33 @@ KILL_POINTS = [
 ]
 
 
-def cli(out: Path, tiny_dir: Path, shared_data: Path, *extra: str, env: dict | None = None, launcher=None):
+def cli(
+    out: Path, tiny_dir: Path, shared_data: Path, *extra: str, env: dict | None = None, launcher=None,
+    group_timeout: int | None = None,
+):  # fmt: skip
+    """The CLI on the test recipe; with `group_timeout`, in a session of its own, killed whole when it runs longer."""
     command = (launcher or LAUNCHER) + [
         "train", RECIPE, "--model.name_or_path", str(tiny_dir), "--training.output_dir", str(out), *SHAPE, *extra,
     ]  # fmt: skip
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "PRORL_SHARED_DATA": str(shared_data), **(env or {})}
+    if group_timeout is not None:
+        return run_as_group(command, environment, group_timeout)
     return _cli_fork.run(command, cwd=REPO, env=environment, timeout=300)  # forked from a server that has imported
+
+
+def run_as_group(command: list[str], env: dict, timeout: int) -> subprocess.CompletedProcess:
+    """Run `command` in a new session and fail the test if it outlives `timeout`, after killing the whole session: a
+    rank left waiting in a collective the others skipped must not outlive its launcher (torchrun's workers would)."""
+    with subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+            pytest.fail(f"still running after {timeout} s (a hang in a collective?), killed:\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def final_weights(out: Path) -> dict:
@@ -220,6 +244,61 @@ def test_sigterm_under_torchrun_stops_both_ranks_at_one_step_and_the_printed_com
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_weights(out, reference)
     assert history(out) == history(reference)
+
+
+def test_resume_on_more_processes_drops_the_reset_probe_rows_on_every_rank(reference, tiny_dir, shared_data, tmp_path):
+    """Phase 0's last checkpoint of the 1-process run, resumed by 2 processes (`--allow-changes`): the reset between
+    the phases comes before the first step, and the checkpoint has probe rows for process 0 only. Probing on rank 0
+    alone mismatched the probe's collectives (gloo aborted the run; NCCL would hang): now no rank probes, the run is
+    told why, and it trains phase 1 to the end. The gloo timeout and the session kill turn a hang into a failure."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    checkpoint = out / "phase-0" / "checkpoint-3"
+    assert [path.name for path in checkpoint.glob("reset_probe_*")] == ["reset_probe_0.safetensors"]
+    resumed = cli(
+        out, tiny_dir, shared_data, "--training.use_cpu", "true", "--training.ddp_timeout", "60",
+        "--resume", str(checkpoint), "--allow-changes", launcher=TORCHRUN, group_timeout=240,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    console = resumed.stdout + resumed.stderr  # the CLI's announcements go to stderr
+    assert "holds reset probe rows of 1 process(es) and this run has 2" in console
+    assert "ProRL hard reset #1 at global step 3" in console
+    assert [entry["prorl/global_step"] for entry in history(out) if "loss" in entry] == [1, 2, 3, 4, 5, 6]
+    assert not [entry for entry in history(out) if "prorl/reset_logp_change" in entry]  # none taken, none mixed
+    assert (out / "final" / "model.safetensors").is_file()
+
+
+class FakeTrainer:
+    """What `load_probe_rows` reads of a trainer: its process and the run's number of processes, and `announce`."""
+
+    def __init__(self, process_index: int, num_processes: int):
+        self.accelerator = type("Accelerator", (), {})()
+        self.accelerator.process_index, self.accelerator.num_processes = process_index, num_processes
+        self.accelerator.device = torch.device("cpu")
+        self.notes: list[str] = []
+
+    def announce(self, message: str) -> None:
+        self.notes.append(message)
+
+
+@pytest.mark.parametrize(
+    ("written", "processes", "used"),
+    [(1, 2, False), (2, 1, False), (2, 2, True), (1, 1, True), (0, 2, False)],
+    ids=["more-processes", "fewer-processes", "same-two", "same-one", "no-rows"],
+)
+def test_probe_rows_are_used_only_with_one_file_per_process(tmp_path, written, processes, used):
+    """Every rank decides alike from the folder's file list (no collective), and says why when rows are dropped."""
+    from prorl_trl.trainer.reset_probe import PROBE_FILE, PROBE_KEYS, load_probe_rows
+
+    for rank in range(written):
+        save_file({key: torch.full((2, 3), rank) for key in PROBE_KEYS}, str(tmp_path / PROBE_FILE.format(rank)))
+    for rank in range(processes):
+        trainer = FakeTrainer(rank, processes)
+        rows = load_probe_rows(trainer, tmp_path)
+        assert (rows is not None) == used
+        if used:
+            assert set(rows) == set(PROBE_KEYS) and int(rows["prompt_ids"][0, 0]) == rank  # its own file
+        assert bool(trainer.notes) == (written > 0 and not used)
 
 
 @pytest.fixture

@@ -86,11 +86,32 @@ def save_probe_rows(trainer: Any, checkpoint: Path) -> None:
 
 
 def load_probe_rows(trainer: Any, checkpoint: Path) -> dict[str, torch.Tensor] | None:
-    """The rows `save_probe_rows` wrote into `checkpoint` for this process, on its device; None when there are none."""
-    path = Path(checkpoint) / PROBE_FILE.format(trainer.accelerator.process_index)
-    if not path.is_file():
+    """The rows `save_probe_rows` wrote into `checkpoint` for this process, on its device; None when there are none,
+    or when they are not one file per process of this run (a resume on another number of processes, `--allow-changes`).
+
+    Why all or none: a probe is collective (`ResetProbe.take`'s forwards under FSDP2, `measure`'s gather), so a resume
+    on more processes, where the new ones have no file, would probe on some processes only and mismatch collectives
+    (gloo aborts, NCCL hangs). Every process lists the same checkpoint folder, so all decide alike without a collective.
+    Training is unchanged: the rows only give the reset's log its `prorl/reset_logp_change` and `reset_effect_lost`."""
+    written = probe_file_ranks(Path(checkpoint))
+    processes = trainer.accelerator.num_processes
+    if written != list(range(processes)):
+        if written:
+            trainer.announce(
+                f"note: {checkpoint} holds reset probe rows of {len(written)} process(es) and this run has "
+                f"{processes}: a hard reset before the resume's first step logs no prorl/reset_logp_change or "
+                "prorl/reset_effect_lost (the probe needs every process's rows). Training is not affected."
+            )
         return None
+    path = Path(checkpoint) / PROBE_FILE.format(trainer.accelerator.process_index)
     return {key: value.to(trainer.accelerator.device) for key, value in load_file(str(path)).items()}
+
+
+def probe_file_ranks(checkpoint: Path) -> list[int]:
+    """The process indices of the probe files in `checkpoint`, sorted (HF's `rng_state_<rank>.pth` naming)."""
+    prefix, suffix = PROBE_FILE.split("{}")
+    names = (path.name[len(prefix) : -len(suffix)] for path in checkpoint.glob(PROBE_FILE.format("*")))
+    return sorted(int(name) for name in names if name.isdigit())
 
 
 def _recent_batch(trainer: Any) -> dict[str, torch.Tensor] | None:
