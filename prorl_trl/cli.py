@@ -254,6 +254,11 @@ def _add_ablate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parallel", type=int, default=1, help="variants run at the same time (processes)")
     parser.add_argument("--out", default=None, help="output folder (default: the grid's `output_dir`)")
     parser.add_argument("--force", action="store_true", help="re-run variants that already finished")
+    parser.add_argument(
+        "--allow-other-files", action="store_true",
+        help="write the ablation into a folder that holds files it did not write; they are kept (never a folder "
+        "holding a training run or files named like the ablation's outputs, nor the filesystem root or $HOME)",
+    )  # fmt: skip
     parser.add_argument("--only", nargs="+", default=None, help="run only these variant names (default: all)")
     parser.add_argument("--validate-only", action="store_true", help="validate every variant, run nothing")
     parser.add_argument(

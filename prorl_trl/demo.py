@@ -160,7 +160,7 @@ def _check_arguments(args: argparse.Namespace) -> list[str]:
         from .recipe.output_folder import OutputFolderError, plan_start, refuse_shared_folder
 
         try:
-            refuse_shared_folder(out)
+            refuse_shared_folder(out, "--out")
             if args.overwrite and (out / "run").exists():  # the training run's folder: refused before any deletion
                 plan_start(out / "run", overwrite=True)
         except OutputFolderError as error:

@@ -206,3 +206,110 @@ def test_a_problem_every_variant_shares_is_listed_once_with_the_right_command(ca
     hint = "hint: to check a recipe meant for another machine (precision switches not tested here): "
     assert f"{hint}prorl-trl ablate {grid} --validate-only --no-machine-checks" in err
     assert "prorl-trl validate" not in err
+
+
+# ----------------------------------------------------------------------------------- the output folder (--out)
+
+FINISHING_LAUNCHER = """
+import json, os, sys
+import yaml
+
+recipe = yaml.safe_load(open(sys.argv[sys.argv.index("train") + 1]))
+os.makedirs(recipe["training"]["output_dir"], exist_ok=True)
+with open(os.path.join(recipe["training"]["output_dir"], "run_summary.json"), "w") as summary:
+    json.dump({"steps": 1, "final_eval": {}, "reward_means": {}}, summary)
+"""
+
+
+def ablate_into(tmp_path, tiny_dir, shared_data, out: Path, *flags: str) -> int:
+    """`prorl-trl ablate` of one variant into `out`, each variant "trained" by a launcher that only writes its
+    `run_summary.json` (the folder checks come before any training)."""
+    grid = write_grid(tmp_path, tiny_dir, shared_data, {"r4": {}})
+    raw = yaml.safe_load(grid.read_text())
+    grid.write_text(yaml.safe_dump({**raw, "output_dir": str(out)}, sort_keys=False))
+    launcher = tmp_path / "finishing_launcher.py"
+    launcher.write_text(FINISHING_LAUNCHER)
+    return main(["ablate", str(grid), "--launcher", f"{sys.executable} {launcher}", *flags])
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): p.read_text() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_an_out_holding_files_the_ablation_would_write_over_is_refused_before_anything(
+    tmp_path, tiny_dir, shared_data, capsys
+):
+    """The review's case: `--out` a folder of the user's with their own `summary.md`, `recipes/r4.yaml` and
+    `logs/r4.log`: the ablation wrote its table, recipe and log over them. Now exit 2, nothing changed, even with
+    --allow-other-files."""
+    out = tmp_path / "project"
+    for name in ("summary.md", "recipes/r4.yaml", "logs/r4.log"):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(f"my {name}\n")
+    before = snapshot(out)
+    for flags in ((), ("--allow-other-files",)):
+        assert ablate_into(tmp_path, tiny_dir, shared_data, out, *flags) == 2
+        err = capsys.readouterr().err
+        assert f"{out}/ holds logs/, recipes/, summary.md, named like outputs this run writes" in err, err
+        assert "Nothing was changed" in err and "choose another --out" in err
+        assert snapshot(out) == before and not (out / "r4").exists()
+
+
+def test_an_out_holding_other_files_needs_allow_other_files_which_keeps_them(tmp_path, tiny_dir, shared_data, capsys):
+    """A folder of other files (`--out .` in a project) is refused before any work, saying how to go on; with
+    --allow-other-files the ablation runs among them and they are kept; re-running there needs no flag."""
+    out = tmp_path / "project"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert ablate_into(tmp_path, tiny_dir, shared_data, out) == 2
+    err = capsys.readouterr().err
+    assert f"{out}/ holds files this run did not write: notes.txt. Nothing was changed." in err, err
+    assert "Choose a new or empty --out, or pass --allow-other-files" in err
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    assert ablate_into(tmp_path, tiny_dir, shared_data, out, "--allow-other-files") == 0
+    assert ablate_into(tmp_path, tiny_dir, shared_data, out) == 0
+    assert "running 0 (skipping 1 already finished)" in capsys.readouterr().out
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_an_out_holding_a_training_run_a_file_or_home_is_refused_whatever_the_flags(
+    tmp_path, tiny_dir, shared_data, capsys, monkeypatch
+):
+    """An ablation never writes among a training run's outputs (their tables and `recipes/` mixed, and `train
+    --overwrite` there deleting the ablation's), into a file's place, or into $HOME."""
+    from prorl_trl.trainer.manifest import record_outputs
+
+    run = tmp_path / "run"
+    record_outputs(run, ["recipe.yaml", "phase-0/"])
+    (run / "recipe.yaml").write_text("x: 1\n")
+    file = tmp_path / "a-file"
+    file.write_text("mine")
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    expected = {
+        run: "holds the outputs of `prorl-trl train`", file: "is a file, not a folder", home: "your home folder",
+    }  # fmt: skip
+    for out, message in expected.items():
+        for flags in ((), ("--allow-other-files",)):
+            assert ablate_into(tmp_path, tiny_dir, shared_data, out, *flags) == 2
+            err = capsys.readouterr().err
+            assert message in err and "Nothing was changed" in err, err
+    assert sorted(p.name for p in run.iterdir()) == [".prorl_manifest.json", "recipe.yaml"]
+    assert file.read_text() == "mine" and list(home.iterdir()) == []
+
+
+def test_an_ablation_from_before_manifests_is_its_own_folder(tmp_path, tiny_dir, shared_data, capsys):
+    """A re-run into an ablation's folder written before manifests skips its finished variants as before (its
+    `recipes/<name>.yaml` naming `<out>/<name>` tell it is an ablation's), and records them."""
+    from prorl_trl.trainer.manifest import MANIFEST_NAME, manifest_kind, read_manifest
+
+    out = tmp_path / "ablation"
+    assert ablate_into(tmp_path, tiny_dir, shared_data, out) == 0
+    assert manifest_kind(out) == "ablate"
+    assert read_manifest(out) == ["logs/", "r4/", "recipes/", "summary.csv", "summary.md"]
+    (out / MANIFEST_NAME).unlink()
+    capsys.readouterr()
+    assert ablate_into(tmp_path, tiny_dir, shared_data, out) == 0
+    assert "running 0 (skipping 1 already finished)" in capsys.readouterr().out
+    assert read_manifest(out) == ["logs/", "r4/", "recipes/", "summary.csv", "summary.md"]

@@ -112,3 +112,14 @@ def test_plots_skip_metrics_the_run_did_not_log(tmp_path):
     history = [{"step": s, "reward": s / 10, "entropy": 1.0 - s / 20} for s in range(1, 6)]
     written = plot_training_curves(history, tmp_path, validation={"pass@1": ([0, 5], [0.1, 0.3])}, prefix="x_")
     assert sorted(p.name for p in written) == ["x_entropy.png", "x_reward.png", "x_validation.png"]
+
+
+def test_home_is_refused_as_the_demos_folder_naming_its_option(tmp_path, monkeypatch, capsys):
+    """`$HOME` (here an empty one) is never the demo's folder: refused before any work, the message naming `--out`."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    assert main(["demo", "--out", str(home), "--smoke"]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {home} is" in err and "--training.output_dir" not in err
+    assert list(home.iterdir()) == []

@@ -557,3 +557,134 @@ def test_a_teacher_that_solves_nothing_stops_cleanly_whatever_min_kept(tiny_dir,
     assert json.loads((out / SUMMARY_FILE).read_text())["num_kept"] == 0
     assert code == 1 and "kept none of 8 problems" in err and "Traceback" not in err, err[-2000:]
     assert not (out / "model").exists()
+
+
+# ----------------------------------------------------------------------------------- the output folder (--out)
+
+
+class SamplingReached(RuntimeError):
+    exit_status = 3  # `prorl-trl` exits with it: the run got past its checks to the teacher
+
+
+@pytest.fixture
+def refused_before_loading(monkeypatch):
+    """`prorl-trl distill` whose teacher sampling (the first work: tokenizer, teacher) is a recorder that stops the
+    run with exit 3: a refusal must come before it."""
+    calls = []
+
+    def record(config, *args):
+        calls.append(config)
+        raise SamplingReached("sampling reached")
+
+    monkeypatch.setattr("prorl_trl.distill.run._build_distilled_set", record)
+    return calls
+
+
+def _quick_args(tmp_path, out, *flags: str) -> list[str]:
+    teacher = tmp_path / "teacher"
+    teacher.mkdir(exist_ok=True)
+    return ["distill", "--teacher", str(teacher), "--student", "s", "--dataset", "synthetic_arithmetic",
+            "--reward", "boxed_answer", "--out", str(out), *flags]  # fmt: skip
+
+
+def _files(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): p.read_text() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_an_out_holding_files_distill_writes_over_or_deletes_is_refused(tmp_path, capsys, refused_before_loading):
+    """The review's case: `--out` holding the user's own `distilled.jsonl`, `distill_part0.jsonl` and `model/`:
+    distill wrote its set over the first, wrote and then deleted the second, and saved the student into the third.
+    Now exit 2 before any model loads, nothing changed, even with --allow-other-files."""
+    from prorl_trl.cli import main
+
+    out = tmp_path / "project"
+    for name in ("distilled.jsonl", "distill_part0.jsonl", "model/config.json"):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text('{"mine": true}\n')
+    before = _files(out)
+    for flags in ((), ("--allow-other-files",)):
+        assert main(_quick_args(tmp_path, out, *flags)) == 2
+        err = capsys.readouterr().err
+        assert f"{out}/ holds distill_part0.jsonl, distilled.jsonl, model/, named like outputs this run writes" in err
+        assert "Nothing was changed" in err and "choose another --out" in err, err
+    assert _files(out) == before and refused_before_loading == []
+
+
+def test_an_out_holding_other_files_needs_allow_other_files(tmp_path, capsys, refused_before_loading):
+    from prorl_trl.cli import main
+
+    out = tmp_path / "project"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert main(_quick_args(tmp_path, out)) == 2
+    err = capsys.readouterr().err
+    assert f"{out}/ holds files this run did not write: notes.txt. Nothing was changed." in err, err
+    assert "Choose a new or empty --out, or pass --allow-other-files" in err and refused_before_loading == []
+    assert main(_quick_args(tmp_path, out, "--allow_other_files")) == 3 and len(refused_before_loading) == 1
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_an_out_holding_another_commands_run_or_a_file_is_refused_whatever_the_flags(
+    tmp_path, capsys, refused_before_loading
+):
+    """Never among a training run's (or an ablation's) outputs, whose manifest would then list the student as the
+    run's (`train --overwrite` deleting it), nor where a file is."""
+    from prorl_trl.cli import main
+    from prorl_trl.trainer.manifest import MANIFEST_NAME, record_outputs
+
+    run, ablation, file = tmp_path / "run", tmp_path / "ablation", tmp_path / "a-file"
+    record_outputs(run, ["phase-0/"])
+    ablation.mkdir()
+    (ablation / MANIFEST_NAME).write_text(json.dumps({"format": 1, "kind": "ablate", "paths": ["summary.csv"]}))
+    file.write_text("mine")
+    expected = {
+        run: "holds the outputs of `prorl-trl train`", ablation: "holds the outputs of `prorl-trl ablate`",
+        file: "is a file, not a folder",
+    }  # fmt: skip
+    for out, message in expected.items():
+        for flags in ((), ("--allow-other-files",)):
+            assert main(_quick_args(tmp_path, out, *flags)) == 2
+            err = capsys.readouterr().err
+            assert message in err and "Nothing was changed" in err, err
+    assert refused_before_loading == [] and file.read_text() == "mine"
+    from prorl_trl.recipe.output_folder import OutputFolderError
+
+    config = DistillConfig(teacher="t", student="s", dataset="kk", reward="kk_logic", output_dir=str(run))
+    with pytest.raises(OutputFolderError, match="holds the outputs of `prorl-trl train`"):
+        distill(config, sample_fn=lambda prompts, n: pytest.fail("sampled"))  # the API (a recipe section, a notebook)
+
+
+def test_a_distillation_from_before_manifests_is_its_own_folder(tmp_path, refused_before_loading):
+    """A folder a distillation wrote before manifests (its summary or its teacher's samples there) is re-run into
+    as before, by the exact names it writes; a user's file beside them needs no flag (as `train --resume`)."""
+    from prorl_trl.cli import main
+    from prorl_trl.trainer.manifest import MANIFEST_NAME, read_manifest
+
+    out = tmp_path / "old"
+    (out / "samples").mkdir(parents=True)
+    (out / "samples" / "teacher-part0.meta.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    assert main(_quick_args(tmp_path, out)) == 3
+    (out / MANIFEST_NAME).unlink()  # what the run just recorded
+    (out / SUMMARY_FILE).write_text("{}")
+    (out / DISTILLED_FILE).write_text("")
+    (out / "model").mkdir()
+    assert main(_quick_args(tmp_path, out)) == 3 and len(refused_before_loading) == 2
+    assert {"samples/", SUMMARY_FILE, DISTILLED_FILE, "model/"} <= set(read_manifest(out))
+
+
+def test_a_rerun_into_its_own_folder_goes_on_and_the_manifest_lists_what_it_wrote(
+    tiny_dir, tmp_path, capsys, caplog, one_thread
+):
+    """The first run records what it writes (kind `distill`) before writing it; the same command again reuses the
+    distilled set there, as before."""
+    from prorl_trl.cli import main
+    from prorl_trl.trainer.manifest import manifest_kind, read_manifest
+
+    out = tmp_path / "out"
+    args = _tiny_distill_args(tiny_dir, out, num_train=8, samples=1, cap=2, min_kept=4)
+    assert main(args) == 1  # too few kept: stops before the SFT
+    assert manifest_kind(out) == "distill"
+    assert {DISTILLED_FILE, SUMMARY_FILE, "samples/", "model/", "distill_part0.jsonl"} <= set(read_manifest(out))
+    assert main(args) == 1 and "Reusing the distilled set" in caplog.text
+    assert "fewer than min_kept = 4" in capsys.readouterr().err

@@ -391,3 +391,16 @@ def test_leftovers_are_only_the_temporary_names_the_package_writes():
         assert is_leftover_of(name, owned), name
     for name in (".final.old-keep-before-rerun", ".recipe.yaml.tmp-mynotes", ".other.old-12"):
         assert not is_leftover_of(name, owned), name
+
+
+@pytest.mark.parametrize("kind", ["ablate", "distill"])
+def test_train_never_takes_an_ablations_or_a_distillations_folder_for_a_run(tmp_path, kind):
+    """Their manifests say which command wrote them: `train --overwrite` in an ablation's `--out` would otherwise
+    delete its tables and variant runs as its own outputs."""
+    output = {"ablate": "summary.csv", "distill": "distilled.jsonl"}[kind]
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps({"format": 1, "kind": kind, "paths": [output]}))
+    (tmp_path / output).write_text("theirs")
+    for flags in ({}, {"resume": True}, {"overwrite": True, "allow_other_files": True}):
+        with pytest.raises(OutputFolderError, match=f"holds the outputs of `prorl-trl {kind}`.*--training.output_dir"):
+            plan_start(tmp_path, **flags)
+    assert (tmp_path / output).read_text() == "theirs"

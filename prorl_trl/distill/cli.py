@@ -1,4 +1,5 @@
-"""`prorl-trl distill`: one flag per `DistillConfig` field (help from the fields), exit 2 on bad settings."""
+"""`prorl-trl distill`: one flag per `DistillConfig` field (help from the fields), exit 2 on bad settings or an `--out`
+that is not the distillation's to write (checked by `run.distill` first), before any model is loaded."""
 
 from __future__ import annotations
 
@@ -61,6 +62,11 @@ def add_distill_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         elif "float" in hint:
             kwargs["type"] = _optional(float) if "None" in hint else float
         parser.add_argument(*names, **kwargs)
+    parser.add_argument(  # not a `DistillConfig` field: it decides where the run may write, not what it computes
+        "--allow-other-files", dest="allow_other_files", action="store_true",
+        help="write into an --out that holds files distill did not write; they are kept (never a folder holding "
+        "another command's run or files named like distill's outputs, nor the filesystem root or $HOME)",
+    )  # fmt: skip
     return parser
 
 
@@ -73,7 +79,8 @@ def config_from_args(args: argparse.Namespace) -> DistillConfig:
 
 
 def run_distill(args: argparse.Namespace) -> int:
-    """`prorl-trl distill`: exit 0 on success, 2 on bad settings (reported before any model is loaded)."""
+    """`prorl-trl distill`: exit 0 on success, 2 on bad settings or output folder (reported before any model is
+    loaded)."""
     try:
         config = config_from_args(args)
         if config.student is None:
@@ -84,9 +91,13 @@ def run_distill(args: argparse.Namespace) -> int:
         print(f"prorl-trl distill: {error}", file=sys.stderr)
         return 2
     from ..evaluation.runner import SampledWithOtherSettings
+    from ..recipe.output_folder import OutputFolderError
 
     try:
-        summary = distill(config)
+        summary = distill(config, allow_other_files=getattr(args, "allow_other_files", False))
+    except OutputFolderError as error:  # checked first thing: nothing loaded or written
+        print(f"prorl-trl distill: {error.render()}", file=sys.stderr)
+        return 2
     except SampledWithOtherSettings as error:  # refused before any sampling
         print(f"prorl-trl distill: {error}", file=sys.stderr)
         return 2

@@ -2,6 +2,8 @@
 
 `distill(config)` is the whole run; `config` holds its settings (`DistillConfig`), `cli` the command line and
 `section` the recipe section. Everything here works from the settings alone, and resumes from what `output_dir` holds.
+What it writes there is recorded first in the folder's `.prorl_manifest.json` (kind `distill`), so `prorl-trl
+distill` can tell its own folder from one holding other files (`DISTILL`, checked first by `distill`).
 """
 
 from __future__ import annotations
@@ -9,11 +11,13 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+import re
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
 from ..data.spec import DataSection
+from ..trainer.manifest import OutputKind, present_outputs, record_outputs
 from .config import DistillConfig
 from .rejection_sampling import (
     RejectionStats,
@@ -25,7 +29,7 @@ from .rejection_sampling import (
     teacher_sample_fn,
     write_jsonl,
 )
-from .sft import train_student
+from .sft import MODEL_DIR, SFT_DIR, train_student
 
 logger = logging.getLogger("prorl_trl.distill")
 
@@ -33,6 +37,29 @@ DISTILLED_FILE = "distilled.jsonl"
 SUMMARY_FILE = "distill_summary.json"
 # Below this fraction of problems kept, the student learns from a sliver of the data: say so.
 FEW_KEPT_FRACTION = 0.1
+
+
+def legacy_distillation(folder: Path) -> list[str]:
+    """The outputs of a distillation from before manifests: evidence only it leaves is its summary or its teacher's
+    samples (`samples/teacher-part<i>.meta.json`); then the names it writes that are there (never through a link)."""
+    samples = folder / "samples"
+    sampled = samples.is_dir() and not samples.is_symlink() and any(samples.glob("teacher-part*.meta.json"))
+    if not (folder / SUMMARY_FILE).is_file() and not sampled:
+        return []
+    parts = sorted(path.name for path in folder.iterdir() if DISTILL.pattern.fullmatch(path.name))
+    return present_outputs(folder, [*DISTILL.writes, *parts])
+
+
+DISTILL = OutputKind(
+    "distill", "--out", legacy_distillation,
+    (DISTILLED_FILE, SUMMARY_FILE, "samples/", f"{SFT_DIR}/", f"{MODEL_DIR}/"), re.compile(r"distill_part\d+\.jsonl?"),
+)  # fmt: skip
+
+
+def distill_outputs(num_processes: int) -> list[str]:
+    """Everything `distill` may create in its output folder with `num_processes` processes (each writes a part)."""
+    parts = [f"distill_part{index}{suffix}" for index in range(num_processes) for suffix in (".jsonl", ".json")]
+    return [*DISTILL.writes, *parts]
 
 
 class TooFewKept(RuntimeError):
@@ -151,6 +178,7 @@ def distill(
     problems: Any = None,
     sample_fn: SampleFn | None = None,
     reward_fn: RewardFn | None = None,
+    allow_other_files: bool = False,
 ) -> dict[str, Any]:
     """Sample the teacher, keep one correct completion per problem, write them, fine-tune the student.
 
@@ -160,11 +188,16 @@ def distill(
     finished run with the same settings returns at once, a distilled set drawn with the same sampling settings is
     trained on without sampling again, and interrupted teacher sampling resumes from `samples/`. Returns the
     summary also written to `distill_summary.json` (kept fraction, teacher accuracy, SFT losses, `student_path`).
+    An `output_dir` that holds anything else is refused first (`OutputFolderError`; `allow_other_files`: as
+    `--allow-other-files`), so nothing of another run or of the user's is written over, deleted or mixed in.
     """
     from accelerate import PartialState
 
+    from ..recipe.output_folder import check_output_folder
+
     if config.student is None:
         raise ValueError("No student: set `student` (--student), or run the section from a recipe with a model.")
+    check_output_folder(config.output_dir, DISTILL, allow_other_files=allow_other_files)  # every process, read-only
     check_names(config, check_dataset=problems is None, check_reward=reward_fn is None)
     if sample_fn is None:
         check_teacher(config.teacher)
@@ -180,6 +213,9 @@ def distill(
         logger.warning("Distillation already done in %s; reusing %s.", output_dir, previous["student_path"])
         return previous
     state = PartialState(cpu=config.use_cpu)
+    if state.is_main_process:  # before anything is written
+        record_outputs(output_dir, distill_outputs(state.num_processes), kind=DISTILL)
+    state.wait_for_everyone()
     if previous.get("sampling") == _sampling_key(config) and rows_path.is_file():
         logger.warning("Reusing the distilled set in %s (same sampling settings).", rows_path)
     else:

@@ -22,6 +22,12 @@ a setting that alters its training since it ran (then it is reported `stale`, wi
 interrupted one continues (`train --resume`), and a failed variant is reported in the table without stopping the
 others. `--devices 0,1` gives each running variant a GPU that no other running variant has (with `--parallel` above
 the number of devices, each device takes its share).
+
+The output folder is checked before anything is validated or written (`output_folder.check_output_folder`): an
+ablation's own folder is used again, a folder holding anything else needs `--allow-other-files`, and one that holds a
+training run (or a distillation) is refused. What the ablation writes there (`summary.*`, `recipes/`, `logs/`, one
+folder per variant) is recorded in its `.prorl_manifest.json` first; it deletes nothing itself (`--force` re-runs a
+variant with `train --overwrite`, which deletes only what that run recorded).
 """
 
 from __future__ import annotations
@@ -45,12 +51,35 @@ from typing import Any
 import yaml
 
 from ..console import eta_text
+from ..files import UnreadableFileError, read_yaml
+from ..trainer.manifest import OutputKind, present_outputs, record_outputs
+from .output_folder import check_output_folder
 from .reading import read_recipe_file
 from .schema import RecipeError, RecipeProblem, suggest
 
 GRID_KEYS = ("base", "output_dir", "metric", "overrides", "variants", "grid", "description")
 METRIC_PREFERENCE = ("eval_pass@1", "eval_reward")
 OVERRIDES_SHAPE = "recipe key paths to values (e.g. {peft.r: 8})"
+
+
+def legacy_ablation(folder: Path) -> list[str]:
+    """The outputs of an ablation from before manifests: evidence only an ablation leaves is `recipes/<name>.yaml`
+    whose `training.output_dir` is `<folder>/<name>`; then its tables, `recipes/`, `logs/` and those run folders."""
+    recipes, variants = folder / "recipes", []
+    for recipe in sorted(recipes.glob("*.yaml")) if recipes.is_dir() and not recipes.is_symlink() else []:
+        try:
+            training = read_yaml(recipe).get("training")
+        except UnreadableFileError:
+            continue
+        written = Path(str(training.get("output_dir", ""))) if isinstance(training, dict) else Path()
+        if (written.parent.name, written.name) == (folder.name, recipe.stem):
+            variants.append(f"{recipe.stem}/")
+    if not variants:
+        return []
+    return present_outputs(folder, [*ABLATE.writes, *variants])
+
+
+ABLATE = OutputKind("ablate", "--out", legacy_ablation, ("summary.csv", "summary.md", "recipes/", "logs/"))
 
 
 @dataclass
@@ -322,10 +351,13 @@ def run_ablate(args: Any) -> int:
                 ],
             )
         variants = [v for v in variants if v.name in args.only]
+    run_folders = [f"{variant.name}/" for variant in variants]
+    check_output_folder(out, ABLATE, run_folders, getattr(args, "allow_other_files", False))  # exit 2, nothing written
     prepare_variants(grid, variants, out, machine=not getattr(args, "no_machine_checks", False))
     print(f"{len(variants)} variants of {grid['base']} validated")
     if args.validate_only:
         return 0
+    record_outputs(out, [*ABLATE.writes, *run_folders], kind=ABLATE)  # before writing them
     write_variant_recipes(variants, out)
     todo, stale = [], []
     for variant in variants:

@@ -9,6 +9,10 @@ What is "the run's" is what it recorded in its manifest (`prorl_trl.trainer.mani
 run starts (fresh or over an old one) only in a folder holding nothing else, unless `--allow-other-files`; the
 filesystem root, `$HOME` and the folders above it are refused even then (a run writes and deletes at the top of its
 folder).
+
+`ablate` and `distill` guard their `--out` the same way (`check_output_folder`): their own folder is used again (a
+re-run skips or reuses what is done), anything else there needs `--allow-other-files`, and a folder whose manifest
+another command wrote (a training run's, an ablation's) is refused whatever the flags.
 """
 
 from __future__ import annotations
@@ -27,10 +31,10 @@ from typing import Any
 from ..files import UnreadableFileError
 from ..trainer.manifest import (
     MANIFEST_NAME,
-    PHASE_FOLDER,
-    RUN_FILES,
-    RUN_FOLDERS,
+    TRAIN,
+    OutputKind,
     is_leftover_of,
+    manifest_kind,
     owned_outputs,
     read_tracker_ids,
 )
@@ -99,13 +103,7 @@ def _shown(names: list[str], limit: int = 6) -> str:
 def inspect_output_folder(path: str | Path) -> FolderState:
     from ..reset.checkpoint import finished_state, latest_checkpoint, read_prorl_state
 
-    path = Path(path)
-    state = FolderState(path=path)
-    if not path.is_dir():
-        return state
-    owned, _ = owned_outputs(path)
-    state.outputs = sorted(name for name in owned if os.path.lexists(path / name.rstrip("/")))
-    _sort_out(path, "", {name.rstrip("/") for name in owned}, owned, state)
+    state = sort_folder(Path(path))
     if not state.used:
         return state
     try:  # --overwrite deletes a run whose state files are damaged; a resume stops (`plan_start`)
@@ -116,6 +114,26 @@ def inspect_output_folder(path: str | Path) -> FolderState:
         read_tracker_ids(path)
     except UnreadableFileError as error:
         state.damaged = error
+    return state
+
+
+def sort_folder(path: Path, kind: OutputKind = TRAIN) -> FolderState:
+    """`path`'s entries as `kind`'s outputs (its manifest's, else `kind.legacy`'s), leftovers and foreign ones.
+    Raises `OutputFolderError` when another command's manifest is there: its outputs are not `kind`'s to use, and
+    one manifest cannot tell two commands' outputs apart."""
+    state = FolderState(path=path)
+    if not path.is_dir():
+        return state
+    found = manifest_kind(path)
+    if found not in (None, kind.name):
+        raise OutputFolderError(
+            f"{path}/ holds the outputs of `prorl-trl {found}` (its {MANIFEST_NAME} says so), and `prorl-trl "
+            f"{kind.name}` never writes among another command's outputs, whatever the flags. Nothing was changed. "
+            f"Choose a new or empty {kind.option}."
+        )
+    owned, _ = owned_outputs(path, kind)
+    state.outputs = sorted(name for name in owned if os.path.lexists(path / name.rstrip("/")))
+    _sort_out(path, "", {name.rstrip("/") for name in owned}, owned, state)
     return state
 
 
@@ -134,7 +152,7 @@ def _sort_out(folder: Path, prefix: str, owned: set[str], recorded: list[str], s
             state.foreign.append(name + ("/" if child.is_dir() else ""))
 
 
-def refuse_shared_folder(output_dir: str | Path) -> None:
+def refuse_shared_folder(output_dir: str | Path, option: str = TRAIN.option) -> None:
     """Refuse the filesystem root, `$HOME` and any folder above it (symlinks resolved), whatever the flags: a run
     writes, and `--overwrite` deletes, at the top of its folder."""
     path = Path(output_dir).resolve()
@@ -148,9 +166,9 @@ def refuse_shared_folder(output_dir: str | Path) -> None:
     else:
         return
     raise OutputFolderError(
-        f"training.output_dir {output_dir} is {what}. A run never writes there (not even with --allow-other-files): "
+        f"{option} {output_dir} is {what}. A run never writes there (not even with --allow-other-files): "
         f"it writes and deletes files at the top of its folder. Nothing was changed. Choose a folder of its own, "
-        f"e.g. --training.output_dir {home / 'runs' / 'my-run'}."
+        f"e.g. {option} {home / 'runs' / 'my-run'}."
     )
 
 
@@ -163,28 +181,55 @@ def run_writes(recipe: Any) -> list[str]:
     )
 
 
-def _check_other_files(state: FolderState, allow_other_files: bool, writes: Iterable[str]) -> None:
+def _check_other_files(
+    state: FolderState, allow_other_files: bool, writes: Iterable[str], kind: OutputKind = TRAIN
+) -> None:
     """A run starts only in a folder holding nothing but its own outputs, unless `allow_other_files`; a file named
-    like one the run writes (its `phase-0/`, `README.md`, ...) is refused even then: training would write over it."""
+    like one the run writes (its `phase-0/`, `README.md`, ...) is refused even then: the run would write over it."""
     if not state.foreign:
         return
-    written = {name.rstrip("/") for name in (*RUN_FILES, *RUN_FOLDERS, *writes)}
+    written = {name.rstrip("/") for name in (*kind.writes, *writes)}
     clashes = [
         name for name in state.foreign
-        if "/" not in name.rstrip("/") and (name.rstrip("/") in written or PHASE_FOLDER.fullmatch(name.rstrip("/")))
+        if "/" not in name.rstrip("/")
+        and (name.rstrip("/") in written or (kind.pattern and kind.pattern.fullmatch(name.rstrip("/"))))
     ]  # fmt: skip
     if clashes:
+        doing = "training" if kind is TRAIN else f"prorl-trl {kind.name}"
         raise OutputFolderError(
             f"{state.path}/ holds {_shown(clashes)}, named like outputs this run writes, but not written by a run "
-            f"(not in {MANIFEST_NAME}): training would write over them. Nothing was changed. Move them out of the "
-            "folder, or choose another --training.output_dir."
+            f"(not in {MANIFEST_NAME}): {doing} would write over them. Nothing was changed. Move them out of the "
+            f"folder, or choose another {kind.option}."
         )
     if not allow_other_files:
+        kept = (
+            f"--overwrite deletes only what a run recorded in {MANIFEST_NAME}" if kind is TRAIN
+            else f"prorl-trl {kind.name} writes and deletes only what it records in {MANIFEST_NAME}"
+        )  # fmt: skip
         raise OutputFolderError(
             f"{state.path}/ holds files this run did not write: {_shown(state.foreign)}. Nothing was changed. Choose a "
-            "new or empty --training.output_dir, or pass --allow-other-files to start the run among them (they are "
-            f"kept: --overwrite deletes only what a run recorded in {MANIFEST_NAME})."
+            f"new or empty {kind.option}, or pass --allow-other-files to start the run among them (they are kept: "
+            f"{kept})."
         )
+
+
+def check_output_folder(
+    output_dir: str | Path, kind: OutputKind, writes: Iterable[str] = (), allow_other_files: bool = False
+) -> FolderState:
+    """`ablate`'s and `distill`'s `--out`, before any work: the filesystem root, `$HOME`, a file, another command's
+    folder and a file named like one the command writes (`kind.writes`, `writes`) are refused whatever the flags;
+    other files need `allow_other_files` unless the folder already holds the command's own outputs (a re-run, like
+    `train --resume`, needs no flag). Raises `OutputFolderError`; returns the folder's state."""
+    refuse_shared_folder(output_dir, kind.option)
+    path = Path(output_dir)
+    if os.path.lexists(path) and not path.is_dir():
+        raise OutputFolderError(
+            f"{kind.option} {output_dir} is a file, not a folder: prorl-trl {kind.name} writes a folder there. "
+            f"Nothing was changed. Choose a folder path, or move the file."
+        )
+    state = sort_folder(path, kind)
+    _check_other_files(state, allow_other_files or state.used, writes, kind)
+    return state
 
 
 @dataclass

@@ -13,13 +13,18 @@ never recorded, unless the caller has just created it (`created=True`). The temp
 A run folder written before manifests existed has none: `legacy_outputs` names its outputs by the exact names such a
 run wrote (`phase-<i>/`, `final/`, ...; `completions/` and `distill/` only when its `recipe.yaml` asked for them; the
 TensorBoard folder recorded in `prorl_trackers.json`), never by pattern.
+
+`prorl-trl ablate` and `prorl-trl distill` keep the same manifest in their output folders; its `kind` (an
+`OutputKind`'s name; `train` when absent) says which command wrote it, so no command takes another's folder for its
+own (`train --overwrite` never deletes an ablation's tables, an ablation never writes among a run's checkpoints).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,26 +42,53 @@ _RUN_EVIDENCE = ("final/", "run_summary.json", "prorl_log_history.json")  # what
 
 
 TRACKER_IDS_NAME = "prorl_trackers.json"
+# What to do about a damaged manifest (`read_manifest`).
+_FIX = (
+    "It lists what the run wrote (what --overwrite deletes); nothing was changed. Restore it from a copy of the run, "
+    "or delete it: the run's outputs are then found by their exact names, as for a run from before manifests."
+)
+
+
+@dataclass(frozen=True)
+class OutputKind:
+    """A command that keeps a manifest in its output folder, and how its folder is checked
+    (`prorl_trl.recipe.output_folder.check_output_folder`): a foreign file named like one of `writes` (or matching
+    `pattern`) is refused even with `--allow-other-files`, since the command would write over it."""
+
+    name: str  # recorded in the manifest: `train`, `ablate`, `distill`
+    option: str  # how the user names the folder, for messages: `--training.output_dir`, `--out`
+    legacy: Callable[[Path], list[str]]  # its outputs in a folder from before manifests, by exact names
+    writes: tuple[str, ...] = ()  # top-level names every run of it may write (folders end in `/`)
+    pattern: re.Pattern | None = None  # more top-level names it writes (`phase-<i>`)
 
 
 def read_manifest(run_dir: str | os.PathLike) -> list[str] | None:
     """The recorded paths (relative, folders ending in `/`), or None when the folder has no manifest. Entries that
     would leave the run folder (absolute, `..`) are dropped: the manifest never names anything outside it. A damaged
     manifest raises `UnreadableFileError` (exit 2): what is the run's cannot be told, so nothing is deleted."""
-    from ..files import UnreadableFileError, read_json
+    from ..files import UnreadableFileError
+
+    manifest = _read_manifest_file(run_dir)
+    if manifest is None:
+        return None
+    paths = manifest.get("paths", [])
+    if not isinstance(paths, list):
+        raise UnreadableFileError(Path(run_dir) / MANIFEST_NAME, "is damaged: its `paths` is not a list", _FIX)
+    return [p for p in paths if isinstance(p, str) and _relative(p) == p]
+
+
+def manifest_kind(run_dir: str | os.PathLike) -> str | None:
+    """Which command wrote the folder's manifest (`OutputKind.name`; `train` for one without a `kind`), None without
+    a manifest."""
+    manifest = _read_manifest_file(run_dir)
+    return None if manifest is None else str(manifest.get("kind", TRAIN.name))
+
+
+def _read_manifest_file(run_dir: str | os.PathLike) -> dict[str, Any] | None:
+    from ..files import read_json
 
     path = Path(run_dir) / MANIFEST_NAME
-    if not os.path.lexists(path):
-        return None
-    fix = (
-        f"It lists what the run wrote (what --overwrite deletes); nothing was changed. Restore it from a copy of the "
-        f"run, or delete it: the run's outputs are then found by their exact names, as for a run from before "
-        "manifests."
-    )
-    paths = read_json(path, dict, fix).get("paths", [])
-    if not isinstance(paths, list):
-        raise UnreadableFileError(path, "is damaged: its `paths` is not a list", fix)
-    return [p for p in paths if isinstance(p, str) and _relative(p) == p]
+    return read_json(path, dict, _FIX) if os.path.lexists(path) else None
 
 
 def read_tracker_ids(run_dir: str | os.PathLike) -> dict[str, Any]:
@@ -89,22 +121,26 @@ def tensorboard_folder_in(run_dir: str | os.PathLike, recorded: str | None) -> P
     return path if path.is_relative_to(run_dir) and path != run_dir else None
 
 
-def owned_outputs(run_dir: str | os.PathLike) -> tuple[list[str], bool]:
-    """(the run's paths, whether they come from a manifest): the manifest's, else `legacy_outputs`."""
+def owned_outputs(run_dir: str | os.PathLike, kind: OutputKind | None = None) -> tuple[list[str], bool]:
+    """(the run's paths, whether they come from a manifest): the manifest's, else `kind.legacy`'s (default
+    `legacy_outputs`)."""
     recorded = read_manifest(run_dir)
-    return (recorded, True) if recorded is not None else (legacy_outputs(run_dir), False)
+    return (recorded, True) if recorded is not None else ((kind or TRAIN).legacy(Path(run_dir)), False)
 
 
-def record_outputs(run_dir: str | os.PathLike, names: Iterable[str], created: bool = False) -> None:
-    """Add `names` (relative to `run_dir`; folders end in `/`) to the manifest, before creating them.
+def record_outputs(
+    run_dir: str | os.PathLike, names: Iterable[str], created: bool = False, kind: OutputKind | None = None
+) -> None:
+    """Add `names` (relative to `run_dir`; folders end in `/`) to the manifest of `kind` (default: `train`'s),
+    before creating them.
 
     Call it from the process that writes the run's files only. A name that already exists is not recorded (it is
     not the run's) unless `created`; a folder without a manifest that holds an earlier run adopts that run's outputs
-    (`legacy_outputs`) first. Writes only when something changed.
+    (`kind.legacy`) first. Writes only when something changed.
     """
-    run_dir = Path(run_dir)
+    run_dir, kind = Path(run_dir), kind or TRAIN
     recorded = read_manifest(run_dir)
-    known = list(recorded) if recorded is not None else legacy_outputs(run_dir)
+    known = list(recorded) if recorded is not None else kind.legacy(run_dir)
     added = []
     for name in names:
         relative = _relative(name)
@@ -116,7 +152,7 @@ def record_outputs(run_dir: str | os.PathLike, names: Iterable[str], created: bo
     if added or (recorded is None and known):
         from ..reset.checkpoint import write_json
 
-        write_json(run_dir / MANIFEST_NAME, {"format": 1, "paths": sorted(known + added)})
+        write_json(run_dir / MANIFEST_NAME, {"format": 1, "kind": kind.name, "paths": sorted(known + added)})
 
 
 def trainer_outputs(args: Any, num_phases: int) -> list[str]:
@@ -166,6 +202,17 @@ def legacy_outputs(run_dir: str | os.PathLike) -> list[str]:
     return found + ([tensorboard] if tensorboard else [])
 
 
+def present_outputs(run_dir: Path, names: Iterable[str]) -> list[str]:
+    """The `names` that are in `run_dir` as what they name (a folder for `x/`, else a file), never as a symlink: a
+    folder from before manifests never has an output counted through a link (`OutputKind.legacy`)."""
+    found = []
+    for name in names:
+        path = run_dir / name.rstrip("/")
+        if not path.is_symlink() and (path.is_dir() if name.endswith("/") else path.is_file()):
+            found.append(name)
+    return found
+
+
 def _relative(name: str | os.PathLike) -> str | None:
     """`name` as a clean relative posix path (a folder keeps its trailing `/`), or None if it leaves the folder."""
     text = str(name)
@@ -204,3 +251,6 @@ def _tensorboard_folder(run_dir: Path) -> str | None:
     if folder.is_dir() and not folder.is_symlink() and not (run_dir / "runs").is_symlink():
         return f"runs/{parts[-1]}/"
     return None
+
+
+TRAIN = OutputKind("train", "--training.output_dir", legacy_outputs, (*RUN_FILES, *RUN_FOLDERS), PHASE_FOLDER)
