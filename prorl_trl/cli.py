@@ -33,6 +33,7 @@ from . import __version__
 from .console import each_warning_once
 from .data.checks import DataError
 from .recipe.schema import RecipeError
+from .trainer.output_guard import OutputFolderError
 
 # Subcommands owned by other modules: name -> (module, add-arguments function, run function, help).
 PLUGGED_COMMANDS = {
@@ -371,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with each_warning_once():
             return int(args.handler(args) or 0)
-    except (RecipeError, DataError) as error:
+    except (RecipeError, DataError, OutputFolderError) as error:
         print(f"error: {error.render()}", file=sys.stderr)
         return 2
     except Exception as error:

@@ -91,7 +91,7 @@ def run_distill(args: argparse.Namespace) -> int:
         print(f"prorl-trl distill: {error}", file=sys.stderr)
         return 2
     from ..evaluation.runner import SampledWithOtherSettings
-    from ..recipe.output_folder import OutputFolderError
+    from ..trainer.output_guard import OutputFolderError
 
     try:
         summary = distill(config, allow_other_files=getattr(args, "allow_other_files", False))

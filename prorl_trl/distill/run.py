@@ -193,7 +193,7 @@ def distill(
     """
     from accelerate import PartialState
 
-    from ..recipe.output_folder import check_output_folder
+    from ..trainer.output_guard import check_output_folder
 
     if config.student is None:
         raise ValueError("No student: set `student` (--student), or run the section from a recipe with a model.")

@@ -23,7 +23,7 @@ interrupted one continues (`train --resume`), and a failed variant is reported i
 others. `--devices 0,1` gives each running variant a GPU that no other running variant has (with `--parallel` above
 the number of devices, each device takes its share).
 
-The output folder is checked before anything is validated or written (`output_folder.check_output_folder`): an
+The output folder is checked before anything is validated or written (`trainer.output_guard.check_output_folder`): an
 ablation's own folder is used again, a folder holding anything else needs `--allow-other-files`, and one that holds a
 training run (or a distillation) is refused. What the ablation writes there (`summary.*`, `recipes/`, `logs/`, one
 folder per variant) is recorded in its `.prorl_manifest.json` first; it deletes nothing itself (`--force` re-runs a
@@ -53,7 +53,7 @@ import yaml
 from ..console import eta_text
 from ..files import UnreadableFileError, read_yaml
 from ..trainer.manifest import OutputKind, present_outputs, record_outputs
-from .output_folder import check_output_folder
+from ..trainer.output_guard import check_output_folder
 from .reading import read_recipe_file
 from .schema import RecipeError, RecipeProblem, suggest
 

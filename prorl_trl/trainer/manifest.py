@@ -52,7 +52,7 @@ _FIX = (
 @dataclass(frozen=True)
 class OutputKind:
     """A command that keeps a manifest in its output folder, and how its folder is checked
-    (`prorl_trl.recipe.output_folder.check_output_folder`): a foreign file named like one of `writes` (or matching
+    (`output_guard.check_output_folder`): a foreign file named like one of `writes` (or matching
     `pattern`) is refused even with `--allow-other-files`, since the command would write over it."""
 
     name: str  # recorded in the manifest: `train`, `ablate`, `distill`
