@@ -482,6 +482,93 @@ def _skipped_note(phases: set[int | None], state: dict[str, Any]) -> tuple[str, 
     )
 
 
+def phase_names(flat: dict[str, Any]) -> list[str]:
+    """The phase names of a flattened recipe (`phase-<i>` where unnamed; one phase when it sets no `phases`)."""
+    indexes = {phase_of_key(key) for key in flat} - {None}
+    count = max(indexes) + 1 if indexes else 1
+    return [str(flat.get(f"phases.{index}.name") or f"phase-{index}") for index in range(count)]
+
+
+def refuse_waiting_request_conflicts(
+    changes: list[Change], state: dict[str, Any], output_dir: Path, current: dict[str, Any],
+    recorded: dict[str, Any] | None,
+) -> None:  # fmt: skip
+    """A reset on demand still waiting in `output_dir` (written while the job was down: in no checkpoint yet) acts
+    at the resumed job's first step end: it ends the phase the resume goes into (`resumed_into`) and skips the ones
+    before its target, as a recorded one did. A change to a phase it skips, or a new length of the phase it ends, is
+    refused as `refuse_finished_phase_changes` refuses one for a recorded reset; so is a request that this resume's
+    change (`current`, against the `recorded` recipe, flattened) makes unfit. A request unfit anyway is left to the
+    job, which files it as refused with a warning as for a running job: an unchanged resume is never blocked by it."""
+    from ..trainer.on_demand import check_target, waiting_request
+
+    request = waiting_request(output_dir, state.get("on_demand_resets") or [])
+    names, into = phase_names(flatten(canonical(current))), resumed_into(changes, state)
+    if request is None or into >= len(names):  # none, or nothing left to train (a finished run)
+        return
+    try:
+        target = check_target(request["to_phase"], into, names)
+    except ValueError as problem:
+        if recorded is not None and _fits(request, state, phase_names(recorded)):
+            raise ChangedRecipeError(_unfit_message(output_dir, request, str(problem), into)) from None
+        return
+    ended, skipped = f"phases.{into}.max_steps", range(into + 1, target)
+    void = [change for change in changes if change.key == ended or phase_of_key(change.key) in skipped]
+    if void:
+        step = checkpoint_global_step(state)
+        raise ChangedRecipeError(_void_message(output_dir, request, void, into, target, step))
+
+
+def _fits(request: dict[str, Any], state: dict[str, Any], names: list[str]) -> bool:
+    """Whether the job would act on the request when resumed with the recipe as recorded (no change)."""
+    from ..trainer.on_demand import check_target
+
+    try:
+        check_target(request["to_phase"], resumed_into([], state), names)
+    except ValueError:
+        return False
+    return True
+
+
+def _withdraw(output_dir: Path) -> str:
+    from ..trainer.on_demand import request_path
+
+    path = request_path(output_dir)
+    return f"delete {path} (`prorl-trl reset` has no option to withdraw a request; a new one replaces it)"
+
+
+def _void_message(
+    output_dir: Path, request: dict[str, Any], void: list[Change], into: int, target: int, step: int | None
+) -> str:
+    from ..trainer.on_demand import describe_request
+
+    at = f"at global step {step + 1}" if step is not None else "after its first step"
+    skipped = [str(phase) for phase in range(into + 1, target)]
+    skips = f" and skips phase{'s' if len(skipped) > 1 else ''} {', '.join(skipped)}" if skipped else ""
+    listed = "\n".join(f"  {change.describe()}" for change in void)
+    return (
+        f"--resume: a reset on demand is waiting in {describe_request(output_dir, request)}: the resumed job acts on "
+        f"it at its first step end, so it ends phase {into} {at}{skips} before starting phase {target}, and these "
+        f"settings cannot take effect:\n{listed}\nNothing was loaded or changed. Drop those overrides (a setting of "
+        f"phase {target} or a later one, or of `training`, is what this resume can apply; a phase inherits what it "
+        f"leaves unset from the phase before it: to change what phase {target} trains with, set it there, "
+        f"`--phases.{target}.<key> VALUE`), or withdraw the request first: {_withdraw(output_dir)}; then resume with "
+        f"these settings, and ask the running job again (`prorl-trl reset {output_dir} [--to-phase N]`) when you want."
+    )
+
+
+def _unfit_message(output_dir: Path, request: dict[str, Any], problem: str, into: int) -> str:
+    from ..trainer.on_demand import RECORDS_FOLDER, describe_request
+
+    return (
+        f"--resume: a reset on demand is waiting in {describe_request(output_dir, request)}, and with this resume's "
+        f"changes {problem} (the run resumes into phase {into}). It fits the recipe as recorded: the job would refuse "
+        f"it at its first step end ({RECORDS_FOLDER}/refused-step-<N>.json, a warning) and train on in phase {into} "
+        f"instead of ending it. Nothing was loaded or changed. Resume without the change that makes it unfit, or "
+        f"withdraw the request first: {_withdraw(output_dir)}; once the job runs, `prorl-trl reset {output_dir} "
+        "[--to-phase N]` asks it again."
+    )
+
+
 def world_size_change(state: dict[str, Any], world_size: int | None) -> Change | None:
     """The number of processes against the one the checkpoint (`state`: its `prorl_state.json`) was written by: it
     sets the completions per optimizer step (per device x processes x accumulation), so a resume on another number
@@ -494,12 +581,13 @@ def world_size_change(state: dict[str, Any], world_size: int | None) -> Change |
 
 def check_resume_changes(
     run_dir: Path, current: dict[str, Any], allow_changes: bool, data_now: dict[str, dict[str, str]] | None = None,
-    checkpoint: Path | None = None, world_size: int | None = None,
+    checkpoint: Path | None = None, world_size: int | None = None, output_dir: Path | None = None,
 ) -> list[Change]:  # fmt: skip
     """The changes a resume into `run_dir` makes (recipe keys, and the content of local data files when `data_now`,
     `split_fingerprints` of the current recipe, is given); raises `ChangedRecipeError` for training-altering ones
     unless `allow_changes`. Returns every change (an empty list when nothing differs). With the `checkpoint` resumed
-    from, a model path that names the same weights in another place is not a change (`same_base_model_folder`)."""
+    from, a model path that names the same weights in another place is not a change (`same_base_model_folder`); with
+    the `output_dir` the job will write to, a reset on demand waiting there is checked against the changes."""
     from ..reset.checkpoint import PRORL_STATE_NAME, read_prorl_state
 
     # the checkpoint's record, read once (exit 2 when damaged); none for a plain TRL checkpoint (one phase)
@@ -518,6 +606,8 @@ def check_resume_changes(
     altering = [change for change in changes if change.alters_training]
     if state:
         refuse_finished_phase_changes(altering, state, checkpoint)
+    if state and output_dir is not None:
+        refuse_waiting_request_conflicts(altering, state, output_dir, current, recorded_recipe(run_dir, step))
     if altering and not allow_changes:
         listed = "\n".join(f"  {change.describe()}" for change in altering)
         raise ChangedRecipeError(
@@ -579,7 +669,8 @@ def resume_changes(
         return []
     recorded_in = _recorded_in(Path(output_dir), Path(checkpoint))
     return check_resume_changes(
-        recorded_in, current, allow_changes, data_now, checkpoint=Path(checkpoint), world_size=world_size
+        recorded_in, current, allow_changes, data_now, checkpoint=Path(checkpoint), world_size=world_size,
+        output_dir=Path(output_dir),
     )
 
 

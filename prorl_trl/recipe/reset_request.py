@@ -15,7 +15,7 @@ from typing import Any
 
 from ..trainer.manifest import record_outputs
 from ..trainer.on_demand import RECORDS_FOLDER, REQUEST_NAME, check_target, request_path, write_reset_request
-from .changes import recorded_recipe
+from .changes import phase_names, recorded_recipe
 from .output_folder import OutputFolderError, inspect_output_folder
 
 
@@ -36,11 +36,7 @@ def add_reset_arguments(parser: argparse.ArgumentParser) -> None:
 def recorded_phase_names(run_dir: Path) -> list[str] | None:
     """The phase names of the run's recorded recipe (None without one: the run was not started by the CLI)."""
     flat = recorded_recipe(run_dir)
-    if flat is None:
-        return None
-    indexes = {int(key.split(".")[1]) for key in flat if key.startswith("phases.") and key.split(".")[1].isdigit()}
-    count = max(indexes) + 1 if indexes else 1
-    return [str(flat.get(f"phases.{index}.name") or f"phase-{index}") for index in range(count)]
+    return None if flat is None else phase_names(flat)
 
 
 def run_reset(args: Any) -> int:

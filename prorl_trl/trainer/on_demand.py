@@ -13,7 +13,9 @@ Exactly once, across kills: the decision is recorded in the trainer's `prorl_on_
 checkpoint written at that step (`prorl_state.json`, `on_demand_resets`); only after that commit is the request filed
 as `prorl_reset_requests/handled-step-<N>.json`. A request whose `request_id` is already recorded (killed between the
 commit and the filing) is filed without acting again. A request that names no later phase is filed as
-`refused-step-<N>.json` with a warning; training goes on.
+`refused-step-<N>.json` with a warning; training goes on. A request waiting while the job is down is checked by
+`--resume` against its recipe changes before anything loads (`waiting_request`, used by
+`recipe.changes.refuse_waiting_request_conflicts`): a change it would void, or one that leaves it unfit, is refused.
 """
 
 from __future__ import annotations
@@ -95,6 +97,35 @@ def check_target(to_phase: int | None, current: int, names: list[str]) -> int:
     raise ValueError(problem)
 
 
+def acted_on(request: dict[str, Any], records: list[Any]) -> bool:
+    """Whether `records` (the run's `on_demand_resets`) hold the request: a kill came between its checkpoint's commit
+    and its filing, so it is only filed."""
+    return any(isinstance(record, dict) and record.get("request_id") == request["request_id"] for record in records)
+
+
+def waiting_request(output_dir: str | os.PathLike, records: list[Any]) -> dict[str, Any] | None:
+    """The request in `output_dir` that a job resumed with `records` (its checkpoint's `on_demand_resets`) acts on at
+    its first step end, unchecked against its phases (`check_target`); None without one, for one it cannot read (it
+    files that as refused) and for one already acted on (`acted_on`)."""
+    text = _read_request_text(output_dir)
+    if text is None:
+        return None
+    try:
+        request = parse_request(text)
+    except ValueError:
+        return None
+    return None if acted_on(request, records) else request
+
+
+def describe_request(output_dir: str | os.PathLike, request: dict[str, Any]) -> str:
+    """How a message names a waiting request: its file, id, target, reason and time."""
+    to_phase = "next" if request["to_phase"] is None else request["to_phase"]
+    parts = [f"id {request['request_id']}", f"to_phase {to_phase}"]
+    parts += [f"reason '{request['reason']}'"] if request["reason"] else []
+    parts += [f"written {request['requested_at']}"] if request.get("requested_at") else []
+    return f"{request_path(output_dir)} ({', '.join(parts)})"
+
+
 def next_phase_after(records: list[dict[str, Any]]) -> int:
     """The earliest phase the run may still train: phases before the last on-demand target were jumped over."""
     return max((int(record["to_phase"]) for record in records), default=0)
@@ -171,7 +202,7 @@ class OnDemandResetCallback(TrainerCallback):
         current = trainer.current_phase.index
         try:
             request = parse_request(text)
-            if any(r.get("request_id") == request["request_id"] for r in trainer.prorl_on_demand_resets):
+            if acted_on(request, trainer.prorl_on_demand_resets):
                 file_request(output_dir, text, "handled", step)  # acted on before a kill; its filing was lost
                 return None
             target = check_target(request["to_phase"], current, [phase.name for phase in trainer.phases])
