@@ -1,5 +1,6 @@
 """Shared fixtures. Tests run on CPU, offline, with tiny models built in-process (`prorl_trl.tiny`)."""
 
+import gc
 import os
 import sys
 
@@ -15,6 +16,14 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 # __pycache__ folders (ignored by git).
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
+# One intra-op thread for torch (and OpenBLAS) in the pytest processes and in every process they start (CLI runs, the
+# fork server of _cli_fork.py and its children, launches and their ranks). The suite's models are tiny and CI runs two
+# xdist workers on two cores: a second OpenMP thread has no free core to run on, and it spin-waits at every parallel
+# region. A tiny `train` run (tests/recipes/tiny_gsm8k.yaml, 6 steps) took 35-46 CPU-s with torch's default of 2
+# threads and 10.5 CPU-s with 1, on this machine while both cores were busy, and ended on the same weights bit for bit.
+# The demo and the benchmarks' CPU workers already ran on one thread for that reason. Set here, at import, so that the
+# fork server and the runs it serves agree (_cli_fork.IMPORT_TIME_VARIABLES); a caller's own value is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from pathlib import Path  # noqa: E402
 
@@ -40,6 +49,19 @@ def started_processes_see_a_plain_install():
         os.environ.pop("PYTHONPATH", None)
     else:
         os.environ["PYTHONPATH"] = before
+
+
+@pytest.fixture(scope="module", autouse=True)
+def live_objects_leave_the_cyclic_collector():
+    """Collect the previous module's garbage, then `gc.freeze()` what is still alive: mostly the ~0.5M objects that
+    importing torch, transformers, TRL and the rest created. The collector stops scanning them at every collection
+    after this, automatic or explicit (HF's `Trainer.train` calls `gc.collect()` through accelerate's `free_memory`,
+    DeepSpeed at each defragment), where each full pass had cost ~0.5 s. tests/test_parity.py on one thread: 26.7
+    CPU-s, 10.9 of them in the collector, before this. Objects created by the tests themselves are collected as
+    before; a frozen one that turns into cyclic garbage later stays in memory until the worker exits."""
+    gc.collect()
+    gc.freeze()
+    yield
 
 
 @pytest.fixture(scope="session")
