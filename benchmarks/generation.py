@@ -267,11 +267,10 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
         engine = RolloutEngine(prompt_budget=cache_len - max_new_tokens, compile_options=options)
 
         def run_engine() -> int:
-            switches = (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, fused_mlp.FUSED_MLP,
+            switches = (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, fused_mlp.FUSED_MLP, fused_mlp.LORA_TF32X3,
                         decode_attention.LIVE_SPLITS, lora_decode.FOLD_LORA_A, sampler.RACE_KERNEL,
                         sampler.SOFTMAX_KERNEL, arena.PRIVATE_POOL, prefetch_switches())  # fmt: skip
-            tf32x3 = fused_mlp.LORA_TF32X3
-            fused_mlp.LORA_TF32X3 = method != "rollout_engine_ieee_mlp_lora" and tf32x3
+            fused_mlp.LORA_TF32X3 = method != "rollout_engine_ieee_mlp_lora" and fused_mlp.LORA_TF32X3
             lora_decode.FUSE_LORA = method != "rollout_engine_unfused"  # the A/B switches
             arena.PRIVATE_POOL = method != "rollout_engine_default_pool" and arena.PRIVATE_POOL
             fused_weights.FUSE_BASE = method != "rollout_engine_separate"
@@ -285,11 +284,10 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
             try:
                 output = engine.generate(model, input_ids, attention_mask, config)
             finally:
-                (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, fused_mlp.FUSED_MLP,
+                (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, fused_mlp.FUSED_MLP, fused_mlp.LORA_TF32X3,
                  decode_attention.LIVE_SPLITS, lora_decode.FOLD_LORA_A, sampler.RACE_KERNEL,
                  sampler.SOFTMAX_KERNEL, arena.PRIVATE_POOL, prefetch) = switches  # fmt: skip
                 set_prefetch(prefetch)
-                fused_mlp.LORA_TF32X3 = tf32x3
             if output.tokens.shape[1] != max_new_tokens:
                 raise RuntimeError(f"generated {output.tokens.shape[1]} tokens per sequence, expected {max_new_tokens}")
             model.train()

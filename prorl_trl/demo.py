@@ -157,7 +157,8 @@ def _check_arguments(args: argparse.Namespace) -> list[str]:
             "outputs there and run it again, or choose another --out"
         )
     else:
-        from .recipe.output_folder import OutputFolderError, plan_start, refuse_shared_folder
+        from .recipe.output_folder import plan_start
+        from .trainer.output_guard import OutputFolderError, refuse_shared_folder
 
         try:
             refuse_shared_folder(out, "--out")

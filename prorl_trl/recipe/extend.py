@@ -23,6 +23,7 @@ from typing import Any
 
 from ..reset.checkpoint import FINAL_DIR_NAME
 from ..trainer.manifest import record_outputs
+from ..trainer.output_guard import FolderState
 from .changes import (
     Change,
     ChangedRecipeError,
@@ -34,7 +35,6 @@ from .changes import (
     recorded_changes,
     recorded_recipe,
 )
-from .output_folder import FolderState
 
 
 @dataclass(frozen=True)
@@ -226,7 +226,7 @@ def _what_extends(last: int, name: str, trained: int) -> str:
 
 
 def _no_last_checkpoint(state: FolderState, altering: list[Change]) -> str:
-    from .output_folder import describe_checkpoint
+    from ..trainer.output_guard import describe_checkpoint
 
     latest = describe_checkpoint(state) if state.latest_checkpoint is not None else "none"
     listed = ":" + "".join(f"\n  {change.describe()}" for change in altering) if altering else " in its phases"

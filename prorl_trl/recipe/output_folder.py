@@ -31,11 +31,10 @@ from typing import Any
 
 from ..files import UnreadableFileError
 from ..trainer.manifest import MANIFEST_NAME, read_tracker_ids
-from ..trainer.output_guard import (  # noqa: F401 - the folder's state and the refusals every command shares
+from ..trainer.output_guard import (
     FolderState,
     OutputFolderError,
     check_other_files,
-    check_output_folder,
     describe_checkpoint,
     refuse_shared_folder,
     sort_folder,

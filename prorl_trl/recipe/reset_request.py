@@ -15,8 +15,9 @@ from typing import Any
 
 from ..trainer.manifest import record_outputs
 from ..trainer.on_demand import RECORDS_FOLDER, REQUEST_NAME, check_target, request_path, write_reset_request
+from ..trainer.output_guard import OutputFolderError
 from .changes import phase_names, recorded_recipe
-from .output_folder import OutputFolderError, inspect_output_folder
+from .output_folder import inspect_output_folder
 
 
 def add_reset_arguments(parser: argparse.ArgumentParser) -> None:

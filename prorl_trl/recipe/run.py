@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 from ..console import loading_models
 from ..data.fingerprint import split_fingerprints
 from ..trainer.manifest import CLI_FILES, record_outputs
+from ..trainer.output_guard import describe_checkpoint
 from .changes import RESUME_HISTORY_NAME, resume_changes, write_run_recipe
 from .extend import extended_plan
 from .output_folder import (
     delete_run_outputs,
-    describe_checkpoint,
     free_bytes,
     inspect_output_folder,
     is_disk_full,
