@@ -34,8 +34,11 @@ GPU machine needs no TRL):
                        block's load waits instead of overlapping the previous block's arithmetic).
   rollout_engine_default_pool  A/B: rollout_engine with `arena.PRIVATE_POOL` off (the generation arena in the caching
                        allocator's default pool, cached between generations, instead of given back to the driver).
-  rollout_engine_ieee_mlp_lora  A/B: rollout_engine with `fused_mlp.LORA_TF32X3` off (the fused MLP kernel's LoRA
-                       delta products in IEEE float32 on CUDA cores instead of three TF32 tensor-core products).
+  rollout_engine_ieee_mlp_lora  A/B: rollout_engine with `fused_mlp.LORA_TF32X3` off (the LoRA delta products of the
+                       fused MLP and `lora_epilogue` kernels in IEEE float32 on CUDA cores instead of three TF32
+                       tensor-core products).
+  rollout_engine_lora_reductions  A/B: rollout_engine with `lora_epilogue.LORA_EPILOGUE` off (a folded group's LoRA B
+                       products, additions and rounding as inductor's reductions instead of `lora_epilogue`'s kernel).
   continuous_batching  `model.generate_batch(prompt_ids, generation_config=..., continuous_batching_config=
                        ContinuousBatchingConfig(max_memory_percent=0.5))` as TRL's `use_transformers_continuous_batching`.
 Continuous batching runs last for each model: it reserves half the free GPU memory for its paged cache.
@@ -95,6 +98,7 @@ METHODS = (
     "rollout_engine_no_prefetch",
     "rollout_engine_default_pool",
     "rollout_engine_ieee_mlp_lora",
+    "rollout_engine_lora_reductions",
 )
 # Inductor options an engine method takes after '@' (joined with '+'), for A/B rows without a new method each.
 INDUCTOR_PRESETS = {
@@ -136,6 +140,8 @@ def build_model(
     lora_rank: int,
     lora_targets: str = "q_proj,k_proj",
     frozen_resets: int = 0,
+    frozen_rank: int | None = None,
+    frozen_targets: str | None = None,
 ):
     """`(model, eos_token_id, pad_token_id)`: random Qwen2-0.5B (or the tiny test model), optionally LoRA-wrapped.
 
@@ -143,7 +149,9 @@ def build_model(
     `enable_input_require_grads` (TRL does it for PEFT + gradient checkpointing); adapters stay unmerged.
     `frozen_resets`: that many hard resets already behind it, as `lora_reset_mode: frozen` leaves them (each phase's
     adapter, given a trained-looking B, kept as a frozen part of rank `lora_rank` on its base layers; a fresh adapter
-    with a trained-looking B on top).
+    with a trained-looking B on top). `frozen_rank` / `frozen_targets`: the earlier phases' adapter shape where it
+    differs (the GSM8K recipe's reset-4: four r32 q,k phases behind an r64 all-linear adapter); the last reset then
+    gives the adapter the live shape, as the trainer's reset into that phase does.
     """
     if smoke:
         from prorl_trl.tiny import build_tiny
@@ -160,8 +168,12 @@ def build_model(
     if lora_rank:
         from peft import LoraConfig, get_peft_model
 
-        targets = "all-linear" if lora_targets == "all-linear" else lora_targets.split(",")
-        lora = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=targets)
+        def target_list(targets: str) -> str | list[str]:
+            return "all-linear" if targets == "all-linear" else targets.split(",")
+
+        first_rank = frozen_rank if frozen_resets and frozen_rank else lora_rank
+        first_targets = frozen_targets if frozen_resets and frozen_targets else lora_targets
+        lora = LoraConfig(r=first_rank, lora_alpha=2 * first_rank, target_modules=target_list(first_targets))
         model = get_peft_model(model, lora)
         model.enable_input_require_grads()
         for reset in range(frozen_resets + 1):
@@ -169,7 +181,11 @@ def build_model(
                 from prorl_trl.reset import freeze_lora_delta, reinit_adapter
 
                 freeze_lora_delta(model)
-                reinit_adapter(model, seed=reset)
+                if reset == frozen_resets and (first_rank, first_targets) != (lora_rank, lora_targets):
+                    reinit_adapter(model, r=lora_rank, lora_alpha=2 * lora_rank,
+                                   target_modules=target_list(lora_targets), seed=reset)  # fmt: skip
+                else:
+                    reinit_adapter(model, seed=reset)
             with torch.no_grad(), torch.random.fork_rng(devices=[]):
                 torch.manual_seed(reset)
                 for name, param in model.named_parameters():
@@ -257,7 +273,8 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
     top_p = 1.0 if method == "static_compile_top_p1" else args.top_p
     config = trl_generation_config(args, max_new_tokens, eos, pad, top_p)
     if method.startswith("rollout_engine"):
-        from prorl_trl.rollout import arena, decode_attention, fused_mlp, fused_weights, lora_decode, sampler
+        from prorl_trl.rollout import (arena, decode_attention, fused_mlp, fused_weights, lora_decode, lora_epilogue,
+                                       sampler)  # fmt: skip
         from prorl_trl.rollout.engine import RolloutEngine
 
         cache_len = max(args.cache_len or 0, args.prompt_length + max_new_tokens)
@@ -269,7 +286,9 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
         def run_engine() -> int:
             switches = (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, fused_mlp.FUSED_MLP, fused_mlp.LORA_TF32X3,
                         decode_attention.LIVE_SPLITS, lora_decode.FOLD_LORA_A, sampler.RACE_KERNEL,
-                        sampler.SOFTMAX_KERNEL, arena.PRIVATE_POOL, prefetch_switches())  # fmt: skip
+                        sampler.SOFTMAX_KERNEL, arena.PRIVATE_POOL, lora_epilogue.LORA_EPILOGUE,
+                        prefetch_switches())  # fmt: skip
+            lora_epilogue.LORA_EPILOGUE = method != "rollout_engine_lora_reductions" and lora_epilogue.LORA_EPILOGUE
             fused_mlp.LORA_TF32X3 = method != "rollout_engine_ieee_mlp_lora" and fused_mlp.LORA_TF32X3
             lora_decode.FUSE_LORA = method != "rollout_engine_unfused"  # the A/B switches
             arena.PRIVATE_POOL = method != "rollout_engine_default_pool" and arena.PRIVATE_POOL
@@ -286,7 +305,8 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
             finally:
                 (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, fused_mlp.FUSED_MLP, fused_mlp.LORA_TF32X3,
                  decode_attention.LIVE_SPLITS, lora_decode.FOLD_LORA_A, sampler.RACE_KERNEL,
-                 sampler.SOFTMAX_KERNEL, arena.PRIVATE_POOL, prefetch) = switches  # fmt: skip
+                 sampler.SOFTMAX_KERNEL, arena.PRIVATE_POOL, lora_epilogue.LORA_EPILOGUE,
+                 prefetch) = switches  # fmt: skip
                 set_prefetch(prefetch)
             if output.tokens.shape[1] != max_new_tokens:
                 raise RuntimeError(f"generated {output.tokens.shape[1]} tokens per sequence, expected {max_new_tokens}")
@@ -363,6 +383,8 @@ def measure(method, model, args, shape, eos, pad, device, weight_bytes, kv_bytes
     model_kind = "lora" if args.lora_rank_now else "base"
     if args.lora_rank_now and args.frozen_resets:
         model_kind += f", {args.frozen_resets} resets"
+        if args.frozen_rank or args.frozen_targets:
+            model_kind += f" of r{args.frozen_rank or args.lora_rank} {args.frozen_targets or args.lora_targets}"
     row = {"shape": f"{shape[0]}x{shape[1]}", "model": model_kind, "method": method}
     try:
         run = make_runner(method, model, args, shape, eos, pad, device)
@@ -513,6 +535,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--lora-targets", default="q_proj,k_proj", help="comma-separated modules, or all-linear")
     parser.add_argument("--frozen-resets", type=int, default=0,
                         help="lora: hard resets behind the adapter (lora_reset_mode frozen: a frozen part each)")
+    parser.add_argument("--frozen-rank", type=int, default=None,
+                        help="lora: the frozen parts' rank where it differs from --lora-rank (reset-4: 32)")
+    parser.add_argument("--frozen-targets", default=None,
+                        help="lora: the frozen parts' targets where they differ from --lora-targets "
+                             "(reset-4: q_proj,k_proj)")
     parser.add_argument("--warmup-tokens", type=int, default=0,
                         help="new tokens of the warm-up call of the compiled generate paths (0: the full shape)")
     parser.add_argument("--profile", action="store_true", help="rollout_engine rows: top kernels of a graph replay")
@@ -573,7 +600,8 @@ def main(argv: list[str] | None = None) -> dict:
     for model_kind in [m.strip() for m in args.models.split(",") if m.strip()]:
         args.lora_rank_now = args.lora_rank if model_kind == "lora" else 0
         model, eos, pad = build_model(
-            args.smoke, device, dtype, args.lora_rank_now, args.lora_targets, args.frozen_resets
+            args.smoke, device, dtype, args.lora_rank_now, args.lora_targets, args.frozen_resets, args.frozen_rank,
+            args.frozen_targets
         )
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         kv_bytes = kv_cache_bytes_per_token(model.config, dtype)

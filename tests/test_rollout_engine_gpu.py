@@ -75,7 +75,7 @@ def test_graphs_follow_weights_like_generate(lora_model, switches, monkeypatch):
     `.data` swap and a merge (recaptured), and each change changed the output (else the test proves nothing). By
     default the MLP's first half (up_proj adapted) is `fused_mlp`'s kernel and attention splits the live keys into
     shares; each also switched off."""
-    from prorl_trl.rollout import decode_attention, fused_mlp
+    from prorl_trl.rollout import decode_attention, fused_mlp, lora_epilogue
 
     monkeypatch.setattr(fused_mlp, "FUSED_MLP", switches != "unfused_mlp")
     monkeypatch.setattr(decode_attention, "LIVE_SPLITS", switches != "fixed_splits")
@@ -161,14 +161,15 @@ def test_one_capture_while_the_arena_goes_back_to_the_driver_between_generations
     assert engine.stats.captures == 1, engine.stats.last
 
 
-@pytest.mark.parametrize("switch", ["fused_mlp", "live_splits", "both"])
+@pytest.mark.parametrize("switch", ["fused_mlp", "live_splits", "lora_epilogue", "both"])
 @torch.no_grad()
 def test_bf16_decode_step_with_each_kernel_switch(switch, monkeypatch):
     """A bf16 model with float32 LoRA adapters on q, k and up (as the recipe loads it): one decode step's logits and KV
-    writes with a kernel switch on equal those with it off within bf16 rounding, and the switch took effect."""
+    writes with a kernel switch on equal those with it off within bf16 rounding, and the switch took effect
+    ("lora_epilogue": q/k/v's folded B products; "both": every switch)."""
     from peft import LoraConfig, get_peft_model
 
-    from prorl_trl.rollout import decode_attention, fused_mlp
+    from prorl_trl.rollout import decode_attention, fused_mlp, lora_epilogue
     from prorl_trl.rollout.decoder import decode_logits, decoder_parts, refresh_fusions
 
     model, _ = build_tiny(seed=0)
@@ -194,11 +195,13 @@ def test_bf16_decode_step_with_each_kernel_switch(switch, monkeypatch):
     settings = {  # switch: (module, attribute, the op that must then run; None: the same op, other splits)
         "fused_mlp": (fused_mlp, "FUSED_MLP", "prorl_rollout::gated_activation"),
         "live_splits": (decode_attention, "LIVE_SPLITS", None),
+        "lora_epilogue": (lora_epilogue, "LORA_EPILOGUE", "prorl_rollout::lora_epilogue"),
     }
     for module, attribute, _ in settings.values():
         monkeypatch.setattr(module, attribute, False)
     default = step()
     expected_ops = set()
+    monkeypatch.setattr(lora_epilogue, "MIN_RANK", 1)  # r8 here; the engine's threshold is measured
     for name, (module, attribute, op) in settings.items():
         if switch in (name, "both"):
             monkeypatch.setattr(module, attribute, True)

@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import arrivals, decode_attention, fused_mlp, fused_weights, lora_decode
+from . import arrivals, decode_attention, fused_mlp, fused_weights, lora_decode, lora_epilogue
 from . import sampler as sampler_module
 from .arena import GenerationArena, Region
 from .compiled import raise_recompile_limit
@@ -200,6 +200,7 @@ class CaptureKey:
     fuse_base: bool  # fused_weights.FUSE_BASE, likewise
     fused_mlp: bool  # fused_mlp.FUSED_MLP, likewise
     mlp_lora_tf32x3: bool  # fused_mlp.LORA_TF32X3, likewise (read at capture)
+    lora_epilogue: bool  # lora_epilogue.LORA_EPILOGUE, likewise
     live_splits: bool  # decode_attention.LIVE_SPLITS, likewise (read at capture)
     fold_lora_a: bool  # lora_decode.FOLD_LORA_A, likewise
     race_kernel: bool  # sampler.RACE_KERNEL, likewise
@@ -463,7 +464,8 @@ class RolloutEngine:
             chunks=chunks, layout=settings.layout, kv_dtype=prompt_kv[0][0].dtype, autocast_dtype=autocast_dtype,
             model=id(parts.model), cuda_graphs=use_graphs, fuse_lora=lora_decode.FUSE_LORA,
             fuse_base=fused_weights.FUSE_BASE, fused_mlp=fused_mlp.FUSED_MLP, mlp_lora_tf32x3=fused_mlp.LORA_TF32X3,
-            live_splits=decode_attention.LIVE_SPLITS, fold_lora_a=lora_decode.FOLD_LORA_A,
+            lora_epilogue=lora_epilogue.LORA_EPILOGUE, live_splits=decode_attention.LIVE_SPLITS,
+            fold_lora_a=lora_decode.FOLD_LORA_A,
             race_kernel=sampler_module.RACE_KERNEL, softmax_kernel=sampler_module.SOFTMAX_KERNEL,
         )  # fmt: skip
         kv_shape = (2, len(parts.layers), batch, parts.num_kv_heads, key.cache_len, parts.head_dim)

@@ -31,8 +31,8 @@ FUSED_MLP = True  # `lora_decode.gated_mlp` runs its first half as `gated_activa
 # The LoRA deltas' float32 products on tensor cores as three TF32 products (~21 mantissa bits) where the model is
 # 16-bit, instead of IEEE float32 on CUDA cores: at 64 rows with r64 adapters on gate and up, the IEEE products were
 # 22 of the kernel's 29 us a layer on an H200 (7.4 us without adapters; benchmarks/results/rollout_engine.md, section
-# 2026-11-29). float32 models keep IEEE. Read at each launch, part of the engine's capture key; the A/B method is
-# `benchmarks/generation.py`'s `rollout_engine_ieee_mlp_lora`.
+# 2026-11-29). float32 models keep IEEE. `lora_epilogue`'s kernel follows the same switch. Read at each launch, part
+# of the engine's capture key; the A/B method is `benchmarks/generation.py`'s `rollout_engine_ieee_mlp_lora`.
 LORA_TF32X3 = True
 
 

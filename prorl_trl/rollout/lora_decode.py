@@ -16,7 +16,8 @@ other layer (DoRA and other variants, several active adapters, merged or disable
 autocast) is called as a module. What it reads is covered by the engine's `model_fingerprint` (a change recaptures;
 dynamo's guards recompile). Uncompiled (CPU tests, a failed compile) the products materialise
 `rows x rank x features` temporaries: small at decode sizes. Where gate/up carry adapters, the MLP's first half is
-`fused_mlp`'s one kernel instead (gate/up GEMMs, their B products and SiLU(gate) * up in one pass).
+`fused_mlp`'s one kernel instead (gate/up GEMMs, their B products and SiLU(gate) * up in one pass); where a folded
+group carries an adapter of rank 64 or more, its B products, additions and rounding are `lora_epilogue`'s one kernel.
 
 Frozen factors of earlier hard resets (`prorl_trl.reset.frozen`) sit in a forward hook of the base layer, which adds
 each part's product to the raw base output in float32; PEFT then adds the live adapter and the output is rounded
@@ -34,7 +35,7 @@ from typing import NamedTuple
 import torch
 
 from ..reset.frozen import REFERENCE, frozen_delta_of
-from . import fused_mlp
+from . import fused_mlp, lora_epilogue
 from .fused_weights import FusedLinear
 
 FUSE_LORA = True  # False: every projection is called as a module (tests, A/B benchmarks); read when a step is traced
@@ -130,7 +131,8 @@ def _apply_stages(
     `(weight rows, batch rows)`, inductor's kernels were slower: 2.02 -> 2.09 ms a step at 32 x 4,096 and 4.51 ->
     5.77 at 64 x 6,144 with r64 all-linear on an H100, benchmarks/results/rollout_engine.md, commit 88e3468; so
     were these products as a tiled Triton GEMM that reads each adapter once: 9.1 -> 16.8 us a layer at 32 rows,
-    74.9 -> 118 at the reset-4 shape on an H200, commit 1c1b24d.) `hidden`: the A products already computed
+    74.9 -> 118 at the reset-4 shape on an H200, commit 1c1b24d, with IEEE float32 products; `lora_epilogue`'s
+    kernel, TF32 x 3 after the folded A products, wins for r64 adapters.) `hidden`: the A products already computed
     (`_folded`)."""
     factors = [factor for stage in stages for factor in stage]
     if not factors:
@@ -214,8 +216,8 @@ def _float32_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def _folded(x: torch.Tensor, fused: FusedLinear, stages: Sequence[Sequence[LoraFactors]]) -> list[torch.Tensor] | None:
     """PEFT's outputs of the group from one GEMM over `fused.stacked` (base rows, then the A rows `refresh_folded`
-    keeps, in `stages`' order); None where the extra rows do not fit these factors (the caller runs the A reductions
-    instead)."""
+    keeps, in `stages`' order) and the B products (`lora_epilogue`'s kernel where it `applies`, else reductions);
+    None where the extra rows do not fit these factors (the caller runs the A reductions instead)."""
     adapted = [factor for stage in stages for factor in stage]
     if not FOLD_LORA_A or not adapted or x.dtype != fused.weight.dtype:
         return None
@@ -226,6 +228,12 @@ def _folded(x: torch.Tensor, fused: FusedLinear, stages: Sequence[Sequence[LoraF
     rows = x.reshape(-1, x.shape[-1])
     product = _float32_product(rows, fused.stacked)
     width = fused.weight.shape[0]
+    epilogue = _epilogue_factors(fused.sizes, stages)
+    if adapted[0].down.dtype == torch.float32 and lora_epilogue.applies(
+        product, fused.weight.dtype, epilogue, _boundaries(fused.sizes)
+    ):
+        out = lora_epilogue.lora_epilogue(product, fused.bias, epilogue, width, ranks, split, fused.weight.dtype)
+        return [part.view(*x.shape[:-1], -1) for part in out.split(fused.sizes, dim=-1)]
     base = product[:, :width]
     if fused.bias is not None:
         base = base + fused.bias.float()  # F.linear's epilogue: the bias added in float32, one rounding after
@@ -234,6 +242,29 @@ def _folded(x: torch.Tensor, fused: FusedLinear, stages: Sequence[Sequence[LoraF
     if split:
         hidden = hidden + product[:, width + ranks :]
     return _apply_stages(x, bases, stages, hidden.to(adapted[0].down.dtype))
+
+
+def _boundaries(sizes: Sequence[int]) -> list[int]:
+    """The group's module boundaries in its output columns (each module's end)."""
+    ends, total = [], 0
+    for size in sizes:
+        total += size
+        ends.append(total)
+    return ends
+
+
+def _epilogue_factors(
+    sizes: Sequence[int], stages: Sequence[Sequence[LoraFactors]]
+) -> list[lora_epilogue.EpilogueFactor]:
+    """`stages` as `lora_epilogue`'s factors: each with its module's output columns and its first A-product column
+    (the fold's order: module by module, stage order within one)."""
+    factors, start, hidden = [], 0, 0
+    for size, stage in zip(sizes, stages, strict=True):
+        for factor in stage:
+            factors.append(lora_epilogue.EpilogueFactor(factor.up, factor.scaling, start, start + size, hidden))
+            hidden += factor.down.shape[0]
+        start += size
+    return factors
 
 
 def project(
