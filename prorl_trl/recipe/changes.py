@@ -499,14 +499,14 @@ def refuse_waiting_request_conflicts(
     refused as `refuse_finished_phase_changes` refuses one for a recorded reset; so is a request that this resume's
     change (`current`, against the `recorded` recipe, flattened) makes unfit. A request unfit anyway is left to the
     job, which files it as refused with a warning as for a running job: an unchanged resume is never blocked by it."""
-    from ..trainer.on_demand import check_target, waiting_request
+    from ..trainer.on_demand import request_target, waiting_request
 
     request = waiting_request(output_dir, state.get("on_demand_resets") or [])
     names, into = phase_names(flatten(canonical(current))), resumed_into(changes, state)
     if request is None or into >= len(names):  # none, or nothing left to train (a finished run)
         return
     try:
-        target = check_target(request["to_phase"], into, names)
+        target = request_target(request, into, names)
     except ValueError as problem:
         if recorded is not None and _fits(request, state, phase_names(recorded)):
             raise ChangedRecipeError(_unfit_message(output_dir, request, str(problem), into)) from None
@@ -520,10 +520,10 @@ def refuse_waiting_request_conflicts(
 
 def _fits(request: dict[str, Any], state: dict[str, Any], names: list[str]) -> bool:
     """Whether the job would act on the request when resumed with the recipe as recorded (no change)."""
-    from ..trainer.on_demand import check_target
+    from ..trainer.on_demand import request_target
 
     try:
-        check_target(request["to_phase"], resumed_into([], state), names)
+        request_target(request, resumed_into([], state), names)
     except ValueError:
         return False
     return True

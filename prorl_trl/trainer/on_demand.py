@@ -3,19 +3,28 @@ start the next phase of the recipe (or a later one), by writing a request file i
 
 `prorl-trl reset OUTPUT_DIR [--to-phase N] [--reason TEXT]` writes `<output_dir>/prorl_reset_request.json`
 atomically (`write_reset_request`). `OnDemandResetCallback` looks for it at the end of every optimizer step on the
-main process, checks it against the run (`check_target`: a phase that exists and comes later) and broadcasts the
+main process, checks it against the run (`request_target`: a phase that exists and comes later) and broadcasts the
 decision, so every rank ends the phase after the same step. The trainer then goes on as after a plateau stop: the
 phase is over (`phase_end_reason`), the next phase starts with a hard reset (forced, as `_pending_reset`), phases
 between are skipped, and the next phase runs its own `max_steps` (the ended phase's remaining steps are not trained,
 which is announced with the run's new total).
 
-Exactly once, across kills: the decision is recorded in the trainer's `prorl_on_demand_resets`, saved in the
-checkpoint written at that step (`prorl_state.json`, `on_demand_resets`); only after that commit is the request filed
-as `prorl_reset_requests/handled-step-<N>.json`. A request whose `request_id` is already recorded (killed between the
-commit and the filing) is filed without acting again. A request that names no later phase is filed as
-`refused-step-<N>.json` with a warning; training goes on. A request waiting while the job is down is checked by
-`--resume` against its recipe changes before anything loads (`waiting_request`, used by
-`recipe.changes.refuse_waiting_request_conflicts`): a change it would void, or one that leaves it unfit, is refused.
+Which phase ends: the verb records the phase the run folder shows the job in (`written_in_phase`) and names the phase to
+start (`to_phase`) even without --to-phase (then the next one, `to_phase_given: false`), so that what it prints is what
+the job does. Such a request read in another phase (the job went on to the next phase before reading it, or a resume
+from an earlier checkpoint is in an earlier one) is refused, never carried to the phase after the one the job happens to
+be in, one further than the verb said. A request without `written_in_phase` (written by hand, by `write_reset_request`
+without it, or by an earlier version of this package) keeps `to_phase: null` as "the phase after the one the job is in
+when it reads the request".
+
+Exactly once, across kills: the decision is recorded in the trainer's `prorl_on_demand_resets`, saved in the checkpoint
+written at that step (`prorl_state.json`, `on_demand_resets`); only after that commit is the request filed as
+`prorl_reset_requests/handled-step-<N>.json`. A request whose `request_id` is already recorded (killed between the
+commit and the filing) is filed without acting again. A request that names no later phase, or one the job reads in
+another phase than the one it was written for, is filed as `refused-step-<N>.json` with a warning; training goes on. A
+request waiting while the job is down is checked by `--resume` against its recipe changes before anything loads
+(`waiting_request`, used by `recipe.changes.refuse_waiting_request_conflicts`): a change it would void, or one that
+leaves it unfit, is refused.
 """
 
 from __future__ import annotations
@@ -45,40 +54,79 @@ def request_path(output_dir: str | os.PathLike) -> Path:
     return Path(output_dir) / REQUEST_NAME
 
 
-def write_reset_request(output_dir: str | os.PathLike, to_phase: int | None = None, reason: str = "") -> dict[str, Any]:
-    """Write the request atomically (a reader sees the whole file or none); returns what was written. A pending
-    request is replaced."""
-    request = {
-        "request_id": uuid.uuid4().hex,
-        "to_phase": to_phase,
-        "reason": reason,
-        "requested_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
+def write_reset_request(
+    output_dir: str | os.PathLike, to_phase: int | None = None, reason: str = "", written_in_phase: int | None = None
+) -> dict[str, Any]:
+    """Write the request atomically (a reader sees the whole file or none); returns what was written (as
+    `parse_request` reads it). A pending request is replaced.
+
+    With `written_in_phase` (the phase the job is in as the writer sees it; `prorl-trl reset` always gives it) the
+    request names its target even when `to_phase` is None (the next phase, `to_phase_given: false`), and a job that
+    reads it in another phase refuses it (`request_target`). Without it, `to_phase=None` means the phase after the one
+    the job is in when it reads the request, whichever that is."""
+    request: dict[str, Any] = {"request_id": uuid.uuid4().hex, "to_phase": to_phase}
+    if written_in_phase is not None:
+        given = to_phase is not None
+        request.update(to_phase=to_phase if given else written_in_phase + 1, to_phase_given=given,
+                       written_in_phase=written_in_phase)  # fmt: skip
+    request.update(reason=reason,
+                   requested_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))  # fmt: skip
     write_text_atomically(request_path(output_dir), json_text(request))
     return request
 
 
+REQUEST_KEYS = ("request_id", "to_phase", "to_phase_given", "written_in_phase", "reason", "requested_at")
+
+
 def parse_request(text: str) -> dict[str, Any]:
-    """The request in `text`, normalised (`to_phase` None or an int, `reason` text, a `request_id`); `ValueError` saying
-    what is wrong otherwise. A hand-written request without an id gets the hash of its text."""
+    """The request in `text`, normalised (`to_phase` None or an int, `reason` text, a `request_id`; with
+    `written_in_phase`, also `to_phase_given` and `to_phase` an int: the next phase when not given); `ValueError`
+    saying what is wrong otherwise. A hand-written request without an id gets the hash of its text."""
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as error:
         raise ValueError(f"is not JSON ({error.msg} at line {error.lineno})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"holds a {type(raw).__name__}, not a JSON object")
-    unknown = sorted(set(raw) - {"request_id", "to_phase", "reason", "requested_at"})
+    unknown = sorted(set(raw) - set(REQUEST_KEYS))
     if unknown:
-        raise ValueError(f"has unknown keys {unknown} (allowed: request_id, to_phase, reason, requested_at)")
+        raise ValueError(f"has unknown keys {unknown} (allowed: {', '.join(REQUEST_KEYS)})")
     to_phase = raw.get("to_phase")
-    if to_phase is not None and (isinstance(to_phase, bool) or not isinstance(to_phase, int)):
+    if to_phase is not None and not _is_index(to_phase):
         raise ValueError(f"has to_phase={to_phase!r}: it must be a phase index (a whole number) or null")
     reason = raw.get("reason") or ""
     if not isinstance(reason, str):
         raise ValueError(f"has reason={reason!r}: it must be text")
     request_id = raw.get("request_id") or hashlib.sha256(text.encode()).hexdigest()[:32]
-    return {"request_id": str(request_id), "to_phase": to_phase, "reason": reason[:500],
-            "requested_at": raw.get("requested_at")}  # fmt: skip
+    request = {"request_id": str(request_id), "to_phase": to_phase, "reason": reason[:500],
+               "requested_at": raw.get("requested_at")}  # fmt: skip
+    return {**request, **_written_phase(raw, to_phase)}
+
+
+def _written_phase(raw: dict[str, Any], to_phase: int | None) -> dict[str, Any]:
+    """`written_in_phase` and `to_phase_given` of a request that records the phase it was written in, with the
+    `to_phase` it names (the next phase when not given); {} for one that does not (the old meaning of `to_phase:
+    null` holds). `ValueError` for fields that contradict each other: the job would have to guess which one holds."""
+    written, given = raw.get("written_in_phase"), raw.get("to_phase_given")
+    if written is None:
+        if given is not None:
+            raise ValueError(f"has to_phase_given={given!r} without written_in_phase (the phase it refers to)")
+        return {}
+    if not _is_index(written) or written < 0:
+        raise ValueError(f"has written_in_phase={written!r}: it must be a phase index (a whole number) or null")
+    given = to_phase is not None if given is None else given
+    if not isinstance(given, bool):
+        raise ValueError(f"has to_phase_given={given!r}: it must be true or false")
+    if given and to_phase is None:
+        raise ValueError("has to_phase_given=true and to_phase=null: it names no phase")
+    if not given and to_phase not in (None, written + 1):
+        raise ValueError(f"has to_phase={to_phase} with to_phase_given=false and written_in_phase={written} (the "
+                         f"next phase is {written + 1})")  # fmt: skip
+    return {"to_phase": to_phase if given else written + 1, "to_phase_given": given, "written_in_phase": written}
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_target(to_phase: int | None, current: int, names: list[str]) -> int:
@@ -97,6 +145,29 @@ def check_target(to_phase: int | None, current: int, names: list[str]) -> int:
     raise ValueError(problem)
 
 
+def request_target(request: dict[str, Any], current: int, names: list[str]) -> int:
+    """The phase the job in phase `current` starts for `request` (`parse_request`'s): `check_target`'s, and for a
+    request written without --to-phase against a recorded phase (`written_in_phase`, `to_phase_given: false`) only in
+    that phase. Read in a later one (the job left that phase before reading it) or an earlier one (a resume from an
+    earlier checkpoint), it would end a phase the verb did not name and start one further, or skip one: `ValueError`
+    saying so, and the request is refused rather than guessed at. A request naming its phase (--to-phase, or a file
+    without `written_in_phase`) is checked by `check_target` alone."""
+    written = request.get("written_in_phase")
+    if written is not None and not request.get("to_phase_given", True) and current != written:
+        why = (f"phase {written} is over" if current > written else
+               f"an earlier one: resumed from an earlier checkpoint, or with phase {current} made longer")  # fmt: skip
+        raise ValueError(
+            f"written_in_phase={written} is not the phase the job is in, {_named(current, names)} ({why}): written by "
+            f"`prorl-trl reset` without --to-phase to end phase {_named(written, names)} and start phase "
+            f"{_named(written + 1, names)}, the request does not end another phase"
+        )
+    return check_target(request["to_phase"], current, names)
+
+
+def _named(index: int, names: list[str]) -> str:
+    return f"{index} '{names[index]}'" if 0 <= index < len(names) else str(index)
+
+
 def acted_on(request: dict[str, Any], records: list[Any]) -> bool:
     """Whether `records` (the run's `on_demand_resets`) hold the request: a kill came between its checkpoint's commit
     and its filing, so it is only filed."""
@@ -105,7 +176,7 @@ def acted_on(request: dict[str, Any], records: list[Any]) -> bool:
 
 def waiting_request(output_dir: str | os.PathLike, records: list[Any]) -> dict[str, Any] | None:
     """The request in `output_dir` that a job resumed with `records` (its checkpoint's `on_demand_resets`) acts on at
-    its first step end, unchecked against its phases (`check_target`); None without one, for one it cannot read (it
+    its first step end, unchecked against its phases (`request_target`); None without one, for one it cannot read (it
     files that as refused) and for one already acted on (`acted_on`)."""
     text = _read_request_text(output_dir)
     if text is None:
@@ -120,6 +191,8 @@ def waiting_request(output_dir: str | os.PathLike, records: list[Any]) -> dict[s
 def describe_request(output_dir: str | os.PathLike, request: dict[str, Any]) -> str:
     """How a message names a waiting request: its file, id, target, reason and time."""
     to_phase = "next" if request["to_phase"] is None else request["to_phase"]
+    if request.get("to_phase_given") is False:
+        to_phase = f"{to_phase} (the next phase: written in phase {request['written_in_phase']})"
     parts = [f"id {request['request_id']}", f"to_phase {to_phase}"]
     parts += [f"reason '{request['reason']}'"] if request["reason"] else []
     parts += [f"written {request['requested_at']}"] if request.get("requested_at") else []
@@ -205,7 +278,7 @@ class OnDemandResetCallback(TrainerCallback):
             if acted_on(request, trainer.prorl_on_demand_resets):
                 file_request(output_dir, text, "handled", step)  # acted on before a kill; its filing was lost
                 return None
-            target = check_target(request["to_phase"], current, [phase.name for phase in trainer.phases])
+            target = request_target(request, current, [phase.name for phase in trainer.phases])
         except ValueError as problem:
             record = file_request(output_dir, text, "refused", step)
             logger.warning(
