@@ -16,7 +16,7 @@ import torch
 from prorl_trl.rollout import lora_decode
 from prorl_trl.rollout.decode_attention import triton_available
 from prorl_trl.rollout.decoder import decoder_parts, refresh_fusions
-from prorl_trl.rollout.lora_epilogue import EpilogueFactor, column_block, epilogue_reference
+from prorl_trl.rollout.lora_epilogue import EpilogueFactor, applies, column_block, epilogue_reference, takes_kernel
 from test_lora_decode import CASES, folded_groups, frozen_model
 
 
@@ -86,6 +86,17 @@ def cases(device: str, generator: torch.Generator):
             offset += rank
         bias = torch.randn(width, generator=generator).to(torch.bfloat16).to(device) if has_bias else None
         yield product.to(device), bias, factors, width, ranks, split
+
+
+def test_the_kernel_is_taken_by_groups_with_an_adapter_of_rank_64_or_more():
+    """The measured rule (`MIN_RANK`): the recipe's reset-4 groups (r64, behind r32 frozen parts) take the kernel, its
+    r32 q,k groups (with or without frozen parts) keep the reductions; on CPU nothing takes it."""
+    def group(*ranks):
+        return [EpilogueFactor(torch.zeros(128, rank), 2.0, 0, 128, 0) for rank in ranks]
+
+    assert takes_kernel(group(32, 32, 32, 32, 64)) and takes_kernel(group(64)) and takes_kernel(group(128))
+    assert not takes_kernel(group(32)) and not takes_kernel(group(32, 32, 32, 32)) and not takes_kernel([])
+    assert not applies(torch.zeros(64, 128 + 64), torch.bfloat16, group(64), [128])  # a CPU tensor
 
 
 def test_reference_matches_an_independent_formula():

@@ -60,6 +60,11 @@ def column_block(boundaries: Sequence[int]) -> int | None:
     return None
 
 
+def takes_kernel(factors: Sequence[EpilogueFactor]) -> bool:
+    """The measured rule: a group whose factors include one of rank `MIN_RANK` or more."""
+    return any([factor.up.shape[1] >= MIN_RANK for factor in factors])  # a list: dynamo traces it, not a generator
+
+
 def applies(
     product: torch.Tensor, dtype: torch.dtype, factors: Sequence[EpilogueFactor], boundaries: Sequence[int]
 ) -> bool:
@@ -67,7 +72,7 @@ def applies(
     16-bit outputs, float32 factors, at most `MAX_FACTORS`, module boundaries a column tile divides."""
     return (
         LORA_EPILOGUE
-        and any([factor.up.shape[1] >= MIN_RANK for factor in factors])
+        and takes_kernel(factors)
         and product.is_cuda
         and triton_available()
         and dtype in (torch.bfloat16, torch.float16)
