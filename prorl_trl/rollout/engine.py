@@ -201,6 +201,7 @@ class CaptureKey:
     fused_mlp: bool  # fused_mlp.FUSED_MLP, likewise
     mlp_lora_tf32x3: bool  # fused_mlp.LORA_TF32X3, likewise (read at capture)
     lora_epilogue: bool  # lora_epilogue.LORA_EPILOGUE, likewise
+    lora_epilogue_min_rank: int  # lora_epilogue.MIN_RANK, likewise (which groups take that kernel)
     live_splits: bool  # decode_attention.LIVE_SPLITS, likewise (read at capture)
     fold_lora_a: bool  # lora_decode.FOLD_LORA_A, likewise
     race_kernel: bool  # sampler.RACE_KERNEL, likewise
@@ -464,7 +465,8 @@ class RolloutEngine:
             chunks=chunks, layout=settings.layout, kv_dtype=prompt_kv[0][0].dtype, autocast_dtype=autocast_dtype,
             model=id(parts.model), cuda_graphs=use_graphs, fuse_lora=lora_decode.FUSE_LORA,
             fuse_base=fused_weights.FUSE_BASE, fused_mlp=fused_mlp.FUSED_MLP, mlp_lora_tf32x3=fused_mlp.LORA_TF32X3,
-            lora_epilogue=lora_epilogue.LORA_EPILOGUE, live_splits=decode_attention.LIVE_SPLITS,
+            lora_epilogue=lora_epilogue.LORA_EPILOGUE, lora_epilogue_min_rank=lora_epilogue.MIN_RANK,
+            live_splits=decode_attention.LIVE_SPLITS,
             fold_lora_a=lora_decode.FOLD_LORA_A,
             race_kernel=sampler_module.RACE_KERNEL, softmax_kernel=sampler_module.SOFTMAX_KERNEL,
         )  # fmt: skip
