@@ -1,6 +1,7 @@
 """Worker for tests/test_sharded_resets.py: the FSDP2 reset mechanics on 2 CPU processes (gloo), against one process.
 
-Run as `torchrun --nproc_per_node 2 tests/_fsdp2_worker.py OUT.json`. accelerate runs FSDP only on accelerators, so
+Run as `torchrun --nproc_per_node 2 tests/_fsdp2_worker.py OUT.json [reference_only]` (the second argument: only
+the reference-only reset, tests/test_reference_only_reset_fsdp2.py). accelerate runs FSDP only on accelerators, so
 the model is sharded here the way accelerate's `fsdp2_prepare_model` does it (`fully_shard` on every decoder layer,
 then on the root; the reference root-only, as TRL's `prepare_fsdp`); every rank also keeps an unsharded copy that
 the same operations run on in one process. The tiny model's vocabulary (265 rows) is not divisible by 2, so one
@@ -12,11 +13,13 @@ as plain `fully_shard` and as accelerate shards it under `mixed_precision: bf16`
 bfloat16)`: the live adapter is then evaluated in bf16), and on a superset adapter whose active part is frozen.
 """
 
+import contextlib
 import copy
 import hashlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -43,10 +46,12 @@ from prorl_trl.reset import (  # noqa: E402
     merged_state_dict,
     reinit_adapter,
     reset_optimizer_state,
+    reset_reference_adapter,
+    snapshot_reference_delta,
     sync_reference_sharded,
     targeted_module_names,
 )
-from prorl_trl.reset.engine import full_value, is_dtensor, reshard, write_full_  # noqa: E402
+from prorl_trl.reset.engine import full_value, is_dtensor, local_value, reshard, write_full_  # noqa: E402
 from prorl_trl.tiny import build_tiny  # noqa: E402
 
 
@@ -126,12 +131,18 @@ def folded_by_hand(replica) -> dict:
     return out
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, section: str | None = None) -> None:
     dist.init_process_group("gloo")
     torch.manual_seed(1234 + dist.get_rank())  # each rank's global RNG differs, as under TRL's device-specific seed
     torch.set_num_threads(1)
     results = {}
     probe = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11]])
+    if section == "reference_only":
+        reference_only_reset(results, probe)
+        if dist.get_rank() == 0:
+            Path(out_path).write_text(json.dumps(results, indent=1))
+        leave_process_group()
+        return
 
     # --- LoRA: merge into sharded bases, fresh adapter (same shape), gathered merged state, load --------------------
     sharded, _ = lora_model(seed_b=7, r=8, lora_alpha=16, target_modules="all-linear")
@@ -376,6 +387,73 @@ def frozen_bf16(results: dict, probe: torch.Tensor) -> None:
     results["bf16"] = out
 
 
+@contextlib.contextmanager
+def reference_forward(model: torch.nn.Module) -> Iterator[None]:
+    """TRL's reference forward with a "ref" adapter (`trl.trainer.utils.use_adapter`), without importing TRL."""
+    model.set_adapter("ref")
+    try:
+        yield
+    finally:
+        model.set_adapter("default")
+
+
+def reference_only_reset(results: dict, probe: torch.Tensor) -> None:
+    """The trainer's reset with `reset_adapter: false` (`trainer.hard_reset.run_hard_reset`, kind `REFERENCE`): TRL's
+    "ref" adapter zeroed (`reset_reference_adapter`), the live delta copied for the reference alone
+    (`snapshot_reference_delta`). Run after forwards, as training runs them: the root unit, which holds lm_head and
+    its adapters, then keeps its unsharded weights, and a zero written there instead of into the shards would serve
+    the next forward and vanish at the next reshard (the backward's), the reference back at the old adapter. Every
+    rank measures; the same reset in one process is the expectation."""
+    model, _ = lora_model(seed_b=7, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "lm_head"])
+    model.add_adapter("ref", model.peft_config["default"])
+    with torch.no_grad():  # as TRL's GRPOTrainer builds it for a PeftModel with beta > 0: a copy of "default"
+        for name, param in model.named_parameters():
+            if ".default." in name:
+                model.get_parameter(name.replace(".default.", ".ref.")).copy_(param)
+    model.set_adapter("default")
+    set_lora_b_(model, seed=8, scale=0.1)  # the policy has trained away from its reference
+    single = copy.deepcopy(model)
+    shard_like_accelerate(model)
+
+    def reference_logits(m: torch.nn.Module) -> torch.Tensor:
+        with reference_forward(m):
+            return logits_of(m, probe)
+
+    def diff(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).abs().max())
+
+    policy = logits_of(model, probe)
+    before = reference_logits(model)
+    root_ref_b = model.base_model.model.lm_head.lora_B["ref"].weight
+    results["root_unsharded_before_reset"] = all_ranks(not is_dtensor(root_ref_b))
+    reset_reference_adapter(model)  # what run_hard_reset calls for kind REFERENCE, in its order
+    snapshot_reference_delta(model)
+    right_after = reference_logits(model)
+    reshard(model)  # as the next backward does: the forward after it gathers the shards
+    after_reshard = reference_logits(model)
+    reshard(model)
+    results["ref_b_shards_zero"] = all_ranks(all(
+        float(local_value(layer.lora_B["ref"].weight).abs().max()) == 0 for _, layer in lora_layers(model, "ref")
+    ))  # fmt: skip
+    batch = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11, 9, 60]])
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model(input_ids=batch, labels=batch).loss.backward()
+    optimizer.step()
+    policy_after_step = logits_of(model, probe)
+    after_step = reference_logits(model)
+    reset_reference_adapter(single)
+    snapshot_reference_delta(single)
+    results["reference_only"] = {
+        "old_reference_vs_policy": all_ranks(diff(before, policy)),
+        "right_after_vs_policy": all_ranks(diff(right_after, policy)),
+        "after_reshard_vs_policy": all_ranks(diff(after_reshard, policy)),
+        "after_step_vs_policy_at_reset": all_ranks(diff(after_step, policy)),
+        "step_moved_policy": all_ranks(diff(policy_after_step, policy)),
+        "vs_one_process": all_ranks(diff(after_reshard, reference_logits(single))),
+        "factors_vs_one_process": all_ranks(max_diff(frozen_state_dict(model), frozen_state_dict(single))),
+    }
+
+
 def all_ranks(value):
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
@@ -383,7 +461,7 @@ def all_ranks(value):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])
     from _worker_exit import exit_without_finalization
 
     exit_without_finalization()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .engine import gathered, local_value
+from .engine import gathered, local_value, reshard
 from .support import lora_layers, unwrap_model
 
 
@@ -47,6 +47,7 @@ def reset_reference_adapter(model: nn.Module, adapter_name: str = "ref") -> bool
     zeroing its B makes it exactly the current policy (the hard reset of the KL anchor). Works under every engine
     (collective under FSDP2/ZeRO-3). Returns False if the model has no such adapter (then the reference is the adapter-disabled base, which the merge already moved).
     """
+    reshard(model)  # FSDP2: after a forward the root unit holds unsharded copies, which the next reshard drops
     layers = lora_layers(model, adapter_name)
     for _, layer in layers:
         lora_b = layer.lora_B[adapter_name]
