@@ -60,14 +60,19 @@ def check_kernel(device: str, dtypes: tuple[torch.dtype, ...]) -> None:
             else:  # gate/up rounded to 16 bits in both: a summation-order difference can move one by an ulp
                 torch.testing.assert_close(first.float(), want.float(), atol=0.05, rtol=2**-6)
             if device == "cuda":
-                static = torch.empty_like(first)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    static.copy_(launch_gated_activation(x, weight, gate, up, layout))
-                for _ in range(20):
-                    graph.replay()
-                    torch.cuda.synchronize()
-                    assert torch.equal(static, first)
+                assert_graph_replays_equal(lambda: launch_gated_activation(x, weight, gate, up, layout), first)
+
+
+def assert_graph_replays_equal(launch, first: torch.Tensor, replays: int = 20) -> None:
+    """`launch()` captured into a CUDA graph: every replay writes exactly `first`."""
+    static = torch.empty_like(first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static.copy_(launch())
+    for _ in range(replays):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static, first)
 
 
 @pytest.mark.skipif(not triton_available(), reason="Triton not installed (CPU torch); runs on the GPU machine")

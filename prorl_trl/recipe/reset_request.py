@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from ..trainer.manifest import record_outputs
-from ..trainer.on_demand import RECORDS_FOLDER, REQUEST_NAME, check_target, request_path, write_reset_request
+from ..trainer.on_demand import (RECORDS_FOLDER, REQUEST_NAME, check_target, phase_label, request_path,
+                                 write_reset_request)  # fmt: skip
 from ..trainer.output_guard import OutputFolderError
 from .changes import phase_names, recorded_recipe, resumed_into
 from .output_folder import inspect_output_folder
@@ -79,14 +80,14 @@ def describe_effect(
     ends), the phase the job is in when it reads the request ends, and without --to-phase (`given`) the one after
     it starts, whichever they are."""
     if unshown is not None:
-        starts = f"phase {target} '{names[target]}'" if given else "the phase after it"
+        starts = f"phase {phase_label(target, names)}" if given else "the phase after it"
         return (
             f"the job ends the phase it is in at its next step end, hard-resets and starts {starts} (the run saves no "
             f"checkpoint at its phases' ends, training.save_strategy '{unshown.get('training.save_strategy')}', so "
             "this folder does not show which phase the job is in)"
         )
     between = range(current + 1, target)
-    listed = ", ".join(f"{index} '{names[index]}'" for index in between)
+    listed = ", ".join(phase_label(index, names) for index in between)
     skipped = f", skipping phase{'s' if len(between) > 1 else ''} {listed}" if listed else ""
     refused = (
         f"A job in phase {target} or later when it reads the request refuses it (filed as refused, with a warning)"
@@ -94,8 +95,8 @@ def describe_effect(
         "with a warning) rather than end another phase"
     )  # fmt: skip
     return (
-        f"the job ends phase {current} '{names[current]}' at its next step end ({why}), hard-resets and starts phase "
-        f"{target} '{names[target]}'{skipped}. {refused}"
+        f"the job ends phase {phase_label(current, names)} at its next step end ({why}), hard-resets and starts "
+        f"phase {phase_label(target, names)}{skipped}. {refused}"
     )
 
 

@@ -29,6 +29,7 @@ per projection) for `project`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -229,10 +230,11 @@ def _folded(x: torch.Tensor, fused: FusedLinear, stages: Sequence[Sequence[LoraF
     product = _float32_product(rows, fused.stacked)
     width = fused.weight.shape[0]
     epilogue = _epilogue_factors(fused.sizes, stages)
-    if adapted[0].down.dtype == torch.float32 and lora_epilogue.applies(
-        product, fused.weight.dtype, epilogue, _boundaries(fused.sizes)
-    ):
-        out = lora_epilogue.lora_epilogue(product, fused.bias, epilogue, width, ranks, split, fused.weight.dtype)
+    block_n = lora_epilogue.column_block(list(itertools.accumulate(fused.sizes)))  # no column tile spans two modules
+    takes = block_n and adapted[0].down.dtype == torch.float32
+    if takes and lora_epilogue.applies(product, fused.weight.dtype, epilogue):
+        out = lora_epilogue.lora_epilogue(product, fused.bias, epilogue, width, ranks, split, fused.weight.dtype,
+                                          block_n)  # fmt: skip
         return [part.view(*x.shape[:-1], -1) for part in out.split(fused.sizes, dim=-1)]
     base = product[:, :width]
     if fused.bias is not None:
@@ -242,15 +244,6 @@ def _folded(x: torch.Tensor, fused: FusedLinear, stages: Sequence[Sequence[LoraF
     if split:
         hidden = hidden + product[:, width + ranks :]
     return _apply_stages(x, bases, stages, hidden.to(adapted[0].down.dtype))
-
-
-def _boundaries(sizes: Sequence[int]) -> list[int]:
-    """The group's module boundaries in its output columns (each module's end)."""
-    ends, total = [], 0
-    for size in sizes:
-        total += size
-        ends.append(total)
-    return ends
 
 
 def _epilogue_factors(

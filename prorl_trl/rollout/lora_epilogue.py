@@ -37,7 +37,7 @@ LORA_EPILOGUE = True  # `lora_decode._folded` hands its B products to `lora_epil
 # 100 rows: -1.9 %, and -2.6 % behind three): there a group's factors are many small products run one after another,
 # and inductor's reductions finish as fast. The rows were not the rule: the same r32 groups lost at 100 rows.
 MIN_RANK = 64
-MAX_FACTORS = 16  # lora_epilogue_triton.MAX_FACTORS (that module imports Triton)
+MAX_FACTORS = 16  # factors in one launch (the GSM8K recipe's reset-4 q/k/v: 11, with 4 frozen parts on q and k)
 
 
 class EpilogueFactor(NamedTuple):
@@ -65,11 +65,9 @@ def takes_kernel(factors: Sequence[EpilogueFactor]) -> bool:
     return any([factor.up.shape[1] >= MIN_RANK for factor in factors])  # a list: dynamo traces it, not a generator
 
 
-def applies(
-    product: torch.Tensor, dtype: torch.dtype, factors: Sequence[EpilogueFactor], boundaries: Sequence[int]
-) -> bool:
+def applies(product: torch.Tensor, dtype: torch.dtype, factors: Sequence[EpilogueFactor]) -> bool:
     """Whether the kernel computes this group: switched on, a factor of rank `MIN_RANK` or more, CUDA with Triton,
-    16-bit outputs, float32 factors, at most `MAX_FACTORS`, module boundaries a column tile divides."""
+    16-bit outputs, float32 factors, at most `MAX_FACTORS` (the caller also needs a `column_block`)."""
     return (
         LORA_EPILOGUE
         and takes_kernel(factors)
@@ -78,7 +76,6 @@ def applies(
         and dtype in (torch.bfloat16, torch.float16)
         and 0 < len(factors) <= MAX_FACTORS
         and all([factor.up.dtype == torch.float32 for factor in factors])
-        and column_block(boundaries) is not None
     )
 
 
@@ -109,39 +106,34 @@ def epilogue_reference(
 
 def lora_epilogue(
     product: torch.Tensor, bias: torch.Tensor | None, factors: Sequence[EpilogueFactor], width: int, ranks: int,
-    split: bool, dtype: torch.dtype,
+    split: bool, dtype: torch.dtype, block_n: int,
 ) -> torch.Tensor:
-    """`epilogue_reference`'s function: the Triton kernel where `applies` (the caller checks), the reference
-    elsewhere."""
-    if not (product.is_cuda and triton_available()):
-        return epilogue_reference(product, bias, factors, width, ranks, split, dtype)
-    empty = product.new_empty(0)
-    like = product.new_empty(0, dtype=dtype)
+    """`epilogue_reference`'s function as the Triton kernel (where `applies`), in column tiles of `block_n`
+    (`column_block` of the group's module boundaries)."""
     return torch.ops.prorl_rollout.lora_epilogue(
-        product, bias if bias is not None else empty, like,
+        product, bias if bias is not None else product.new_empty(0), product.new_empty(0, dtype=dtype),
         [f.up for f in factors], [float(f.scaling) for f in factors], [f.start for f in factors],
-        [f.end for f in factors], [f.hidden_offset for f in factors], width, ranks, split,
+        [f.end for f in factors], [f.hidden_offset for f in factors], width, ranks, split, block_n,
     )  # fmt: skip
 
 
 @torch.library.custom_op("prorl_rollout::lora_epilogue", mutates_args=())
 def _lora_epilogue_op(
     product: torch.Tensor, bias: torch.Tensor, like: torch.Tensor, ups: list[torch.Tensor], scalings: list[float],
-    starts: list[int], ends: list[int], hidden_offsets: list[int], width: int, ranks: int, split: bool,
+    starts: list[int], ends: list[int], hidden_offsets: list[int], width: int, ranks: int, split: bool, block_n: int,
 ) -> torch.Tensor:
     """Opaque to torch.compile; its launch is recorded into the CUDA graph like any other kernel. An empty `bias`:
     none; `like`: an empty tensor of the output dtype."""
     from . import fused_mlp
     from .lora_epilogue_triton import launch_epilogue
 
-    boundaries = sorted({*starts, *ends, width})
     return launch_epilogue(
         product, bias if bias.numel() else None, list(ups), list(scalings), list(zip(starts, ends, hidden_offsets)),
-        width, ranks, split, like.dtype, power_of_two(product.shape[0], 16, 64), column_block(boundaries),
+        width, ranks, split, like.dtype, power_of_two(product.shape[0], 16, 64), block_n,
         tf32x3=fused_mlp.LORA_TF32X3,
     )  # fmt: skip
 
 
 @_lora_epilogue_op.register_fake
-def _(product, bias, like, ups, scalings, starts, ends, hidden_offsets, width, ranks, split):
+def _(product, bias, like, ups, scalings, starts, ends, hidden_offsets, width, ranks, split, block_n):
     return product.new_empty(product.shape[0], width, dtype=like.dtype)

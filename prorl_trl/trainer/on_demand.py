@@ -157,14 +157,15 @@ def request_target(request: dict[str, Any], current: int, names: list[str]) -> i
         why = (f"phase {written} is over" if current > written else
                f"an earlier one: resumed from an earlier checkpoint, or with phase {current} made longer")  # fmt: skip
         raise ValueError(
-            f"written_in_phase={written} is not the phase the job is in, {_named(current, names)} ({why}): written by "
-            f"`prorl-trl reset` without --to-phase to end phase {_named(written, names)} and start phase "
-            f"{_named(written + 1, names)}, the request does not end another phase"
+            f"written_in_phase={written} is not the phase the job is in, {phase_label(current, names)} ({why}): "
+            f"written by `prorl-trl reset` without --to-phase to end phase {phase_label(written, names)} and start "
+            f"phase {phase_label(written + 1, names)}, the request does not end another phase"
         )
     return check_target(request["to_phase"], current, names)
 
 
-def _named(index: int, names: list[str]) -> str:
+def phase_label(index: int, names: list[str]) -> str:
+    """How messages name a phase: `2 'middle'` (the bare index where the run has no such phase)."""
     return f"{index} '{names[index]}'" if 0 <= index < len(names) else str(index)
 
 
