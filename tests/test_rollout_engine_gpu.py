@@ -370,3 +370,72 @@ def test_triton_race_is_the_reference_draw(scale, monkeypatch):
     assert same >= 0.99, same  # a row may differ only where two keys are within float32 rounding (GPU log vs torch)
     monkeypatch.setattr(race_triton, "PREFETCH", not race_triton.PREFETCH)
     assert torch.equal(race_tokens(probs, tau, keys), tokens)
+
+
+@torch.no_grad()
+def test_attention_latency_switches_give_identical_outputs(monkeypatch):
+    """`decode_attention.EARLY_V` (values loaded with the keys), `UNROLLED_MERGE` (the merge's loop unrolled: same
+    sums in the same order) and programmatic dependent launch (`pdl.LAUNCH_PDL`) change when the kernel reads, never
+    what it computes: every combination gives the bits of all three off, launched eagerly and as three launches that
+    depend on each other (the next query is the last output) in CUDA-graph replays."""
+    import itertools
+
+    from prorl_trl.rollout import decode_attention, pdl
+
+    assert pdl.enabled(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    batch, kv_heads, groups, cache_len, head_dim = 32, 2, 7, 4352, 64
+    query = torch.randn(batch, kv_heads * groups, head_dim, device="cuda", generator=generator, dtype=torch.bfloat16)
+    keys, values = torch.randn(2, batch, kv_heads, cache_len, head_dim, device="cuda", generator=generator,
+                               dtype=torch.bfloat16)  # fmt: skip
+    start = torch.randint(0, 200, (batch,), device="cuda", generator=generator)
+
+    def three(end: torch.Tensor) -> torch.Tensor:
+        out = query
+        for _ in range(3):
+            out = torch.ops.prorl_rollout.gqa_decode_attention(out, keys, values, start, end, 0.125)
+        return out
+
+    for live in (300, 2000, cache_len - 1):
+        end = torch.tensor([live], device="cuda")
+        results = {}
+        for switches in itertools.product([False, True], repeat=3):
+            for module, name, value in zip((decode_attention, decode_attention, pdl),
+                                           ("EARLY_V", "UNROLLED_MERGE", "LAUNCH_PDL"), switches):  # fmt: skip
+                monkeypatch.setattr(module, name, value)
+            eager = three(end)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                replayed = three(end)
+            for _ in range(5):
+                graph.replay()
+                assert torch.equal(replayed, eager), (live, switches)
+            results[switches] = eager
+        baseline = results[(False, False, False)]
+        assert all(torch.equal(result, baseline) for result in results.values()), live
+
+
+def test_programmatic_dependent_launch_changes_no_token(lora_model, monkeypatch):
+    """Same seed, same tokens with our Triton kernels launched with and without PDL (`pdl.LAUNCH_PDL`) and with
+    attention's `EARLY_V` / `UNROLLED_MERGE` on and off, in graph replays: attention, the fused MLP (LoRA on up), the
+    softmax, the top-p passes and the race all run (this float32 model's q/k/v take no `lora_epilogue`)."""
+    from prorl_trl.rollout import decode_attention, pdl
+
+    model, tokenizer = lora_model
+    input_ids, mask = inputs(tokenizer.pad_token_id)
+    config = GenerationConfig(max_new_tokens=40, min_new_tokens=40, do_sample=True, top_p=0.8, top_k=0,
+                              temperature=1.0, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    tokens = []
+    for launch_pdl, early_v, unrolled in ((True, True, True), (False, False, False), (True, False, True)):
+        monkeypatch.setattr(pdl, "LAUNCH_PDL", launch_pdl)
+        monkeypatch.setattr(decode_attention, "EARLY_V", early_v)
+        monkeypatch.setattr(decode_attention, "UNROLLED_MERGE", unrolled)
+        engine = RolloutEngine(steps_per_graph=8)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            tokens.append(engine.generate(model, input_ids, mask, config, seed=5).tokens)
+        assert engine.stats.captures == 1, engine.stats.last
+        ran = {event.key for event in profile.key_averages()}
+        expected = {"_split_kernel", "_gated_kernel", "_stats_kernel", "_pass_kernel", "_race_kernel"}
+        assert expected <= ran, expected - ran
+    assert all(torch.equal(other, tokens[0]) for other in tokens[1:])
