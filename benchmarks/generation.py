@@ -39,12 +39,6 @@ GPU machine needs no TRL):
                        tensor-core products).
   rollout_engine_lora_reductions  A/B: rollout_engine with `lora_epilogue.LORA_EPILOGUE` off (a folded group's LoRA B
                        products, additions and rounding as inductor's reductions instead of `lora_epilogue`'s kernel).
-  rollout_engine_no_pdl  A/B: rollout_engine with `pdl.LAUNCH_PDL` off (our Triton kernels launch without programmatic
-                       dependent launch; inductor's keep it).
-  rollout_engine_late_v  A/B: rollout_engine with `decode_attention.EARLY_V` off (attention loads a block's values
-                       after its scores instead of with its keys).
-  rollout_engine_rolled_merge  A/B: rollout_engine with `decode_attention.UNROLLED_MERGE` off (attention's merge of
-                       its splits as a loop, one split's loads after another's).
   continuous_batching  `model.generate_batch(prompt_ids, generation_config=..., continuous_batching_config=
                        ContinuousBatchingConfig(max_memory_percent=0.5))` as TRL's `use_transformers_continuous_batching`.
 Continuous batching runs last for each model: it reserves half the free GPU memory for its paged cache.
@@ -105,9 +99,6 @@ METHODS = (
     "rollout_engine_default_pool",
     "rollout_engine_ieee_mlp_lora",
     "rollout_engine_lora_reductions",
-    "rollout_engine_no_pdl",
-    "rollout_engine_late_v",
-    "rollout_engine_rolled_merge",
 )
 # Inductor options an engine method takes after '@' (joined with '+'), for A/B rows without a new method each.
 INDUCTOR_PRESETS = {
@@ -283,7 +274,7 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
     config = trl_generation_config(args, max_new_tokens, eos, pad, top_p)
     if method.startswith("rollout_engine"):
         from prorl_trl.rollout import (arena, decode_attention, fused_mlp, fused_weights, lora_decode, lora_epilogue,
-                                       pdl, sampler)  # fmt: skip
+                                       sampler)  # fmt: skip
         from prorl_trl.rollout.engine import RolloutEngine
 
         cache_len = max(args.cache_len or 0, args.prompt_length + max_new_tokens)
@@ -295,11 +286,8 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
         def run_engine() -> int:
             switches = (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, fused_mlp.FUSED_MLP, fused_mlp.LORA_TF32X3,
                         decode_attention.LIVE_SPLITS, lora_decode.FOLD_LORA_A, sampler.RACE_KERNEL,
-                        sampler.SOFTMAX_KERNEL, arena.PRIVATE_POOL, lora_epilogue.LORA_EPILOGUE, pdl.LAUNCH_PDL,
-                        decode_attention.EARLY_V, decode_attention.UNROLLED_MERGE, prefetch_switches())  # fmt: skip
-            pdl.LAUNCH_PDL = method != "rollout_engine_no_pdl" and pdl.LAUNCH_PDL
-            decode_attention.EARLY_V = method != "rollout_engine_late_v" and decode_attention.EARLY_V
-            decode_attention.UNROLLED_MERGE = method != "rollout_engine_rolled_merge" and decode_attention.UNROLLED_MERGE
+                        sampler.SOFTMAX_KERNEL, arena.PRIVATE_POOL, lora_epilogue.LORA_EPILOGUE,
+                        prefetch_switches())  # fmt: skip
             lora_epilogue.LORA_EPILOGUE = method != "rollout_engine_lora_reductions" and lora_epilogue.LORA_EPILOGUE
             fused_mlp.LORA_TF32X3 = method != "rollout_engine_ieee_mlp_lora" and fused_mlp.LORA_TF32X3
             lora_decode.FUSE_LORA = method != "rollout_engine_unfused"  # the A/B switches
@@ -317,8 +305,8 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
             finally:
                 (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, fused_mlp.FUSED_MLP, fused_mlp.LORA_TF32X3,
                  decode_attention.LIVE_SPLITS, lora_decode.FOLD_LORA_A, sampler.RACE_KERNEL,
-                 sampler.SOFTMAX_KERNEL, arena.PRIVATE_POOL, lora_epilogue.LORA_EPILOGUE, pdl.LAUNCH_PDL,
-                 decode_attention.EARLY_V, decode_attention.UNROLLED_MERGE, prefetch) = switches  # fmt: skip
+                 sampler.SOFTMAX_KERNEL, arena.PRIVATE_POOL, lora_epilogue.LORA_EPILOGUE,
+                 prefetch) = switches  # fmt: skip
                 set_prefetch(prefetch)
             if output.tokens.shape[1] != max_new_tokens:
                 raise RuntimeError(f"generated {output.tokens.shape[1]} tokens per sequence, expected {max_new_tokens}")

@@ -23,7 +23,7 @@ from transformers.generation.logits_process import (
 )
 
 from prorl_trl.reset import freeze_lora_delta, frozen_layers, reinit_adapter
-from prorl_trl.rollout import decode_attention, fused_mlp, lora_decode, pdl, sampler
+from prorl_trl.rollout import decode_attention, fused_mlp, lora_decode, sampler
 from prorl_trl.rollout.decode_attention import gqa_decode_attention_reference, triton_available
 from prorl_trl.rollout.engine import RolloutEngine, resolved_generation_config, unsupported_reason
 from prorl_trl.rollout.sampler import (
@@ -456,12 +456,6 @@ def test_recapture_decisions(tiny, monkeypatch):
     assert any(r.startswith("fused_mlp True -> False") for r in reasons(base))
     monkeypatch.setattr(decode_attention, "LIVE_SPLITS", False)
     assert any(r.startswith("live_splits True -> False") for r in reasons(base))
-    monkeypatch.setattr(decode_attention, "EARLY_V", False)
-    assert any(r.startswith("attention_early_v True -> False") for r in reasons(base))
-    monkeypatch.setattr(decode_attention, "UNROLLED_MERGE", False)
-    assert any(r.startswith("attention_unrolled_merge True -> False") for r in reasons(base))
-    monkeypatch.setattr(pdl, "LAUNCH_PDL", False)
-    assert any(r.startswith("launch_pdl True -> False") for r in reasons(base))
     monkeypatch.setattr(sampler, "RACE_KERNEL", False)
     assert any(r.startswith("race_kernel True -> False") for r in reasons(base))
     monkeypatch.setattr(sampler, "SOFTMAX_KERNEL", False)

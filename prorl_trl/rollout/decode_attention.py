@@ -17,8 +17,6 @@ import math
 
 import torch
 
-from . import pdl
-
 BLOCK_N = 64  # keys per inner iteration of the split kernel
 TARGET_PROGRAMS = 512  # programs per launch the split count aims at (about 4 per H100/H200 SM)
 NUM_WARPS = 4
@@ -27,13 +25,6 @@ NUM_WARPS = 4
 # at 4,096 (benchmarks/results/rollout_engine.md, section 2026-11-26 from 21:19 UTC, commit 1c1b24d). False only for
 # the A/B (generation.py's `rollout_engine_fixed_splits`). Read at each launch, so part of the engine's capture key.
 LIVE_SPLITS = True
-# Latency of a launch, which at short live lengths is most of it (8.4 us a layer at 32 rows on an H200 with ~300 keys
-# live, 2026-11-30, where its reads take ~1 us): `EARLY_V` issues each block's value load with its key load;
-# `UNROLLED_MERGE` unrolls the last program's loop over splits, so their loads go out together (same sums, same
-# order). Read at each launch, so part of the engine's capture key; False only for the A/B (generation.py's
-# `rollout_engine_late_v`, `rollout_engine_rolled_merge`). Programmatic dependent launch: `pdl.LAUNCH_PDL`.
-EARLY_V = True
-UNROLLED_MERGE = True
 
 
 def gqa_decode_attention_reference(
@@ -100,8 +91,7 @@ def _gqa_decode_attention_op(
 
     batch, kv_heads, cache_len, head_dim = key_cache.shape
     split = split_size(batch, kv_heads, cache_len)
-    return launch_gqa_decode(query, key_cache, value_cache, start, end, scale, split, BLOCK_N, LIVE_SPLITS, NUM_WARPS,
-                             EARLY_V, UNROLLED_MERGE, pdl.enabled(query.device))  # fmt: skip
+    return launch_gqa_decode(query, key_cache, value_cache, start, end, scale, split, BLOCK_N, LIVE_SPLITS, NUM_WARPS)
 
 
 @_gqa_decode_attention_op.register_fake

@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 
 from .arrivals import arrival_counters
-from .pdl_triton import enter
 
 
 @triton.jit
@@ -36,9 +35,8 @@ def _split_kernel(
     scale,
     KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
-    LIVE: tl.constexpr, EARLY_V: tl.constexpr, UNROLLED_MERGE: tl.constexpr, PDL: tl.constexpr,
+    LIVE: tl.constexpr,
 ):
-    enter(PDL)
     row_head = tl.program_id(0)
     split = tl.program_id(1)
     row = row_head // KV_HEADS
@@ -68,8 +66,6 @@ def _split_kernel(
         columns = first + offsets
         live = columns < high
         keys = tl.load(k_base + columns[:, None] * stride_kn + dims[None, :], mask=live[:, None], other=0.0)
-        if EARLY_V:  # issued with the keys' load: the two reads overlap instead of following each other
-            values = tl.load(v_base + columns[:, None] * stride_vn + dims[None, :], mask=live[:, None], other=0.0)
         if IEEE:
             scores = tl.dot(query, tl.trans(keys), input_precision="ieee")
         else:
@@ -79,8 +75,7 @@ def _split_kernel(
         correction = tl.exp(running_max - new_max)
         weights = tl.exp(scores - new_max[:, None])
         running_sum = running_sum * correction + tl.sum(weights, 1)
-        if not EARLY_V:
-            values = tl.load(v_base + columns[:, None] * stride_vn + dims[None, :], mask=live[:, None], other=0.0)
+        values = tl.load(v_base + columns[:, None] * stride_vn + dims[None, :], mask=live[:, None], other=0.0)
         if IEEE:
             acc = acc * correction[:, None] + tl.dot(weights, values, input_precision="ieee")
         else:
@@ -94,7 +89,7 @@ def _split_kernel(
     tl.debug_barrier()  # every thread's stores precede the release below
     arrived = tl.atomic_add(Arrivals + row_head, 1, sem="acq_rel")
     if arrived == NUM_SPLITS - 1:  # the last split of this (row, kv head): every other split's stats are written
-        _merge_splits(Acc, M, L, Out, row_head, GROUPS, GROUPS_PAD, HEAD_DIM, NUM_SPLITS, SPLITS_PAD, UNROLLED_MERGE)
+        _merge_splits(Acc, M, L, Out, row_head, GROUPS, GROUPS_PAD, HEAD_DIM, NUM_SPLITS, SPLITS_PAD)
         tl.atomic_xchg(Arrivals + row_head, 0)  # ready for the next launch
 
 
@@ -102,11 +97,9 @@ def _split_kernel(
 def _merge_splits(
     Acc, M, L, Out, row_head,
     GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, UNROLLED: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
-    """Combine the splits of one (row, kv head); loads bypass L1 (`.cg`): other SMs wrote them during this launch.
-    `UNROLLED`: the loop over splits unrolled at compile time, so every split's loads can be issued at once instead
-    of one L2 round trip after another; the same additions in the same order."""
+    """Combine the splits of one (row, kv head); loads bypass L1 (`.cg`): other SMs wrote them during this launch."""
     groups = tl.arange(0, GROUPS_PAD)
     dims = tl.arange(0, HEAD_DIM)
     splits = tl.arange(0, SPLITS_PAD)
@@ -116,39 +109,23 @@ def _merge_splits(
     overall = tl.where(overall == float("-inf"), 0.0, overall)  # padded query rows: no live split
     total = tl.zeros([GROUPS_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUPS_PAD, HEAD_DIM], dtype=tl.float32)
-    if UNROLLED:
-        for split in tl.static_range(NUM_SPLITS):
-            total, acc = _merge_one(Acc, M, L, row_head, split, overall, total, acc, groups, dims, GROUPS_PAD,
-                                    HEAD_DIM, NUM_SPLITS)  # fmt: skip
-    else:
-        for split in range(NUM_SPLITS):
-            total, acc = _merge_one(Acc, M, L, row_head, split, overall, total, acc, groups, dims, GROUPS_PAD,
-                                    HEAD_DIM, NUM_SPLITS)  # fmt: skip
+    for split in range(NUM_SPLITS):
+        offsets = (row_head * NUM_SPLITS + split) * GROUPS_PAD + groups
+        weight = tl.exp(tl.load(M + offsets, cache_modifier=".cg") - overall)  # 0 for an empty split (m = -inf)
+        total += weight * tl.load(L + offsets, cache_modifier=".cg")
+        acc += weight[:, None] * tl.load(Acc + offsets[:, None] * HEAD_DIM + dims[None, :], cache_modifier=".cg")
     output = acc / tl.where(total == 0.0, 1.0, total)[:, None]
     out_rows = (row_head * GROUPS + groups)[:, None] * HEAD_DIM + dims[None, :]
     tl.store(Out + out_rows, output.to(Out.dtype.element_ty), mask=(groups < GROUPS)[:, None])
 
 
-@triton.jit
-def _merge_one(Acc, M, L, row_head, split, overall, total, acc, groups, dims, GROUPS_PAD: tl.constexpr,
-               HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):  # fmt: skip
-    """Add split `split`'s sum and output, rescaled to the overall max, to `(total, acc)`."""
-    offsets = (row_head * NUM_SPLITS + split) * GROUPS_PAD + groups
-    weight = tl.exp(tl.load(M + offsets, cache_modifier=".cg") - overall)  # 0 for an empty split (m = -inf)
-    total += weight * tl.load(L + offsets, cache_modifier=".cg")
-    acc += weight[:, None] * tl.load(Acc + offsets[:, None] * HEAD_DIM + dims[None, :], cache_modifier=".cg")
-    return total, acc
-
-
 def launch_gqa_decode(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
-    scale: float, split: int, block: int = 64, live_splits: bool = False, num_warps: int = 4, early_v: bool = False,
-    unrolled_merge: bool = False, pdl: bool = False,
+    scale: float, split: int, block: int = 64, live_splits: bool = False, num_warps: int = 4,
 ) -> torch.Tensor:
     """The split kernel (merging included); `query` is `(batch, heads, [1,] head_dim)`, caches `(batch, kv_heads, cache_len, head_dim)`;
     `split` keys per program (a multiple of `block`, the keys per inner iteration); `live_splits`: the same number of
-    splits, each over an equal share of the row's live keys instead of a fixed column range; `early_v`,
-    `unrolled_merge`, `pdl`: `decode_attention`'s switches of those names."""
+    splits, each over an equal share of the row's live keys instead of a fixed column range."""
     batch, kv_heads, cache_len, head_dim = key_cache.shape
     heads = query.numel() // (batch * head_dim)
     groups = heads // kv_heads
@@ -171,7 +148,6 @@ def launch_gqa_decode(
         scale,
         KV_HEADS=kv_heads, GROUPS=groups, GROUPS_PAD=groups_pad, HEAD_DIM=head_dim,
         SPLIT=split, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), BLOCK=block,
-        IEEE=ieee, LIVE=live_splits, EARLY_V=early_v, UNROLLED_MERGE=unrolled_merge, PDL=pdl, num_warps=num_warps,
-        launch_pdl=pdl,
+        IEEE=ieee, LIVE=live_splits, num_warps=num_warps,
     )  # fmt: skip
     return output

@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import arrivals, decode_attention, fused_mlp, fused_weights, lora_decode, lora_epilogue, pdl
+from . import arrivals, decode_attention, fused_mlp, fused_weights, lora_decode, lora_epilogue
 from . import sampler as sampler_module
 from .arena import GenerationArena, Region
 from .compiled import raise_recompile_limit
@@ -203,9 +203,6 @@ class CaptureKey:
     lora_epilogue: bool  # lora_epilogue.LORA_EPILOGUE, likewise
     lora_epilogue_min_rank: int  # lora_epilogue.MIN_RANK, likewise (which groups take that kernel)
     live_splits: bool  # decode_attention.LIVE_SPLITS, likewise (read at capture)
-    attention_early_v: bool  # decode_attention.EARLY_V, likewise
-    attention_unrolled_merge: bool  # decode_attention.UNROLLED_MERGE, likewise
-    launch_pdl: bool  # pdl.LAUNCH_PDL, likewise (our Triton kernels' programmatic dependent launch)
     fold_lora_a: bool  # lora_decode.FOLD_LORA_A, likewise
     race_kernel: bool  # sampler.RACE_KERNEL, likewise
     softmax_kernel: bool  # sampler.SOFTMAX_KERNEL, likewise
@@ -469,8 +466,7 @@ class RolloutEngine:
             model=id(parts.model), cuda_graphs=use_graphs, fuse_lora=lora_decode.FUSE_LORA,
             fuse_base=fused_weights.FUSE_BASE, fused_mlp=fused_mlp.FUSED_MLP, mlp_lora_tf32x3=fused_mlp.LORA_TF32X3,
             lora_epilogue=lora_epilogue.LORA_EPILOGUE, lora_epilogue_min_rank=lora_epilogue.MIN_RANK,
-            live_splits=decode_attention.LIVE_SPLITS, attention_early_v=decode_attention.EARLY_V,
-            attention_unrolled_merge=decode_attention.UNROLLED_MERGE, launch_pdl=pdl.LAUNCH_PDL,
+            live_splits=decode_attention.LIVE_SPLITS,
             fold_lora_a=lora_decode.FOLD_LORA_A,
             race_kernel=sampler_module.RACE_KERNEL, softmax_kernel=sampler_module.SOFTMAX_KERNEL,
         )  # fmt: skip

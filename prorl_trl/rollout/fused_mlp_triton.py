@@ -17,9 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
-from .pdl_triton import enter
-
 
 @triton.jit
 def _add_lora(base, Hidden, Up, rows, cols, M, N, stride_h, scaling, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -40,9 +37,7 @@ def _gated_kernel(
     N: tl.constexpr, K: tl.constexpr, GATE_RANK: tl.constexpr, UP_RANK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GATE_BLOCK_R: tl.constexpr, UP_BLOCK_R: tl.constexpr, IEEE: tl.constexpr, LORA_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    enter(PDL)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offsets = tl.arange(0, BLOCK_K)
@@ -103,7 +98,6 @@ def launch_gated_activation(
     (gate_rank, gate_block), (up_rank, up_block) = _rank_block(gate), _rank_block(up)
     block_m, block_n = layout
     out = torch.empty(rows, intermediate, dtype=x.dtype, device=x.device)
-    launch_pdl = pdl.enabled(x.device)
     grid = (triton.cdiv(intermediate, block_n), triton.cdiv(rows, block_m))
     _gated_kernel[grid](
         x, weight,
@@ -114,6 +108,6 @@ def launch_gated_activation(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, max(16, triton.next_power_of_2(depth))),
         GATE_BLOCK_R=gate_block, UP_BLOCK_R=up_block, IEEE=x.dtype == torch.float32,
         LORA_PRECISION="tf32x3" if lora_tf32x3 and x.dtype != torch.float32 else "ieee",
-        PDL=launch_pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

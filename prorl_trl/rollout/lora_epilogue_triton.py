@@ -19,8 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
-from .pdl_triton import enter
 
 
 @triton.jit
@@ -28,9 +26,8 @@ def _epilogue_kernel(
     Product, Bias, Out, Ups, scalings, M, stride_pm,
     WIDTH: tl.constexpr, RANKS: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FACTORS: tl.constexpr,
     STARTS: tl.constexpr, ENDS: tl.constexpr, HIDDEN: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    enter(PDL)
     col0 = tl.program_id(0) * BLOCK_N
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = col0 + tl.arange(0, BLOCK_N)
@@ -70,7 +67,6 @@ def launch_epilogue(
     ups = tuple(up.contiguous() for up in ups)
     ranks_each = tuple(up.shape[1] for up in ups)
     grid = (triton.cdiv(width, block_n), triton.cdiv(rows, block_m))
-    launch_pdl = pdl.enabled(product.device)
     _epilogue_kernel[grid](
         product, bias if bias is not None else out, out, ups, tuple(float(s) for s in scalings), rows,
         product.stride(0), WIDTH=width, RANKS=ranks, SPLIT=split, HAS_BIAS=bias is not None, FACTORS=len(ups),
@@ -78,6 +74,6 @@ def launch_epilogue(
         HIDDEN=tuple(span[2] for span in spans), RANK=ranks_each,
         BLOCK_R=tuple(max(16, triton.next_power_of_2(rank)) for rank in ranks_each),
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="tf32x3" if tf32x3 and dtype != torch.float32 else "ieee",
-        PDL=launch_pdl, num_warps=num_warps, launch_pdl=launch_pdl,
+        num_warps=num_warps,
     )  # fmt: skip
     return out

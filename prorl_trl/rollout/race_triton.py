@@ -19,8 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl, top_p_triton
-from .pdl_triton import enter
+from . import top_p_triton
 from .top_p_triton import chunk_for, first_block_ahead, load_block
 
 BLOCK, NUM_WARPS = 1024, 4  # BLOCK divides top_p_triton.CHUNK_ALIGN: a split is whole blocks
@@ -48,9 +47,8 @@ def _mix32(x):
 def _race_kernel(
     Probs, Tau, RowKeys, BestKey, BestToken,
     vocab, row_stride,
-    SPLITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    SPLITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    enter(PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
     tau = tl.load(Tau + row)
@@ -93,11 +91,9 @@ def launch_race(probs: torch.Tensor, tau: torch.Tensor, row_keys: torch.Tensor) 
     chunk = chunk_for(vocab, splits)
     best_key = torch.empty(rows, splits, dtype=torch.float32, device=probs.device)
     best_token = torch.empty(rows, splits, dtype=torch.int32, device=probs.device)
-    launch_pdl = pdl.enabled(probs.device)
     _race_kernel[(rows, splits)](
         probs, tau.contiguous(), row_keys.contiguous(), best_key, best_token,
         vocab, probs.stride(0),
         SPLITS=splits, CHUNK=chunk, BLOCK=BLOCK, PREFETCH=PREFETCH, num_warps=NUM_WARPS,
-        PDL=launch_pdl, launch_pdl=launch_pdl,
     )  # fmt: skip
     return best_key, best_token

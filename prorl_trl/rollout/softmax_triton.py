@@ -16,8 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl, top_p_triton
-from .pdl_triton import enter
+from . import top_p_triton
 
 BLOCK, NUM_WARPS = 1024, 4  # BLOCK divides top_p_triton.CHUNK_ALIGN: a split is whole blocks
 TARGET_PROGRAMS = 1024
@@ -38,9 +37,8 @@ def _scores(Logits, Temperature, Eos, TooEarly, columns, vocab, NUM_EOS: tl.cons
 def _stats_kernel(
     Logits, Temperature, Eos, TooEarly, PartialMax, PartialSum,
     vocab, row_stride,
-    NUM_EOS: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    NUM_EOS: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    enter(PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
     offsets = tl.arange(0, BLOCK)
@@ -64,9 +62,8 @@ def _stats_kernel(
 def _probs_kernel(
     Logits, Temperature, Eos, TooEarly, PartialMax, PartialSum, Probs,
     vocab, row_stride, probs_row_stride,
-    NUM_EOS: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    NUM_EOS: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    enter(PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
     splits = tl.arange(0, SPLITS)
@@ -103,9 +100,7 @@ def launch_softmax(
     partial_max = torch.empty(rows, splits, dtype=torch.float32, device=device)
     partial_sum = torch.empty(rows, splits, dtype=torch.float32, device=device)
     probs = torch.empty(rows, vocab, dtype=torch.float32, device=device)
-    launch_pdl = pdl.enabled(device)
-    common = {"NUM_EOS": eos.numel(), "SPLITS": splits, "CHUNK": chunk, "BLOCK": BLOCK, "num_warps": NUM_WARPS,
-              "PDL": launch_pdl, "launch_pdl": launch_pdl}  # fmt: skip
+    common = {"NUM_EOS": eos.numel(), "SPLITS": splits, "CHUNK": chunk, "BLOCK": BLOCK, "num_warps": NUM_WARPS}
     _stats_kernel[(rows, splits)](
         logits, temperature, eos, too_early, partial_max, partial_sum, vocab, logits.stride(0), **common
     )

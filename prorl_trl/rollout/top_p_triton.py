@@ -28,9 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
-from .pdl_triton import enter
-
 FLOAT32_ONE_BITS = 0x3F800000  # bit pattern of 1.0: every probability's pattern lies in [0, this]
 WAYS = 16  # candidates per pass (15 inner ones + the bracket's low end)
 CHUNK_ALIGN = 1024  # a split's length is a multiple of this (and of BLOCK)
@@ -88,9 +85,7 @@ def _pass_kernel(
     vocab, row_stride,
     PASS, ROWS: tl.constexpr, FINISH: tl.constexpr, SKIP_OUTSIDE: tl.constexpr, PREFETCH: tl.constexpr,
     SPLITS: tl.constexpr, CHUNK: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr, ONE_BITS: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    enter(PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
     ways = tl.arange(0, WAYS).to(tl.int64)
@@ -176,7 +171,6 @@ def launch_top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor, splits: int
     partial = torch.empty(passes, rows, splits, WAYS, dtype=torch.float32, device=device)
     partial_max = torch.empty(rows, splits, dtype=torch.float32, device=device)
     tau = torch.empty(rows, dtype=torch.float32, device=device)
-    launch_pdl = pdl.enabled(device)
     for index in range(passes + 1):
         finish = index == passes
         _pass_kernel[(rows, 1 if finish else splits)](
@@ -184,6 +178,6 @@ def launch_top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor, splits: int
             vocab, probs.stride(0),
             index, ROWS=rows, FINISH=finish, SKIP_OUTSIDE=SKIP_OUTSIDE and index >= SKIP_FROM_PASS, PREFETCH=PREFETCH,
             SPLITS=splits, CHUNK=chunk, WAYS=WAYS, BLOCK=BLOCK, ONE_BITS=FLOAT32_ONE_BITS,
-            PDL=launch_pdl, num_warps=NUM_WARPS, launch_pdl=launch_pdl,
+            num_warps=NUM_WARPS,
         )  # fmt: skip
     return tau[:, None]
