@@ -48,7 +48,10 @@ method) is called once to warm up (allocator growth, compilation, CUDA-graph cap
 steady figure is the median. The first call's extra time is reported as the compile/first-call overhead and amortised
 over a phase of `--phase-steps` generations (shapes are fixed within a phase). On CUDA each method runs in a process of
 its own (`--isolate`, the default there): an engine compiled after another in the same process ran 2-9 % slower on an
-H100 (benchmarks/results/rollout_engine.md, 2026-11-27, commit 1216db5), which biased A/B rows.
+H100 (benchmarks/results/rollout_engine.md, 2026-11-27, commit 1216db5), which biased A/B rows. Those processes share
+inductor's on-disk cache, so they share its compile-time kernel choices; one compile's choice for one kernel moved the
+Initial shape's row by up to 6 % on an H200 (2026-11-30, rollout_engine.md), so `--fresh-compiles K` runs every method
+K times, each process compiling from an empty cache, and reports the spread.
 
 Decode limit: each decode step must read every weight once and the K/V of every cached token; that many bytes over the
 bandwidth of a large device-to-device copy (bytes read + written) is the floor, and tokens / floor the limit.
@@ -56,6 +59,7 @@ bandwidth of a large device-to-device copy (bytes read + written) is the floor, 
     python benchmarks/generation.py                      # one GPU: the full table (markdown) on stdout
     python benchmarks/generation.py --smoke              # CPU, tiny model, a few tokens (< 30 s)
     python benchmarks/generation.py --from-json a.json b.json   # one table from several runs' --json files
+    python benchmarks/generation.py --shapes 32x4096 --methods rollout_engine,rollout_engine_unfused_mlp --fresh-compiles 3
 """
 
 from __future__ import annotations
@@ -109,6 +113,7 @@ INDUCTOR_PRESETS = {
     "nocombo": {"combo_kernels": False},  # the engine's default combo kernels off
     "nopdl": {"triton.enable_pdl": False},  # the engine's default programmatic dependent launch off
     "aggressive": {"aggressive_fusion": True},  # fuse nodes that share no reads
+    "deterministic": {"deterministic": True},  # no on-device benchmarking of kernel configs: chosen by heuristics
 }
 QWEN2_05B_EOS, QWEN2_05B_PAD = 151645, 151643
 
@@ -484,19 +489,21 @@ def render(meta: dict, rows: list[dict]) -> str:
     ]
     baseline = {(r["shape"], r["model"]): r for r in rows if r["method"] == "trl_default" and "error" not in r}
     for r in rows:
+        method = r["method"] + (f" (compile {r['compile']})" if "compile" in r else "")
         if "error" in r:
-            lines.append(f"| {r['shape']} | {r['model']} | {r['method']} | failed: {r['error']} |" + " |" * 8)
+            lines.append(f"| {r['shape']} | {r['model']} | {method} | failed: {r['error']} |" + " |" * 8)
             continue
         base = baseline.get((r["shape"], r["model"]))
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
         amortised_ratio = f"{r['amortised_tokens_per_s'] / base['amortised_tokens_per_s']:.2f}" if base else "-"
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
         lines.append(
-            f"| {r['shape']} | {r['model']} | {r['method']} | {r['tokens_per_s']:,.0f} | {ratio} | "
+            f"| {r['shape']} | {r['model']} | {method} | {r['tokens_per_s']:,.0f} | {ratio} | "
             f"{r['first_call_overhead_s']:.1f} | {r['amortised_tokens_per_s']:,.0f} | {amortised_ratio} | "
             f"{r['ms_per_step']:.2f} | {r['floor_ms_per_step']:.3f} | "
             f"{100 * r['tokens_per_s'] / r['decode_limit_tokens_per_s']:.1f} | {peak} |"
         )
+    lines += compile_spread(rows)
     limits = sorted({(r["shape"], r["model"], round(r["decode_limit_tokens_per_s"])) for r in rows if "error" not in r})
     lines += ["", "Decode limit (tokens/s): " + "; ".join(f"{s} {m}: {lim:,}" for s, m, lim in limits)]
     for r in rows:
@@ -511,6 +518,21 @@ def render(meta: dict, rows: list[dict]) -> str:
                 + (f"; compile error: {e['compile_error']}" if e.get("compile_error") else "")
             )
     return "\n".join(lines)
+
+
+def compile_spread(rows: list[dict]) -> list[str]:
+    """Lines "Compile spread": per (shape, model, method) run with `--fresh-compiles`, the median, lowest and highest
+    tokens/s over its compiles (empty without such rows)."""
+    groups: dict[tuple, list[float]] = {}
+    for r in rows:
+        if "compile" in r and "error" not in r:
+            groups.setdefault((r["shape"], r["model"], r["method"]), []).append(r["tokens_per_s"])
+    if not groups:
+        return []
+    return ["", "Compile spread (tokens/s over fresh compiles): " + "; ".join(
+        f"{shape} {model} {method}: median {statistics.median(v):,.0f}, {min(v):,.0f}-{max(v):,.0f} ({len(v)} compiles)"
+        for (shape, model, method), v in groups.items()
+    )]  # fmt: skip
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -557,6 +579,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--from-json", type=Path, nargs="+", help="render one table from earlier --json files")
     parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                         help="each method in a fresh process (default: on CUDA with several methods)")
+    parser.add_argument("--fresh-compiles", type=int, default=0,
+                        help="run each method in this many processes, each compiling from an empty inductor cache "
+                             "(methods interleaved), and report the spread: one compile's kernel choices can move a "
+                             "row by several percent (0: one process per method, sharing the cache)")
     args = parser.parse_args(argv)
 
     if args.from_json:
@@ -576,7 +602,11 @@ def main(argv: list[str] | None = None) -> dict:
         if sequences % args.num_prompts:
             raise SystemExit(f"--shapes: {sequences} sequences is not a multiple of --num-prompts={args.num_prompts}")
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    if args.isolate if args.isolate is not None else device.type == "cuda" and len(methods) > 1:
+    if args.fresh_compiles < 0:
+        raise SystemExit(f"--fresh-compiles must be >= 0, got {args.fresh_compiles}")
+    if args.fresh_compiles and args.isolate is False:
+        raise SystemExit("--fresh-compiles runs every method in processes of its own: drop --no-isolate")
+    if args.fresh_compiles or (args.isolate if args.isolate is not None else device.type == "cuda" and len(methods) > 1):
         return run_isolated(sys.argv[1:] if argv is None else argv, methods, args)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.set_float32_matmul_precision("high")
@@ -593,7 +623,7 @@ def main(argv: list[str] | None = None) -> dict:
         "dtype": str(dtype).removeprefix("torch."), "num_prompts": args.num_prompts,
         "prompt_length": args.prompt_length, "temperature": args.temperature, "top_p": args.top_p,
         "bandwidth_gb_s": bandwidth / 1e9, "phase_steps": args.phase_steps, "cache_len": args.cache_len,
-        "pid": os.getpid(),
+        "pid": os.getpid(), "inductor_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
     }
     print(f"# {meta}", flush=True)
     start, rows = time.perf_counter(), []
@@ -646,26 +676,37 @@ def without_options(argv: list[str], names: set[str]) -> list[str]:
 
 def run_isolated(argv: list[str], methods: list[str], args: argparse.Namespace) -> dict:
     """Run this script once per method (`--no-isolate`), each in a fresh process, and report their rows as one table.
+    With `--fresh-compiles K`: K rounds of every method in turn, each process with an inductor cache of its own
+    (`TORCHINDUCTOR_CACHE_DIR`), so each row is one draw of inductor's compile-time kernel choices; rows carry
+    `compile` (the round).
 
     A process that fails or writes no result adds an error row for its method; the budget left is passed on."""
-    rest = without_options(argv, {"--methods", "--json", "--out", "--budget-s"})
+    rest = without_options(argv, {"--methods", "--json", "--out", "--budget-s", "--fresh-compiles"})
     started, runs = time.perf_counter(), []
+    rounds = max(1, args.fresh_compiles)
     with tempfile.TemporaryDirectory() as folder:
-        for index, method in enumerate(methods):
+        for index, (round_index, method) in enumerate((r, m) for r in range(rounds) for m in methods):
             left = max(0.0, args.budget_s - (time.perf_counter() - started))
             result = Path(folder) / f"{index}.json"
             command = [sys.executable, str(Path(__file__).resolve()), *rest, "--no-isolate", "--methods", method,
                        "--json", str(result), "--budget-s", str(left)]  # fmt: skip
-            code = subprocess.run(command, check=False).returncode
+            env = dict(os.environ)
+            if args.fresh_compiles:
+                env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(folder) / f"inductor_{index}")
+            code = subprocess.run(command, check=False, env=env).returncode
             if code == 0 and result.exists():
                 runs.append(json.loads(result.read_text()))
             else:
                 runs.append({"meta": None, "rows": [{"shape": "all", "model": "all", "method": method,
                                                      "error": f"its process exited with code {code}"}]})  # fmt: skip
+            if args.fresh_compiles:
+                for row in runs[-1]["rows"]:
+                    row["compile"] = round_index + 1
     metas = [run["meta"] for run in runs if run["meta"]]
     if not metas:
         raise SystemExit("generation.py --isolate: no method's process produced a result")
-    meta = {**metas[0], "pid": [m["pid"] for m in metas]}  # one process per method
+    meta = {**metas[0], "pid": [m["pid"] for m in metas],  # one process per method (and compile)
+            "inductor_cache": [m.get("inductor_cache") for m in metas]}  # fmt: skip
     return report_of(meta, [row for run in runs for row in run["rows"]], args)
 
 
