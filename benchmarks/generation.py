@@ -674,6 +674,12 @@ def without_options(argv: list[str], names: set[str]) -> list[str]:
     return kept
 
 
+def isolated_jobs(methods: list[str], rounds: int) -> list[tuple[int, str]]:
+    """`(round, method)` in the order `run_isolated` runs them: every method once per round, rounds one after another,
+    so a drift of the machine over the call spreads over all methods alike."""
+    return [(round_index, method) for round_index in range(rounds) for method in methods]
+
+
 def run_isolated(argv: list[str], methods: list[str], args: argparse.Namespace) -> dict:
     """Run this script once per method (`--no-isolate`), each in a fresh process, and report their rows as one table.
     With `--fresh-compiles K`: K rounds of every method in turn, each process with an inductor cache of its own
@@ -685,7 +691,7 @@ def run_isolated(argv: list[str], methods: list[str], args: argparse.Namespace) 
     started, runs = time.perf_counter(), []
     rounds = max(1, args.fresh_compiles)
     with tempfile.TemporaryDirectory() as folder:
-        for index, (round_index, method) in enumerate((r, m) for r in range(rounds) for m in methods):
+        for index, (round_index, method) in enumerate(isolated_jobs(methods, rounds)):
             left = max(0.0, args.budget_s - (time.perf_counter() - started))
             result = Path(folder) / f"{index}.json"
             command = [sys.executable, str(Path(__file__).resolve()), *rest, "--no-isolate", "--methods", method,
