@@ -83,6 +83,40 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def replay_microseconds(launch, launches: int = 1, samples: int = 5, warm_replay: bool = False) -> float:
+    """Microseconds per `launch()`: called once eagerly, then `launches` calls captured in one CUDA graph (no warm-up
+    work inside it), replayed `samples` times (after one untimed replay with `warm_replay`), the median; on CPU
+    (smoke runs) the wall time of `launches` calls."""
+    import statistics
+    import time
+
+    import torch
+
+    if not torch.cuda.is_available():
+        begin = time.perf_counter()
+        for _ in range(launches):
+            launch()
+        return 1e6 * (time.perf_counter() - begin) / launches
+    launch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            launch()
+    if warm_replay:
+        graph.replay()
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(samples):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(1000 * begin.elapsed_time(end) / launches)
+    return statistics.median(times)
+
+
 def publish(report: str, out: Path | None = None, json_path: Path | None = None, payload=None) -> None:
     """Print a markdown report and write it to `out`; write `payload` as JSON to `json_path` (for `read_runs`)."""
     print(report, flush=True)

@@ -20,16 +20,14 @@ Measured on an H200 (2026-11-30, benchmarks/results/rollout_engine.md): cuBLAS 2
 Triton variant (weights into registers before the wait) 28.6; none of these kernels went into the engine.
 
     python benchmarks/decode_gemm_chain.py --out results.md     # CUDA
-    python benchmarks/decode_gemm_chain.py --smoke              # CPU: the torch chain on small shapes (checks the script)
+    python benchmarks/decode_gemm_chain.py --smoke              # CPU: the torch chain on small shapes
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
-from _common import device_name, publish, utc_now  # first: the repository on sys.path
+from _common import device_name, publish, replay_microseconds, utc_now  # first: the repository on sys.path
 
 import torch  # noqa: E402
 
@@ -48,6 +46,7 @@ TILES = {  # BLOCK_N, K_SLICE, num_warps: about one program or two per H100/H200
     "down": (32, 512, 4),
 }
 MODES = {"triton": 0, "triton_pdl": 1, "triton_pdl_preload": 2, "triton_pdl_l2": 3}
+TIMING = {"samples": 20, "warm_replay": True}  # `_common.replay_microseconds`: one chain a graph, 20 replays timed
 
 
 try:
@@ -161,40 +160,17 @@ def chain(x, weights, outputs, linear, only: str | None = None):
     return hidden
 
 
-_FIXED: dict[tuple, torch.Tensor] = {}
+_FIXED: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def fixed_input(x: torch.Tensor, width: int) -> torch.Tensor:
     """`x` repeated to `width` columns, made on first use (before capture: `replay_microseconds` runs once eagerly)
-    and reused, so a captured graph holds only the GEMMs."""
-    key = (x.data_ptr(), width)
+    and reused, so a captured graph holds only the GEMMs. The cache holds `x` too, so its `id` keys no other tensor
+    (a freed tensor's address, the key before, could be another input's)."""
+    key = (id(x), width)
     if key not in _FIXED:
-        _FIXED[key] = x.repeat(1, -(-width // x.shape[1]))[:, :width].contiguous()
-    return _FIXED[key]
-
-
-def replay_microseconds(run, replays: int = 20) -> float:
-    """Median microseconds of one `run()` captured in a CUDA graph and replayed; on CPU the wall time of one call."""
-    if not torch.cuda.is_available():
-        begin = time.perf_counter()
-        run()
-        return 1e6 * (time.perf_counter() - begin)
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(1000 * begin.elapsed_time(end))
-    return statistics.median(times)
+        _FIXED[key] = (x, x.repeat(1, -(-width // x.shape[1]))[:, :width].contiguous())
+    return _FIXED[key][1]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -228,9 +204,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 want = reference.setdefault(name, source.float() @ weights[0][name].float().T)
                 errors.append(((got - want).abs().max() / want.abs().max()).item())
             row["max_relative_error"] = max(errors)
-            row["us_per_layer"] = replay_microseconds(lambda: chain(x, weights, outputs, linear)) / layers
+            row["us_per_layer"] = replay_microseconds(lambda: chain(x, weights, outputs, linear), **TIMING) / layers
             for name in PROJECTIONS:
-                row[name] = replay_microseconds(lambda: chain(x, weights, outputs, linear, only=name)) / layers
+                alone = replay_microseconds(lambda: chain(x, weights, outputs, linear, only=name), **TIMING)
+                row[name] = alone / layers
         except Exception as error:  # one failing variant must not hide the others' numbers
             row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}" if str(error) else repr(error)
         rows_out.append(row)
@@ -247,7 +224,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             lines.append(f"| {row['method']} | failed: {row['error']} |")
             continue
         cells = " | ".join(f"{row[name]:.2f}" for name in PROJECTIONS)
-        lines.append(f"| {row['method']} | {row['us_per_layer']:.2f} | {weight_bytes / row['us_per_layer'] / 1e3:.0f} | "
+        bandwidth = weight_bytes / row["us_per_layer"] / 1e3
+        lines.append(f"| {row['method']} | {row['us_per_layer']:.2f} | {bandwidth:.0f} | "
                      f"{cells} | {row['max_relative_error']:.1e} |")  # fmt: skip
     publish("\n".join(lines) + "\n", args.out)
     return rows_out

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import time
 
-from _common import device_name, publish, utc_now  # first: the repository on sys.path
+from _common import device_name, publish, replay_microseconds, utc_now  # first: the repository on sys.path
 
 import torch  # noqa: E402
 
@@ -40,31 +39,6 @@ def layer_inputs(rows: int, rank: int, device: torch.device, hidden: int = HIDDE
         for _ in range(2)
     ]  # fmt: skip
     return x, weight, deltas
-
-
-def replay_microseconds(launch, replays: int) -> float:
-    """Microseconds per launch: `replays` launches captured in one CUDA graph, replayed 5 times, median; on CPU
-    (`--smoke`) the wall time of `replays` calls."""
-    if not torch.cuda.is_available():
-        begin = time.perf_counter()
-        for _ in range(replays):
-            launch()
-        return 1e6 * (time.perf_counter() - begin) / replays
-    launch()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(replays):
-            launch()
-    times = []
-    for _ in range(5):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(1000 * begin.elapsed_time(end) / replays)
-    return sorted(times)[2]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
