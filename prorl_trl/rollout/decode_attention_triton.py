@@ -122,10 +122,12 @@ def _merge_splits(
 def launch_gqa_decode(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
     scale: float, split: int, block: int = 64, live_splits: bool = False, num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """The split kernel (merging included); `query` is `(batch, heads, [1,] head_dim)`, caches `(batch, kv_heads, cache_len, head_dim)`;
     `split` keys per program (a multiple of `block`, the keys per inner iteration); `live_splits`: the same number of
-    splits, each over an equal share of the row's live keys instead of a fixed column range."""
+    splits, each over an equal share of the row's live keys instead of a fixed column range; `num_stages`: the inner
+    loop's software pipelining depth (None: Triton's default)."""
     batch, kv_heads, cache_len, head_dim = key_cache.shape
     heads = query.numel() // (batch * head_dim)
     groups = heads // kv_heads
@@ -148,6 +150,6 @@ def launch_gqa_decode(
         scale,
         KV_HEADS=kv_heads, GROUPS=groups, GROUPS_PAD=groups_pad, HEAD_DIM=head_dim,
         SPLIT=split, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), BLOCK=block,
-        IEEE=ieee, LIVE=live_splits, num_warps=num_warps,
+        IEEE=ieee, LIVE=live_splits, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )  # fmt: skip
     return output
