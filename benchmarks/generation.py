@@ -39,6 +39,8 @@ GPU machine needs no TRL):
                        tensor-core products).
   rollout_engine_lora_reductions  A/B: rollout_engine with `lora_epilogue.LORA_EPILOGUE` off (a folded group's LoRA B
                        products, additions and rounding as inductor's reductions instead of `lora_epilogue`'s kernel).
+  rollout_engine_parts_apart  A/B: rollout_engine with `lora_decode.JOIN_FROZEN` off (in `lora_epilogue`'s kernel,
+                       each frozen part of an earlier reset its own factor instead of a module's parts as one).
   continuous_batching  `model.generate_batch(prompt_ids, generation_config=..., continuous_batching_config=
                        ContinuousBatchingConfig(max_memory_percent=0.5))` as TRL's `use_transformers_continuous_batching`.
 Continuous batching runs last for each model: it reserves half the free GPU memory for its paged cache.
@@ -103,6 +105,7 @@ METHODS = (
     "rollout_engine_default_pool",
     "rollout_engine_ieee_mlp_lora",
     "rollout_engine_lora_reductions",
+    "rollout_engine_parts_apart",
 )
 # Inductor options an engine method takes after '@' (joined with '+'), for A/B rows without a new method each.
 INDUCTOR_PRESETS = {
@@ -147,6 +150,7 @@ def build_model(
     frozen_resets: int = 0,
     frozen_rank: int | None = None,
     frozen_targets: str | None = None,
+    frozen_joined: bool = False,
 ):
     """`(model, eos_token_id, pad_token_id)`: random Qwen2-0.5B (or the tiny test model), optionally LoRA-wrapped.
 
@@ -156,7 +160,8 @@ def build_model(
     adapter, given a trained-looking B, kept as a frozen part of rank `lora_rank` on its base layers; a fresh adapter
     with a trained-looking B on top). `frozen_rank` / `frozen_targets`: the earlier phases' adapter shape where it
     differs (the GSM8K recipe's reset-4: four r32 q,k phases behind an r64 all-linear adapter); the last reset then
-    gives the adapter the live shape, as the trainer's reset into that phase does.
+    gives the adapter the live shape, as the trainer's reset into that phase does. `frozen_joined`: each reset joins
+    a layer's parts into one (`consolidate_frozen_parts`), without room.
     """
     if smoke:
         from prorl_trl.tiny import build_tiny
@@ -185,7 +190,7 @@ def build_model(
             if reset:
                 from prorl_trl.reset import freeze_lora_delta, reinit_adapter
 
-                freeze_lora_delta(model)
+                freeze_lora_delta(model, consolidate=frozen_joined)
                 if reset == frozen_resets and (first_rank, first_targets) != (lora_rank, lora_targets):
                     reinit_adapter(model, r=lora_rank, lora_alpha=2 * lora_rank,
                                    target_modules=target_list(lora_targets), seed=reset)  # fmt: skip
@@ -292,7 +297,7 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
             switches = (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, fused_mlp.FUSED_MLP, fused_mlp.LORA_TF32X3,
                         decode_attention.LIVE_SPLITS, lora_decode.FOLD_LORA_A, sampler.RACE_KERNEL,
                         sampler.SOFTMAX_KERNEL, arena.PRIVATE_POOL, lora_epilogue.LORA_EPILOGUE,
-                        prefetch_switches())  # fmt: skip
+                        lora_decode.JOIN_FROZEN, prefetch_switches())  # fmt: skip
             lora_epilogue.LORA_EPILOGUE = method != "rollout_engine_lora_reductions" and lora_epilogue.LORA_EPILOGUE
             fused_mlp.LORA_TF32X3 = method != "rollout_engine_ieee_mlp_lora" and fused_mlp.LORA_TF32X3
             lora_decode.FUSE_LORA = method != "rollout_engine_unfused"  # the A/B switches
@@ -301,6 +306,7 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
             fused_mlp.FUSED_MLP = method != "rollout_engine_unfused_mlp" and fused_mlp.FUSED_MLP
             decode_attention.LIVE_SPLITS = method != "rollout_engine_fixed_splits" and decode_attention.LIVE_SPLITS
             lora_decode.FOLD_LORA_A = method != "rollout_engine_unfolded" and lora_decode.FOLD_LORA_A
+            lora_decode.JOIN_FROZEN = method != "rollout_engine_parts_apart" and lora_decode.JOIN_FROZEN
             sampler.RACE_KERNEL = method != "rollout_engine_torch_race" and sampler.RACE_KERNEL
             sampler.SOFTMAX_KERNEL = method != "rollout_engine_torch_softmax" and sampler.SOFTMAX_KERNEL
             if method == "rollout_engine_no_prefetch" and switches[-1] is not None:
@@ -311,7 +317,7 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
                 (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, fused_mlp.FUSED_MLP, fused_mlp.LORA_TF32X3,
                  decode_attention.LIVE_SPLITS, lora_decode.FOLD_LORA_A, sampler.RACE_KERNEL,
                  sampler.SOFTMAX_KERNEL, arena.PRIVATE_POOL, lora_epilogue.LORA_EPILOGUE,
-                 prefetch) = switches  # fmt: skip
+                 lora_decode.JOIN_FROZEN, prefetch) = switches  # fmt: skip
                 set_prefetch(prefetch)
             if output.tokens.shape[1] != max_new_tokens:
                 raise RuntimeError(f"generated {output.tokens.shape[1]} tokens per sequence, expected {max_new_tokens}")
@@ -390,6 +396,8 @@ def measure(method, model, args, shape, eos, pad, device, weight_bytes, kv_bytes
         model_kind += f", {args.frozen_resets} resets"
         if args.frozen_rank or args.frozen_targets:
             model_kind += f" of r{args.frozen_rank or args.lora_rank} {args.frozen_targets or args.lora_targets}"
+        if args.frozen_joined:
+            model_kind += ", joined"
     row = {"shape": f"{shape[0]}x{shape[1]}", "model": model_kind, "method": method}
     try:
         run = make_runner(method, model, args, shape, eos, pad, device)
@@ -420,7 +428,7 @@ def measure(method, model, args, shape, eos, pad, device, weight_bytes, kv_bytes
     if args.warmup_tokens and not method.startswith("rollout_engine"):
         overhead = first_seconds  # a short warm-up call: (nearly) all of it is compilation
     if engine is not None:
-        row["engine"] = engine_diagnostics(engine, first_capture, args.profile)
+        row["engine"] = engine_diagnostics(engine, first_capture, args.profile, args.replay_steps)
     floor = decode_floor_seconds(weight_bytes, kv_bytes, shape, args.prompt_length, bandwidth)
     row.update(
         tokens=tokens,
@@ -439,8 +447,12 @@ def measure(method, model, args, shape, eos, pad, device, weight_bytes, kv_bytes
     return row
 
 
-def engine_diagnostics(engine, first_capture_seconds: float, profile: bool) -> dict:
-    """Capture/compile time, the last call's split, and replays of its graph: GPU vs host time per decode step."""
+def engine_diagnostics(
+    engine, first_capture_seconds: float, profile: bool, replay_steps: tuple[int, ...] = (1,)
+) -> dict:
+    """Capture/compile time, the last call's split, and replays of its graph: GPU vs host time per decode step and
+    (`profile`) its kernels, from the first of `replay_steps` (1: a short cache); each later one (attention reads that
+    many more keys) in `at_steps`."""
     last = engine.stats.last
     steps = max(last["decode_steps"], 1)
     found = {
@@ -453,23 +465,32 @@ def engine_diagnostics(engine, first_capture_seconds: float, profile: bool) -> d
         engine.release_cache = True
         engine._arena.release()
         return found
-    found.update(engine.time_replays(8))
-    if profile:
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as torch_profile
-
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as profiler:
-            engine.time_replays(2)
-        steps = 2 * engine.steps_per_graph
-        kernels = sorted(profiler.key_averages(), key=lambda event: -event.device_time_total)
-        found["kernels_per_step"] = sum(event.count for event in kernels) / steps
-        found["top_kernels"] = [
-            (event.key[:70], round(event.device_time_total / steps, 2), event.count / steps) for event in kernels
-        ]  # (name, microseconds per step, launches per step), every kernel (the JSON keeps them all)
+    for index, step in enumerate(replay_steps):
+        at = found if index == 0 else found.setdefault("at_steps", {}).setdefault(str(step), {})
+        at.update(engine.time_replays(8, step), replay_step=step)
+        if profile:
+            at.update(replay_profile(engine, step))
     engine.release_cache = True
     engine._arena.release()
     print(f"    engine: {found}", flush=True)
     return found
+
+
+def replay_profile(engine, step: int) -> dict:
+    """Kernels of two graph replays from decode step `step`: launches a step and every kernel's microseconds a step."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        engine.time_replays(2, step)
+    steps = 2 * engine.steps_per_graph
+    kernels = sorted(profiler.key_averages(), key=lambda event: -event.device_time_total)
+    return {
+        "kernels_per_step": sum(event.count for event in kernels) / steps,
+        "top_kernels": [  # (name, microseconds per step, launches per step), every kernel (the JSON keeps them all)
+            (event.key[:70], round(event.device_time_total / steps, 2), event.count / steps) for event in kernels
+        ],
+    }
 
 
 def render(meta: dict, rows: list[dict]) -> str:
@@ -545,6 +566,14 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
+def _step_list(text: str) -> tuple[int, ...]:
+    """`--replay-steps`: decode steps from 1, comma separated."""
+    steps = tuple(int(value) for value in text.split(",") if value.strip())
+    if not steps or min(steps) < 1:
+        raise argparse.ArgumentTypeError(f"decode steps from 1, comma separated; got {text!r}")
+    return steps
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, a few tokens (for the test)")
@@ -559,12 +588,18 @@ def main(argv: list[str] | None = None) -> dict:
                         help="lora: hard resets behind the adapter (lora_reset_mode frozen: a frozen part each)")
     parser.add_argument("--frozen-rank", type=int, default=None,
                         help="lora: the frozen parts' rank where it differs from --lora-rank (reset-4: 32)")
+    parser.add_argument("--frozen-joined", action="store_true",
+                        help="lora: join each layer's frozen parts into one at every reset (consolidate_frozen_parts)")
     parser.add_argument("--frozen-targets", default=None,
                         help="lora: the frozen parts' targets where they differ from --lora-targets "
                              "(reset-4: q_proj,k_proj)")
     parser.add_argument("--warmup-tokens", type=int, default=0,
                         help="new tokens of the warm-up call of the compiled generate paths (0: the full shape)")
     parser.add_argument("--profile", action="store_true", help="rollout_engine rows: top kernels of a graph replay")
+    parser.add_argument("--replay-steps", type=_step_list, default=(1,),
+                        help="rollout_engine rows: graph replays (GPU ms a step, --profile's kernels) from each of "
+                             "these decode steps, comma separated; attention reads that many more keys (1: a short "
+                             "cache)")
     parser.add_argument("--num-prompts", type=int, default=2, help="distinct prompts; sequences / this = group size")
     parser.add_argument("--prompt-length", type=int, default=128, help="padded prompt tokens")
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -631,7 +666,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.lora_rank_now = args.lora_rank if model_kind == "lora" else 0
         model, eos, pad = build_model(
             args.smoke, device, dtype, args.lora_rank_now, args.lora_targets, args.frozen_resets, args.frozen_rank,
-            args.frozen_targets
+            args.frozen_targets, args.frozen_joined
         )
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         kv_bytes = kv_cache_bytes_per_token(model.config, dtype)

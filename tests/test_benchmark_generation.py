@@ -21,7 +21,7 @@ def test_smoke_run_measures_every_method_and_renders_the_table(bench, tmp_path, 
                  "rollout_engine_unfused_mlp", "rollout_engine_fixed_splits", "rollout_engine_unfolded",
                  "rollout_engine_torch_race", "rollout_engine_torch_softmax", "rollout_engine_no_prefetch",
                  "rollout_engine_default_pool", "rollout_engine_ieee_mlp_lora",
-                 "rollout_engine_lora_reductions")}
+                 "rollout_engine_lora_reductions", "rollout_engine_parts_apart")}
     assert {(row["model"], row["method"]) for row in rows} == expected
     for row in rows:
         assert "error" not in row, row
@@ -116,3 +116,13 @@ def test_fresh_compiles_refuse_shared_processes_and_negative_counts(bench):
         bench.main(["--smoke", "--fresh-compiles", "2", "--no-isolate"])
     with pytest.raises(SystemExit, match=">= 0"):
         bench.main(["--smoke", "--fresh-compiles", "-1"])
+
+
+def test_replay_steps_are_decode_steps_from_one(bench):
+    """`--replay-steps`: the graph replays' starting decode steps, comma separated; 0 or none is refused."""
+    import argparse
+
+    assert bench._step_list("1,3072, 6000") == (1, 3072, 6000)
+    for bad in ("0,5", "", " , "):
+        with pytest.raises(argparse.ArgumentTypeError, match="decode steps from 1"):
+            bench._step_list(bad)

@@ -13,7 +13,8 @@ longest completion (so at most the cap).
 
 What makes a new capture (`capture_reasons`, logged with its time): the batch size, cache length (prompt budget + cap),
 the sampler's static layout, the autocast dtype, the A/B switches (`lora_decode.FUSE_LORA`, `fused_weights.FUSE_BASE`,
-`fused_mlp.FUSED_MLP`, `decode_attention.LIVE_SPLITS`, `lora_decode.FOLD_LORA_A`, `sampler.RACE_KERNEL`,
+`fused_mlp.FUSED_MLP`, `decode_attention.LIVE_SPLITS`, `lora_decode.FOLD_LORA_A`, `lora_decode.JOIN_FROZEN`,
+`sampler.RACE_KERNEL`,
 `sampler.SOFTMAX_KERNEL`), the model's parameter storage
 (data pointers, shapes, dtypes: a LoRA rank/target change, `.data` swaps) or LoRA state (merged, disabled, active
 adapter, scaling, variant, dropout, input casting), and the generation arena's layout and address
@@ -204,6 +205,7 @@ class CaptureKey:
     lora_epilogue_min_rank: int  # lora_epilogue.MIN_RANK, likewise (which groups take that kernel)
     live_splits: bool  # decode_attention.LIVE_SPLITS, likewise (read at capture)
     fold_lora_a: bool  # lora_decode.FOLD_LORA_A, likewise
+    join_frozen: bool  # lora_decode.JOIN_FROZEN, likewise
     race_kernel: bool  # sampler.RACE_KERNEL, likewise
     softmax_kernel: bool  # sampler.SOFTMAX_KERNEL, likewise
 
@@ -426,13 +428,19 @@ class RolloutEngine:
         )  # fmt: skip
         return output
 
-    def time_replays(self, replays: int = 8) -> dict[str, float]:
+    def time_replays(self, replays: int = 8, step: int = 1) -> dict[str, float]:
         """Diagnostics (benchmarks): replay the last graph `replays` times back to back (needs `release_cache=False`;
-        it overwrites the last generation's buffers). Returns GPU milliseconds per decode step (CUDA events) and the
-        host milliseconds per step spent issuing replays."""
+        it overwrites the last generation's buffers), from decode step `step` (1: a short cache; later steps attend
+        over that many more keys). Returns GPU milliseconds per decode step (CUDA events) and the host milliseconds
+        per step spent issuing replays."""
         if self._graph is None or self._arena is None or not self._arena.held:
             raise RuntimeError("time_replays needs a captured graph and a kept generation arena (release_cache=False).")
-        self._state.step.fill_(1)
+        columns = self._state.out.shape[1]
+        if not 1 <= step <= columns - replays * self.steps_per_graph:
+            raise ValueError(f"time_replays: step {step} leaves fewer than {replays} x {self.steps_per_graph} of the "
+                             f"graph's {columns} output columns; pass a step from 1 to "
+                             f"{columns - replays * self.steps_per_graph}.")  # fmt: skip
+        self._state.step.fill_(step)
         self._state.width.fill_(self.prompt_budget)
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
@@ -467,7 +475,7 @@ class RolloutEngine:
             fuse_base=fused_weights.FUSE_BASE, fused_mlp=fused_mlp.FUSED_MLP, mlp_lora_tf32x3=fused_mlp.LORA_TF32X3,
             lora_epilogue=lora_epilogue.LORA_EPILOGUE, lora_epilogue_min_rank=lora_epilogue.MIN_RANK,
             live_splits=decode_attention.LIVE_SPLITS,
-            fold_lora_a=lora_decode.FOLD_LORA_A,
+            fold_lora_a=lora_decode.FOLD_LORA_A, join_frozen=lora_decode.JOIN_FROZEN,
             race_kernel=sampler_module.RACE_KERNEL, softmax_kernel=sampler_module.SOFTMAX_KERNEL,
         )  # fmt: skip
         kv_shape = (2, len(parts.layers), batch, parts.num_kv_heads, key.cache_len, parts.head_dim)
