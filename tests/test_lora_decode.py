@@ -188,6 +188,23 @@ def adapter_down(module) -> torch.Tensor | None:
     return adapters["default"].weight if isinstance(adapters, torch.nn.ModuleDict) and "default" in adapters else None
 
 
+def decode_step_on_random_cache(parts, batch: int, columns: int, write_at: int, starts_below: int, device="cuda"):
+    """A function running one `decode_logits` step of `parts` over fixed random bf16 KV caches (fresh copies each
+    call, so calls compare), tokens and left paddings, writing at column `write_at`."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    shape = (batch, parts.num_kv_heads, columns, parts.head_dim)
+    caches = [torch.randn(2, *shape, device=device, generator=generator).to(torch.bfloat16) for _ in parts.layers]
+    tokens = torch.randint(3, 250, (batch,), device=device, generator=generator)
+    start = torch.randint(0, starts_below, (batch,), device=device, generator=generator)
+    write_index = torch.tensor([write_at], device=device)
+
+    def step():
+        keys, values = [cache[0].clone() for cache in caches], [cache[1].clone() for cache in caches]
+        return decode_logits(parts, tokens, start, write_index, keys, values)
+
+    return step
+
+
 def folded_groups(parts) -> list[tuple]:
     """(modules, fused) for every group `refresh_fusions` gave extra A rows: q/k/v, o, down."""
     groups = []

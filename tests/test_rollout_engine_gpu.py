@@ -170,7 +170,8 @@ def test_bf16_decode_step_with_each_kernel_switch(switch, monkeypatch):
     from peft import LoraConfig, get_peft_model
 
     from prorl_trl.rollout import decode_attention, fused_mlp, lora_epilogue
-    from prorl_trl.rollout.decoder import decode_logits, decoder_parts, refresh_fusions
+    from prorl_trl.rollout.decoder import decoder_parts, refresh_fusions
+    from test_lora_decode import decode_step_on_random_cache
 
     model, _ = build_tiny(seed=0)
     model = get_peft_model(model.cuda().to(torch.bfloat16),
@@ -180,17 +181,7 @@ def test_bf16_decode_step_with_each_kernel_switch(switch, monkeypatch):
             torch.nn.init.normal_(parameter, std=0.05)
     parts = decoder_parts(model.eval())
     refresh_fusions(parts)
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    batch, columns = 32, 300
-    shape = (batch, parts.num_kv_heads, columns, parts.head_dim)
-    caches = [torch.randn(2, *shape, device="cuda", generator=generator).to(torch.bfloat16) for _ in parts.layers]
-    tokens = torch.randint(3, 250, (batch,), device="cuda", generator=generator)
-    start = torch.randint(0, 40, (batch,), device="cuda", generator=generator)
-    write_index = torch.tensor([120], device="cuda")
-
-    def step():
-        keys, values = [cache[0].clone() for cache in caches], [cache[1].clone() for cache in caches]
-        return decode_logits(parts, tokens, start, write_index, keys, values)
+    step = decode_step_on_random_cache(parts, batch=32, columns=300, write_at=120, starts_below=40)
 
     settings = {  # switch: (module, attribute, the op that must then run; None: the same op, other splits)
         "fused_mlp": (fused_mlp, "FUSED_MLP", "prorl_rollout::gated_activation"),
@@ -216,15 +207,16 @@ def test_bf16_decode_step_with_each_kernel_switch(switch, monkeypatch):
     assert error < 2e-2, error
 
 
-def test_same_seed_same_tokens_with_and_without_graphs(lora_model, monkeypatch):
+@pytest.mark.parametrize("top_p", [0.8, 1.0])
+def test_same_seed_same_tokens_with_and_without_graphs(lora_model, monkeypatch, top_p):
     """Same seed, same tokens: graph replays, the same step launched eagerly, the softmax as torch ops
     (`SOFTMAX_KERNEL` off), and the sampler's torch-ops race (`RACE_KERNEL` off: `scores - log E` instead of the
-    kernel's `p / E`, from the same uniforms)."""
+    kernel's `p / E`, from the same uniforms; at top_p 1.0 the race on the logits against the same torch ops)."""
     from prorl_trl.rollout import sampler
 
     model, tokenizer = lora_model
     input_ids, mask = inputs(tokenizer.pad_token_id)
-    config = GenerationConfig(max_new_tokens=24, do_sample=True, top_p=0.8, top_k=0, temperature=1.0,
+    config = GenerationConfig(max_new_tokens=24, do_sample=True, top_p=top_p, top_k=0, temperature=1.0,
                               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
     graphs = RolloutEngine(steps_per_graph=8)
     first = graphs.generate(model, input_ids, mask, config, seed=5).tokens
@@ -240,14 +232,16 @@ def test_same_seed_same_tokens_with_and_without_graphs(lora_model, monkeypatch):
     assert torch.equal(torch_race.generate(model, input_ids, mask, config, seed=5).tokens, first)
 
 
-def test_compiled_sampler_distribution_matches_exact(lora_model):
-    """20k first tokens through the compiled step (16-way top-p search) against transformers' warped softmax."""
+@pytest.mark.parametrize("top_p", [0.7, 1.0])
+def test_compiled_sampler_distribution_matches_exact(lora_model, top_p):
+    """20k first tokens through the compiled step (16-way top-p search, or at top_p 1.0 the race on the logits)
+    against transformers' warped softmax."""
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
     model, tokenizer = lora_model
     draws = 20_000
     prompt = torch.randint(3, 250, (1, 6), generator=torch.Generator().manual_seed(2)).cuda()
-    config = GenerationConfig(max_new_tokens=3, do_sample=True, top_p=0.7, top_k=0, temperature=1.2,
+    config = GenerationConfig(max_new_tokens=3, do_sample=True, top_p=top_p, top_k=0, temperature=1.2,
                               pad_token_id=tokenizer.pad_token_id, eos_token_id=0)  # fmt: skip
     tokens = RolloutEngine(steps_per_graph=2).generate(
         model, prompt.expand(draws, -1).contiguous(), torch.ones(draws, 6, dtype=torch.long, device="cuda"), config, seed=3
@@ -258,7 +252,8 @@ def test_compiled_sampler_distribution_matches_exact(lora_model):
         first = int(tokens[:, 0].mode().values)
         follow = model(input_ids=torch.cat([prompt, torch.tensor([[first]], device="cuda")], 1)).logits[:, -1].float()
     for position, scores, rows in ((0, logits, slice(None)), (1, follow, tokens[:, 0] == first)):
-        exact = torch.softmax(TopPLogitsWarper(0.7)(None, TemperatureLogitsWarper(1.2)(None, scores)), -1)[0]
+        warped = TemperatureLogitsWarper(1.2)(None, scores)
+        exact = torch.softmax(TopPLogitsWarper(top_p)(None, warped) if top_p < 1 else warped, -1)[0]
         observed = np.bincount(tokens[rows, position].cpu().numpy(), minlength=exact.numel()).astype(float)
         expected = exact.double().cpu().numpy() * observed.sum()
         assert observed[expected == 0].sum() == 0, "a filtered-out token was drawn"
@@ -370,3 +365,33 @@ def test_triton_race_is_the_reference_draw(scale, monkeypatch):
     assert same >= 0.99, same  # a row may differ only where two keys are within float32 rounding (GPU log vs torch)
     monkeypatch.setattr(race_triton, "PREFETCH", not race_triton.PREFETCH)
     assert torch.equal(race_tokens(probs, tau, keys), tokens)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_logits_race_is_the_torch_draw(dtype, monkeypatch):
+    """The race on the logits (sampling without top-p) at the Qwen2 vocabulary, 256 rows, against the compiled path's
+    torch ops (`choose_tokens(process_logits(...))`) from the same uniforms: the same token on (almost) every row,
+    with the temperature and the EOS mask, and an EOS never drawn while too early; the step takes the kernel."""
+    from prorl_trl.rollout import sampler
+
+    generator = torch.Generator(device="cuda").manual_seed(4)
+    logits = (torch.randn(256, 151_936, device="cuda", generator=generator) * 3).to(dtype)
+    eos = [151_643, 5]
+    logits[:, eos[0]] = 40.0  # drawn almost surely unless masked
+    layout = sampler.SamplerLayout(do_sample=True, top_k=0, use_top_p=False, use_min_p=False,
+                                   use_min_new_tokens=True, num_eos=len(eos))  # fmt: skip
+    assert sampler.uses_logits_race(logits, layout)
+    tensors = sampler.SamplerTensors.allocate(len(eos), torch.device("cuda"))
+    tensors.load(sampler.sampler_settings(GenerationConfig(
+        do_sample=True, top_p=1.0, top_k=0, temperature=1.2, min_new_tokens=10, max_new_tokens=20,
+        eos_token_id=eos, pad_token_id=0)), seed=7)  # fmt: skip
+    for step, too_early in ((3, True), (12, False)):
+        step = torch.tensor([step], device="cuda")
+        got = sampler.logits_race_tokens(logits, layout, tensors, step)
+        want = sampler.choose_tokens(sampler.process_logits(logits, layout, tensors, step), layout, tensors, step)
+        same = (got == want).float().mean().item()
+        assert same >= 0.99, same  # a row may differ only where two keys are within float32 rounding
+        drew_eos = torch.isin(got, torch.tensor(eos, device="cuda"))
+        assert not drew_eos.any() if too_early else drew_eos.all()
+    monkeypatch.setattr(sampler, "RACE_KERNEL", False)
+    assert not sampler.uses_logits_race(logits, layout)

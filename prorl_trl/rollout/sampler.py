@@ -18,7 +18,9 @@ What `GenerationMixin._sample` (transformers 5.x) does per step, and how this mo
 * On CUDA with Triton, sampling after top-p (no top-k, no min-p: the recipes' settings) runs as kernels: the softmax
   from the logits in their own dtype (`softmax_triton`), the top-p search (`top_p_triton`), and the race over the
   probabilities (`race_triton`): `argmax p_j / E_j` over the kept tokens, the same draw up to float32 rounding of the
-  keys (a monotone transform of `scores_j - log(E_j)`), from the same uniforms.
+  keys (a monotone transform of `scores_j - log(E_j)`), from the same uniforms. Without top-p (top_p 1.0), the race
+  runs on the logits in one kernel (`race_triton`'s `_logits_race_kernel`): `scores_j - log(E_j)` as the torch ops
+  compute it.
 
 Values that may change between calls without a new CUDA graph (temperature, top_p, min_p, min_new_tokens, the seed)
 live in device tensors (`SamplerTensors`); what changes the captured program (greedy or not, top-k's k, whether top-p,
@@ -87,8 +89,9 @@ _WEYL32_INT32 = _WEYL32 - (1 << 32)
 # torch version's int64 products never overflow; `race_triton` computes the same in uint32
 _MIX32 = ((16, 0x21F0AAAD), (15, 0x735A2D97), (15, None))
 _FLOAT32_ONE_BITS = 0x3F800000
-# Sampling after top-p on CUDA runs `race_triton`'s kernel (`race_tokens`); False only for the A/B (torch ops,
-# compiled). Read when the step is traced, so part of the engine's capture key.
+# Sampling after top-p on CUDA runs `race_triton`'s kernel (`race_tokens`), and sampling without top-p its race on the
+# logits (`logits_race_tokens`); False only for the A/B (torch ops, compiled). Read when the step is traced, so part of
+# the engine's capture key.
 RACE_KERNEL = True
 # The softmax before top-p (from the model's logits, EOS mask and temperature included) runs `softmax_triton`'s
 # kernels on CUDA; False only for the A/B. Read when the step is traced, so part of the engine's capture key.
@@ -441,6 +444,48 @@ def _(probs, tau, keys):
     return probs.new_empty(probs.shape[0], splits), probs.new_empty(probs.shape[0], splits, dtype=torch.int32)
 
 
+def uses_logits_race(logits: torch.Tensor, layout: SamplerLayout) -> bool:
+    """Whether `next_tokens` samples through `race_triton`'s race on the logits (sampling with no top-p, top-k or
+    min-p, on CUDA with Triton)."""
+    return (
+        RACE_KERNEL and layout.do_sample and not layout.use_top_p and not layout.top_k and not layout.use_min_p
+        and logits.is_cuda and triton_available()
+    )  # fmt: skip
+
+
+def logits_race_tokens(
+    logits: torch.Tensor, layout: SamplerLayout, tensors: SamplerTensors, step: torch.Tensor
+) -> torch.Tensor:
+    """`choose_tokens(process_logits(...))` for sampling without top-p, top-k or min-p, as one kernel on the logits in
+    their own dtype: `argmax scores - log(E)` from the same uniforms (`race_triton.launch_logits_race`)."""
+    eos = tensors.eos if layout.use_min_new_tokens else tensors.eos[:0]  # empty: no EOS mask compiled in
+    too_early = step < tensors.min_new_tokens
+    keys = row_keys(tensors.seed, step, logits.shape[0])
+    best_key, best_token = torch.ops.prorl_rollout.logits_race(logits.contiguous(), tensors.temperature, eos,
+                                                               too_early, keys)  # fmt: skip
+    return best_token.gather(-1, best_key.argmax(-1, keepdim=True))[:, 0].long()
+
+
+@torch.library.custom_op("prorl_rollout::logits_race", mutates_args=())
+def _logits_race_op(
+    logits: torch.Tensor, temperature: torch.Tensor, eos: torch.Tensor, too_early: torch.Tensor, keys: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Opaque to torch.compile; one launch recorded into the CUDA graph."""
+    from .race_triton import launch_logits_race
+
+    return launch_logits_race(logits, temperature, eos, too_early, keys)
+
+
+@_logits_race_op.register_fake
+def _(logits, temperature, eos, too_early, keys):
+    from .race_triton import splits_for
+
+    splits = splits_for(*logits.shape)
+    return logits.new_empty(logits.shape[0], splits, dtype=torch.float32), logits.new_empty(
+        logits.shape[0], splits, dtype=torch.int32
+    )
+
+
 def choose_tokens(scores: torch.Tensor, layout: SamplerLayout, tensors: SamplerTensors, step: torch.Tensor) -> torch.Tensor:
     """One token per row from processed scores: argmax (greedy) or the exponential race (sampling)."""
     if not layout.do_sample:
@@ -453,9 +498,12 @@ def next_tokens(
     logits: torch.Tensor, layout: SamplerLayout, tensors: SamplerTensors, step: torch.Tensor, ways: int = 16
 ) -> torch.Tensor:
     """`process_logits` then `choose_tokens`: the token each row emits at `step` (before EOS/padding bookkeeping);
-    after top-p alone on CUDA, the same draw through `race_tokens` (no masked copy of the scores)."""
+    after top-p alone on CUDA, the same draw through `race_tokens` (no masked copy of the scores), and without any
+    filter through `logits_race_tokens` (one kernel on the logits)."""
     if uses_race_kernel(logits, layout):
         probs = sampling_probabilities(logits, layout, tensors, step)
         tau = top_p_threshold(probs, tensors.top_p, ways)
         return race_tokens(probs, tau, row_keys(tensors.seed, step, probs.shape[0]))
+    if uses_logits_race(logits, layout):
+        return logits_race_tokens(logits, layout, tensors, step)
     return choose_tokens(process_logits(logits, layout, tensors, step, ways), layout, tensors, step)
