@@ -18,7 +18,7 @@ from prorl_trl.rollout.decode_attention import triton_available
 from prorl_trl.rollout.decoder import decoder_parts, refresh_fusions
 from prorl_trl.rollout.lora_epilogue import EpilogueFactor, applies, column_block, epilogue_reference, takes_kernel
 from test_fused_mlp import assert_graph_replays_equal
-from test_lora_decode import CASES, folded_groups, frozen_model
+from test_lora_decode import CASES, decode_step_on_random_cache, folded_groups, frozen_model
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -111,6 +111,80 @@ def test_reference_matches_an_independent_formula():
     assert column_block((48, 64)) == 16 and column_block((40, 64)) is None
 
 
+def joined_stacks(parts, dtype) -> list[tuple]:
+    """(modules, fused with joined-up buffers filled by `refresh_joined`, joins) for every folded group of `parts`, the
+    joins being each module's frozen parts (all of them, as `frozen_joins` plans them on CUDA)."""
+    import dataclasses
+
+    groups = []
+    for modules, fused in folded_groups(parts):
+        joins = tuple(tuple(lora_decode.frozen_factors(module)) for module in modules)
+        buffers = tuple(
+            torch.empty(base.weight.shape[0], sum(f.up.shape[1] for f in parts_), dtype=torch.float32)
+            if len(parts_) >= 2 else None
+            for base, parts_ in zip(fused.members, joins)
+        )  # fmt: skip
+        joined = dataclasses.replace(fused, joined_ups=buffers)
+        lora_decode.refresh_joined(joined, [p if len(p) >= 2 else () for p in joins])
+        groups.append((modules, joined, joins))
+    return groups
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@torch.no_grad()
+def test_joined_frozen_parts_are_the_parts_to_float32_rounding(case):
+    """`JOIN_FROZEN`: a module's two frozen parts as one factor (ups side by side, scaled in float32) over the same
+    A-product columns give the reference's bf16 outputs of the parts taken one by one, up to float32 rounding moving
+    a bf16 rounding now and then; the live adapter stays its own factor, after them."""
+    model = frozen_model(torch.bfloat16, **CASES[case])
+    parts = decoder_parts(model)
+    refresh_fusions(parts)
+    generator = torch.Generator().manual_seed(12)
+    joined_modules = 0
+    for modules, fused, joins in joined_stacks(parts, torch.bfloat16):
+        x = torch.randn(7, 1, modules[0].in_features, generator=generator).to(torch.bfloat16)
+        stages = [lora_decode.stage_of(m, lora_decode.lora_factors(m, x)) for m in modules]
+        product = lora_decode._float32_product(x.reshape(7, -1), fused.stacked)
+        ranks = sum(f.down.shape[0] for stage in stages for f in stage)
+        apart = lora_decode._epilogue_factors(fused.sizes, stages)
+        together = lora_decode._epilogue_factors(fused.sizes, stages, fused.joined_ups)
+        joined_here = sum(len(p) >= 2 for p in joins)
+        assert len(together) == len(apart) - joined_here  # two parts -> one factor per joined module
+        for buffer, module_parts in zip(fused.joined_ups, joins):
+            if buffer is not None:
+                want = torch.cat([f.up * f.scaling for f in module_parts], dim=1)
+                assert torch.equal(buffer, want)
+                joined_factor = next(f for f in together if f.up is buffer)
+                assert joined_factor.scaling == 1.0
+        args = (product, fused.bias, fused.weight.shape[0], ranks, fused.extra_rows > ranks, torch.bfloat16)
+        one_by_one = epilogue_reference(args[0], args[1], apart, *args[2:])
+        joined = epilogue_reference(args[0], args[1], together, *args[2:])
+        differing = (one_by_one != joined).float().mean().item()
+        assert differing < 0.02, differing
+        torch.testing.assert_close(joined.float(), one_by_one.float(), atol=0.02, rtol=2**-7)
+        joined_modules += joined_here
+    assert joined_modules > 0
+
+
+def test_frozen_parts_are_joined_only_where_the_kernel_will_run(monkeypatch):
+    """`frozen_joins` plans a join only for groups bound for `lora_epilogue`'s kernel: none on CPU, none with
+    `JOIN_FROZEN` or the kernel off; a module with one frozen part keeps it as it is."""
+    model = frozen_model(torch.bfloat16, **CASES["q,k"])
+    parts = decoder_parts(model)
+    stacks = refresh_fusions(parts)
+    assert stacks and all(stack.joins == () for stack in stacks)  # CPU: the kernel never runs here
+    layer = parts.layers[0].self_attn
+    modules = (layer.q_proj, layer.k_proj, layer.v_proj)
+    adapted = lora_decode.fold_factors(modules)
+    weight, sizes = layer.q_proj.base_layer.weight, [lora_decode.base_linear(m).weight.shape[0] for m in modules]
+    assert lora_decode.frozen_joins(modules, adapted, sizes, weight) == ((), (), ())
+    monkeypatch.setattr(lora_decode, "JOIN_FROZEN", False)
+    assert lora_decode.frozen_joins(modules, adapted, sizes, weight) == ((), (), ())
+    assert lora_decode._joined_count(adapted[:2], None) == 0
+    wide = torch.zeros(adapted[0].up.shape[0], adapted[0].down.shape[0])  # one part's width: no join of one
+    assert lora_decode._joined_count(adapted, wide) == 0
+
+
 def check_kernel(device: str, dtypes: tuple[torch.dtype, ...]) -> None:
     """The kernel against the reference on `device`; on CUDA also 20 graph replays, bit-identical."""
     from prorl_trl.rollout.fused_mlp import power_of_two
@@ -176,3 +250,40 @@ def test_lora_deltas_keep_float32_precision_on_cuda(tf32x3):
     hidden = product[:, width:]
     one_tf32 = (((tf32(hidden) @ tf32(up).T) * 2.0).to(torch.bfloat16) != want).float().mean().item()
     assert one_tf32 > 5 * max(differing, 1e-4), (one_tf32, differing)  # the test could tell a coarser product apart
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and triton_available()), reason="needs CUDA and Triton")
+@torch.no_grad()
+def test_decode_step_with_joined_frozen_parts_on_cuda(monkeypatch):
+    """A bf16 model after two frozen resets (q, k), every folded group on the kernel (`MIN_RANK` 1): the engine's
+    stacks join q's and k's parts (the buffers hold the scaled ups), one decode step's logits with the join equal
+    those with each part its own factor within bf16 rounding, and the step reads the joined buffers (zeroed, the
+    frozen parts' share of q and k goes and the logits move)."""
+    from prorl_trl.rollout import lora_epilogue
+
+    monkeypatch.setattr(lora_epilogue, "MIN_RANK", 1)
+    model = frozen_model(torch.bfloat16, **CASES["q,k"]).cuda()
+    parts = decoder_parts(model)
+    decode = decode_step_on_random_cache(parts, batch=16, columns=64, write_at=40, starts_below=10)
+
+    def step(join: bool):
+        monkeypatch.setattr(lora_decode, "JOIN_FROZEN", join)
+        stacks = refresh_fusions(parts)
+        return stacks, decode()
+
+    stacks, joined = step(True)
+    qkv = [stack for stack in stacks if stack.group == "fused_qkv"]
+    assert qkv and all(len(stack.joins[0]) == len(stack.joins[1]) == 2 and not stack.joins[2] for stack in qkv)
+    fused = parts.stacks[qkv[0].name]
+    want = torch.cat([f.up * f.scaling for f in qkv[0].joins[0]], dim=1)
+    assert torch.equal(fused.joined_ups[0], want) and fused.joined_ups[2] is None
+    for stack in qkv:
+        for buffer in parts.stacks[stack.name].joined_ups[:2]:
+            buffer.zero_()
+    without_parts = decode()
+    error = ((without_parts - joined).norm() / joined.norm()).item()
+    assert error > 1e-2, error  # the step read the joined buffers
+    apart_stacks, apart = step(False)
+    assert all(stack.joins == () for stack in apart_stacks)
+    error = ((joined - apart).norm() / apart.norm()).item()
+    assert error < 2e-2, error

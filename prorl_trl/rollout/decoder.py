@@ -16,6 +16,7 @@ fused kernels per group instead of a GEMM plus a split-K kernel per product. LoR
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 from collections.abc import Mapping
@@ -28,7 +29,9 @@ from . import fused_weights
 from .arena import Region
 from .decode_attention import gqa_decode_attention
 from .fused_weights import FusedLinear, copy_members, copyable, stack_copies
-from .lora_decode import LoraFactors, base_linear, fold_factors, fold_rows, gated_mlp, project, refresh_folded
+from .lora_decode import (
+    LoraFactors, base_linear, fold_factors, fold_rows, frozen_joins, gated_mlp, project, refresh_folded, refresh_joined,
+)
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
@@ -162,6 +165,9 @@ class StackGroup:
     bases: tuple[torch.nn.Linear, ...]
     adapted: list[LoraFactors]  # `fold_factors`: the live A weights whose copies ride as extra rows (none: no fold)
     extra_rows: int  # `fold_rows`; 0 without a fold
+    # per member, its frozen parts whose B weights a float32 buffer joins for the decode step (`lora_decode.
+    # frozen_joins`; empty: none); empty tuple: none for any member
+    joins: tuple[tuple[LoraFactors, ...], ...] = ()
 
     @property
     def name(self) -> str:
@@ -176,7 +182,20 @@ class StackGroup:
         regions = [Region(self.name, (rows + self.extra_rows, weight.shape[1]), weight.dtype, buffer)]
         if self.bases[0].bias is not None:
             regions.append(Region(self.name + ".bias", (rows,), self.bases[0].bias.dtype, buffer))
+        for index, parts in enumerate(self.joins):
+            if parts:
+                shape = (self.bases[index].weight.shape[0], sum(factor.up.shape[1] for factor in parts))
+                regions.append(Region(self._joined(index), shape, torch.float32, f"stacks {torch.float32}"))
         return regions
+
+    def _joined(self, index: int) -> str:
+        return f"{self.name}.joined.{index}"
+
+    def joined_buffers(self, buffers: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+        """Per member, its `joins` buffer among `buffers` (None: no join); empty without any."""
+        if not any(self.joins):
+            return ()
+        return tuple(buffers[self._joined(index)] if parts else None for index, parts in enumerate(self.joins))
 
 
 def plan_fusions(parts: DecoderParts) -> list[StackGroup]:
@@ -195,7 +214,9 @@ def plan_fusions(parts: DecoderParts) -> list[StackGroup]:
                 continue
             adapted = fold_factors(modules) if folds_here else []
             if adapted:
-                stacks.append(StackGroup(name, index, bases, adapted, fold_rows(adapted, bases[0].weight.dtype)))
+                joins = frozen_joins(modules, adapted, [base.weight.shape[0] for base in bases], bases[0].weight)
+                rows = fold_rows(adapted, bases[0].weight.dtype)
+                stacks.append(StackGroup(name, index, bases, adapted, rows, joins if any(joins) else ()))
             elif always and len(bases) > 1:
                 stacks.append(StackGroup(name, index, bases, [], 0))
         setattr(parts, name, entries)
@@ -208,13 +229,19 @@ def load_stacks(parts: DecoderParts, stacks: list[StackGroup], buffers: Mapping[
     same buffers before keeps its `FusedLinear` (the compiled step sees the same objects)."""
     for stack in stacks:
         stacked, bias = buffers[stack.name], buffers.get(stack.name + ".bias")
+        joined = stack.joined_buffers(buffers)
         fused = parts.stacks.get(stack.name)
-        if fused is None or fused.members != stack.bases or fused.stacked is not stacked or fused.bias is not bias:
-            fused = stack_copies(stack.bases, stacked, bias)
+        if (
+            fused is None or fused.members != stack.bases or fused.stacked is not stacked or fused.bias is not bias
+            or len(fused.joined_ups) != len(joined) or any(a is not b for a, b in zip(fused.joined_ups, joined))
+        ):  # fmt: skip
+            fused = dataclasses.replace(stack_copies(stack.bases, stacked, bias), joined_ups=joined)
             parts.stacks[stack.name] = fused
         copy_members(fused)
         if stack.adapted:
             refresh_folded(fused, stack.adapted)
+        if joined:
+            refresh_joined(fused, stack.joins)
         getattr(parts, stack.group)[stack.index] = fused
 
 

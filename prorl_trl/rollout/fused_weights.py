@@ -39,6 +39,9 @@ class FusedLinear:
     # the whole buffer: `weight`'s rows, then `extra_rows` more that belong to no parameter (the decode step keeps
     # copies of LoRA A weights there: `lora_decode`'s folded products)
     stacked: torch.Tensor
+    # per member, a float32 buffer the decode step fills with its frozen LoRA parts' B weights side by side (or None;
+    # `lora_decode.JOIN_FROZEN`); empty: none for any member
+    joined_ups: tuple[torch.Tensor | None, ...] = ()
 
     @property
     def extra_rows(self) -> int:

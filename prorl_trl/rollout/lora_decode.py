@@ -37,6 +37,7 @@ import torch
 
 from ..reset.frozen import REFERENCE, frozen_delta_of
 from . import fused_mlp, lora_epilogue
+from .decode_attention import triton_available
 from .fused_weights import FusedLinear
 
 FUSE_LORA = True  # False: every projection is called as a module (tests, A/B benchmarks); read when a step is traced
@@ -44,6 +45,16 @@ FUSE_LORA = True  # False: every projection is called as a module (tests, A/B be
 # ride as extra rows of the fused base weight, so one GEMM gives the base outputs and every `lora_A(x)`, and the A
 # reduction kernel goes. False only for the A/B (generation.py's `rollout_engine_unfolded`); read when fusing/tracing.
 FOLD_LORA_A = True
+# Where a folded group's B products run in `lora_epilogue`'s kernel, each module's frozen parts of earlier resets run
+# there as one factor: their `up` weights side by side, each times its scaling in float32 (`refresh_joined`, copied
+# into the generation arena before every generation, as the stacked weights are), over their A products, which the
+# fold already keeps side by side. The sum is the same to float32 rounding (one product over the parts' ranks instead
+# of one per part, each scaling applied to `up` instead of to the product): what `consolidate_frozen_parts` does, for
+# generation only, so the training forward keeps one part per reset and its bitwise resets. At the GSM8K recipe's
+# reset-4 (four r32 parts on q and k) the q/k/v launch holds 5 factors instead of 11 (benchmarks/results/
+# rollout_engine.md, section 2026-11-30 from 04:53 UTC). False only for the A/B (generation.py's
+# `rollout_engine_parts_apart`); read when stacking and when a step is traced.
+JOIN_FROZEN = True
 
 
 class LoraFactors(NamedTuple):
@@ -232,7 +243,9 @@ def _folded(x: torch.Tensor, fused: FusedLinear, stages: Sequence[Sequence[LoraF
     epilogue = _epilogue_factors(fused.sizes, stages)
     block_n = lora_epilogue.column_block(list(itertools.accumulate(fused.sizes)))  # no column tile spans two modules
     takes = block_n and adapted[0].down.dtype == torch.float32
-    if takes and lora_epilogue.applies(product, fused.weight.dtype, epilogue):
+    if takes and lora_epilogue.applies(product, fused.weight.dtype, epilogue):  # the rule reads the parts as they are
+        if JOIN_FROZEN and fused.joined_ups:
+            epilogue = _epilogue_factors(fused.sizes, stages, fused.joined_ups)
         out = lora_epilogue.lora_epilogue(product, fused.bias, epilogue, width, ranks, split, fused.weight.dtype,
                                           block_n)  # fmt: skip
         return [part.view(*x.shape[:-1], -1) for part in out.split(fused.sizes, dim=-1)]
@@ -247,17 +260,69 @@ def _folded(x: torch.Tensor, fused: FusedLinear, stages: Sequence[Sequence[LoraF
 
 
 def _epilogue_factors(
-    sizes: Sequence[int], stages: Sequence[Sequence[LoraFactors]]
+    sizes: Sequence[int], stages: Sequence[Sequence[LoraFactors]], joined_ups: Sequence[torch.Tensor | None] = ()
 ) -> list[lora_epilogue.EpilogueFactor]:
     """`stages` as `lora_epilogue`'s factors: each with its module's output columns and its first A-product column
-    (the fold's order: module by module, stage order within one)."""
+    (the fold's order: module by module, stage order within one). `joined_ups`: per module, its frozen parts' `up`
+    weights side by side and scaled (`refresh_joined`) or None; where one holds a module's leading factors, they are
+    one factor of scaling 1."""
     factors, start, hidden = [], 0, 0
-    for size, stage in zip(sizes, stages, strict=True):
-        for factor in stage:
+    for index, (size, stage) in enumerate(zip(sizes, stages, strict=True)):
+        joined = joined_ups[index] if joined_ups else None
+        count = _joined_count(stage, joined)
+        if count:
+            factors.append(lora_epilogue.EpilogueFactor(joined, 1.0, start, start + size, hidden))
+            hidden += joined.shape[1]
+        for factor in stage[count:]:
             factors.append(lora_epilogue.EpilogueFactor(factor.up, factor.scaling, start, start + size, hidden))
             hidden += factor.down.shape[0]
         start += size
     return factors
+
+
+def _joined_count(stage: Sequence[LoraFactors], joined: torch.Tensor | None) -> int:
+    """How many of `stage`'s leading factors `joined` holds (their ranks add up to its width; at least two); 0: none."""
+    if joined is None:
+        return 0
+    width = 0
+    for count, factor in enumerate(stage, start=1):
+        width += factor.down.shape[0]
+        if width == joined.shape[1] and joined.shape[0] == factor.up.shape[0]:
+            return count if count >= 2 else 0
+        if width > joined.shape[1]:
+            return 0
+    return 0
+
+
+def frozen_joins(
+    modules: Sequence[torch.nn.Module], adapted: Sequence[LoraFactors], sizes: Sequence[int], weight: torch.Tensor
+) -> tuple[tuple[LoraFactors, ...], ...]:
+    """Per module of a folded group (`adapted`: `fold_factors(modules)`), the frozen parts `_folded` runs as one
+    factor (`JOIN_FROZEN`): two or more, where the group's B products will take `lora_epilogue`'s kernel (its rule
+    and its conditions as `_folded` checks them, known before any product: switched on, a factor of rank
+    `MIN_RANK` or more, CUDA with Triton, 16-bit weights, float32 factors, a column tile); empty tuples elsewhere."""
+    ranks = [factor.down.shape[0] for factor in adapted]
+    planned = (
+        JOIN_FROZEN and lora_epilogue.LORA_EPILOGUE and lora_epilogue.takes_ranks(ranks)
+        and 0 < len(adapted) <= lora_epilogue.MAX_FACTORS
+        and weight.is_cuda and triton_available() and weight.dtype in (torch.bfloat16, torch.float16)
+        and all(factor.down.dtype == factor.up.dtype == torch.float32 for factor in adapted)
+        and lora_epilogue.column_block(list(itertools.accumulate(sizes))) is not None
+    )  # fmt: skip
+    joins = [tuple(frozen_factors(module)) if planned else () for module in modules]
+    return tuple(parts if len(parts) >= 2 else () for parts in joins)
+
+
+@torch.no_grad()
+def refresh_joined(fused: FusedLinear, joins: Sequence[Sequence[LoraFactors]]) -> None:
+    """Write each module's frozen parts (`frozen_joins`) into its `fused.joined_ups` buffer: their `up` weights side by
+    side, each times its scaling in float32 (before every generation: the buffers live in the generation arena)."""
+    for parts, joined in zip(joins, fused.joined_ups, strict=True):
+        offset = 0
+        for factor in parts:
+            rank = factor.up.shape[1]
+            torch.mul(factor.up, factor.scaling, out=joined[:, offset : offset + rank])
+            offset += rank
 
 
 def project(

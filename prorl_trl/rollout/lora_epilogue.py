@@ -62,7 +62,12 @@ def column_block(boundaries: Sequence[int]) -> int | None:
 
 def takes_kernel(factors: Sequence[EpilogueFactor]) -> bool:
     """The measured rule: a group whose factors include one of rank `MIN_RANK` or more."""
-    return any([factor.up.shape[1] >= MIN_RANK for factor in factors])  # a list: dynamo traces it, not a generator
+    return takes_ranks([factor.up.shape[1] for factor in factors])  # a list: dynamo traces it, not a generator
+
+
+def takes_ranks(ranks: Sequence[int]) -> bool:
+    """`takes_kernel` from the factors' ranks alone (known before any product exists)."""
+    return any([rank >= MIN_RANK for rank in ranks])
 
 
 def applies(product: torch.Tensor, dtype: torch.dtype, factors: Sequence[EpilogueFactor]) -> bool:
