@@ -1,5 +1,5 @@
-"""Triton kernels of the sampler's last stage, the exponential race in one read: after top-p over the kept tokens; without
-top-p over the logits.
+"""Triton kernels of the sampler's last stage: the exponential race in one read, over the kept tokens after top-p or
+over the logits without it.
 
 `sampler.race_tokens` picks, per row, `argmax_i p_i / E_i` over the tokens with `p_i >= tau` (`E_i = -log(u_i)`,
 `u_i` the counter-based uniforms of `sampler.uniform_noise`), which draws token i with probability `p_i / sum(kept)`:
