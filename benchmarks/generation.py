@@ -447,6 +447,9 @@ def measure(method, model, args, shape, eos, pad, device, weight_bytes, kv_bytes
     return row
 
 
+REPLAYED_STEPS = 8 * 16  # `engine_diagnostics`' timed replays: 8 graphs of the engine's default 16 decode steps
+
+
 def engine_diagnostics(
     engine, first_capture_seconds: float, profile: bool, replay_steps: tuple[int, ...] = (1,)
 ) -> dict:
@@ -633,9 +636,14 @@ def main(argv: list[str] | None = None) -> dict:
         args.shapes, args.prompt_length, args.repeats, args.lora_rank = "4x6", 12, 1, 4
         methods = [m for m in methods if not m.startswith("continuous_batching")]
     shapes = parse_shapes(args.shapes)
-    for sequences, _ in shapes:
+    for sequences, new_tokens in shapes:
         if sequences % args.num_prompts:
             raise SystemExit(f"--shapes: {sequences} sequences is not a multiple of --num-prompts={args.num_prompts}")
+        late = [step for step in args.replay_steps if step > 1 and step > new_tokens - REPLAYED_STEPS]
+        if late:  # found before any model is built, not after a generation (time_replays would refuse them)
+            raise SystemExit(f"--replay-steps: {late} start too late for {sequences}x{new_tokens}: the replays run "
+                             f"{REPLAYED_STEPS} decode steps, so start at {max(1, new_tokens - REPLAYED_STEPS)} or "
+                             f"earlier")  # fmt: skip
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if args.fresh_compiles < 0:
         raise SystemExit(f"--fresh-compiles must be >= 0, got {args.fresh_compiles}")

@@ -123,6 +123,8 @@ def test_replay_steps_are_decode_steps_from_one(bench):
     import argparse
 
     assert bench._step_list("1,3072, 6000") == (1, 3072, 6000)
+    with pytest.raises(SystemExit, match=r"--replay-steps: \[4000\] start too late for 32x4096.*3968 or earlier"):
+        bench.main(["--shapes", "32x4096", "--methods", "rollout_engine", "--replay-steps", "1,2048,4000"])
     for bad in ("0,5", "", " , "):
         with pytest.raises(argparse.ArgumentTypeError, match="decode steps from 1"):
             bench._step_list(bad)
