@@ -447,7 +447,8 @@ def measure(method, model, args, shape, eos, pad, device, weight_bytes, kv_bytes
     return row
 
 
-REPLAYED_STEPS = 8 * 16  # `engine_diagnostics`' timed replays: 8 graphs of the engine's default 16 decode steps
+REPLAYS = 8  # `engine_diagnostics`' timed graph replays
+REPLAYED_STEPS = REPLAYS * 16  # the decode steps they run (the engine's default 16 a graph)
 
 
 def engine_diagnostics(
@@ -470,7 +471,7 @@ def engine_diagnostics(
         return found
     for index, step in enumerate(replay_steps):
         at = found if index == 0 else found.setdefault("at_steps", {}).setdefault(str(step), {})
-        at.update(engine.time_replays(8, step), replay_step=step)
+        at.update(engine.time_replays(REPLAYS, step), replay_step=step)
         if profile:
             at.update(replay_profile(engine, step))
     engine.release_cache = True

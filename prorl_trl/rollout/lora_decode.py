@@ -37,7 +37,6 @@ import torch
 
 from ..reset.frozen import REFERENCE, frozen_delta_of
 from . import fused_mlp, lora_epilogue
-from .decode_attention import triton_available
 from .fused_weights import FusedLinear
 
 FUSE_LORA = True  # False: every projection is called as a module (tests, A/B benchmarks); read when a step is traced
@@ -302,13 +301,11 @@ def frozen_joins(
     and its conditions as `_folded` checks them, known before any product: switched on, a factor of rank
     `MIN_RANK` or more, CUDA with Triton, 16-bit weights, float32 factors, a column tile); empty tuples elsewhere."""
     ranks = [factor.down.shape[0] for factor in adapted]
+    dtypes = [tensor.dtype for factor in adapted for tensor in (factor.down, factor.up)]
     planned = (
-        JOIN_FROZEN and lora_epilogue.LORA_EPILOGUE and lora_epilogue.takes_ranks(ranks)
-        and 0 < len(adapted) <= lora_epilogue.MAX_FACTORS
-        and weight.is_cuda and triton_available() and weight.dtype in (torch.bfloat16, torch.float16)
-        and all(factor.down.dtype == factor.up.dtype == torch.float32 for factor in adapted)
+        JOIN_FROZEN and lora_epilogue.applies_to(ranks, weight.is_cuda, weight.dtype, dtypes)
         and lora_epilogue.column_block(list(itertools.accumulate(sizes))) is not None
-    )  # fmt: skip
+    )
     joins = [tuple(frozen_factors(module)) if planned else () for module in modules]
     return tuple(parts if len(parts) >= 2 else () for parts in joins)
 

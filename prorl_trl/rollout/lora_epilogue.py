@@ -73,14 +73,20 @@ def takes_ranks(ranks: Sequence[int]) -> bool:
 def applies(product: torch.Tensor, dtype: torch.dtype, factors: Sequence[EpilogueFactor]) -> bool:
     """Whether the kernel computes this group: switched on, a factor of rank `MIN_RANK` or more, CUDA with Triton,
     16-bit outputs, float32 factors, at most `MAX_FACTORS` (the caller also needs a `column_block`)."""
+    return applies_to([f.up.shape[1] for f in factors], product.is_cuda, dtype, [f.up.dtype for f in factors])
+
+
+def applies_to(ranks: Sequence[int], on_cuda: bool, dtype: torch.dtype, factor_dtypes: Sequence[torch.dtype]) -> bool:
+    """`applies` from what is known before any product exists: the factors' ranks and dtypes, the device, the
+    output dtype."""
     return (
         LORA_EPILOGUE
-        and takes_kernel(factors)
-        and product.is_cuda
+        and takes_ranks(ranks)
+        and on_cuda
         and triton_available()
         and dtype in (torch.bfloat16, torch.float16)
-        and 0 < len(factors) <= MAX_FACTORS
-        and all([factor.up.dtype == torch.float32 for factor in factors])
+        and 0 < len(ranks) <= MAX_FACTORS
+        and all([factor_dtype == torch.float32 for factor_dtype in factor_dtypes])
     )
 
 

@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 
-
 @triton.jit
 def _epilogue_kernel(
     Product, Bias, Out, Ups, scalings, M, stride_pm,

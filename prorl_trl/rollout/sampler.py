@@ -385,10 +385,15 @@ def sampling_probabilities(
     """`softmax(scores_before_top_p(...))` when sampling without top-k: on CUDA `softmax_triton`'s kernels, which read
     the logits in their own dtype (no float32 copy of them first)."""
     if SOFTMAX_KERNEL and layout.do_sample and not layout.top_k and logits.is_cuda and triton_available():
-        eos = tensors.eos if layout.use_min_new_tokens else tensors.eos[:0]  # empty: no EOS mask compiled in
-        too_early = step < tensors.min_new_tokens
+        eos, too_early = eos_mask(layout, tensors, step)
         return torch.ops.prorl_rollout.softmax(logits.contiguous(), tensors.temperature, eos, too_early)
     return torch.softmax(scores_before_top_p(logits, layout, tensors, step), dim=-1)
+
+
+def eos_mask(layout: SamplerLayout, tensors: SamplerTensors, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampler kernels' EOS mask: the EOS ids (empty where min_new_tokens is off: no mask compiled in) and whether
+    `step` is still too early for them."""
+    return (tensors.eos if layout.use_min_new_tokens else tensors.eos[:0]), step < tensors.min_new_tokens
 
 
 @torch.library.custom_op("prorl_rollout::softmax", mutates_args=())
@@ -458,11 +463,9 @@ def logits_race_tokens(
 ) -> torch.Tensor:
     """`choose_tokens(process_logits(...))` for sampling without top-p, top-k or min-p, as one kernel on the logits in
     their own dtype: `argmax scores - log(E)` from the same uniforms (`race_triton.launch_logits_race`)."""
-    eos = tensors.eos if layout.use_min_new_tokens else tensors.eos[:0]  # empty: no EOS mask compiled in
-    too_early = step < tensors.min_new_tokens
     keys = row_keys(tensors.seed, step, logits.shape[0])
-    best_key, best_token = torch.ops.prorl_rollout.logits_race(logits.contiguous(), tensors.temperature, eos,
-                                                               too_early, keys)  # fmt: skip
+    best_key, best_token = torch.ops.prorl_rollout.logits_race(logits.contiguous(), tensors.temperature,
+                                                               *eos_mask(layout, tensors, step), keys)  # fmt: skip
     return best_token.gather(-1, best_key.argmax(-1, keepdim=True))[:, 0].long()
 
 
