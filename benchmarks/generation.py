@@ -41,6 +41,9 @@ GPU machine needs no TRL):
                        products, additions and rounding as inductor's reductions instead of `lora_epilogue`'s kernel).
   rollout_engine_parts_apart  A/B: rollout_engine with `lora_decode.JOIN_FROZEN` off (in `lora_epilogue`'s kernel,
                        each frozen part of an earlier reset its own factor instead of a module's parts as one).
+  rollout_engine_a_reductions  A/B: rollout_engine with `lora_a_product.A_PRODUCT_KERNEL` off (the A products that
+                       do not fold into a GEMM, gate/up's, as inductor's reduction fused with the norm before it instead
+                       of `lora_a_product`'s kernel).
   continuous_batching  `model.generate_batch(prompt_ids, generation_config=..., continuous_batching_config=
                        ContinuousBatchingConfig(max_memory_percent=0.5))` as TRL's `use_transformers_continuous_batching`.
 Continuous batching runs last for each model: it reserves half the free GPU memory for its paged cache.
@@ -106,6 +109,7 @@ METHODS = (
     "rollout_engine_ieee_mlp_lora",
     "rollout_engine_lora_reductions",
     "rollout_engine_parts_apart",
+    "rollout_engine_a_reductions",
 )
 # Inductor options an engine method takes after '@' (joined with '+'), for A/B rows without a new method each.
 INDUCTOR_PRESETS = {
@@ -283,8 +287,8 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
     top_p = 1.0 if method == "static_compile_top_p1" else args.top_p
     config = trl_generation_config(args, max_new_tokens, eos, pad, top_p)
     if method.startswith("rollout_engine"):
-        from prorl_trl.rollout import (arena, decode_attention, fused_mlp, fused_weights, lora_decode, lora_epilogue,
-                                       sampler)  # fmt: skip
+        from prorl_trl.rollout import (arena, decode_attention, fused_mlp, fused_weights, lora_a_product, lora_decode,
+                                       lora_epilogue, sampler)  # fmt: skip
         from prorl_trl.rollout.engine import RolloutEngine
 
         cache_len = max(args.cache_len or 0, args.prompt_length + max_new_tokens)
@@ -297,7 +301,7 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
             switches = (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, fused_mlp.FUSED_MLP, fused_mlp.LORA_TF32X3,
                         decode_attention.LIVE_SPLITS, lora_decode.FOLD_LORA_A, sampler.RACE_KERNEL,
                         sampler.SOFTMAX_KERNEL, arena.PRIVATE_POOL, lora_epilogue.LORA_EPILOGUE,
-                        lora_decode.JOIN_FROZEN, prefetch_switches())  # fmt: skip
+                        lora_decode.JOIN_FROZEN, lora_a_product.A_PRODUCT_KERNEL, prefetch_switches())  # fmt: skip
             lora_epilogue.LORA_EPILOGUE = method != "rollout_engine_lora_reductions" and lora_epilogue.LORA_EPILOGUE
             fused_mlp.LORA_TF32X3 = method != "rollout_engine_ieee_mlp_lora" and fused_mlp.LORA_TF32X3
             lora_decode.FUSE_LORA = method != "rollout_engine_unfused"  # the A/B switches
@@ -307,6 +311,8 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
             decode_attention.LIVE_SPLITS = method != "rollout_engine_fixed_splits" and decode_attention.LIVE_SPLITS
             lora_decode.FOLD_LORA_A = method != "rollout_engine_unfolded" and lora_decode.FOLD_LORA_A
             lora_decode.JOIN_FROZEN = method != "rollout_engine_parts_apart" and lora_decode.JOIN_FROZEN
+            lora_a_product.A_PRODUCT_KERNEL = (method != "rollout_engine_a_reductions"
+                                               and lora_a_product.A_PRODUCT_KERNEL)  # fmt: skip
             sampler.RACE_KERNEL = method != "rollout_engine_torch_race" and sampler.RACE_KERNEL
             sampler.SOFTMAX_KERNEL = method != "rollout_engine_torch_softmax" and sampler.SOFTMAX_KERNEL
             if method == "rollout_engine_no_prefetch" and switches[-1] is not None:
@@ -317,7 +323,7 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
                 (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, fused_mlp.FUSED_MLP, fused_mlp.LORA_TF32X3,
                  decode_attention.LIVE_SPLITS, lora_decode.FOLD_LORA_A, sampler.RACE_KERNEL,
                  sampler.SOFTMAX_KERNEL, arena.PRIVATE_POOL, lora_epilogue.LORA_EPILOGUE,
-                 lora_decode.JOIN_FROZEN, prefetch) = switches  # fmt: skip
+                 lora_decode.JOIN_FROZEN, lora_a_product.A_PRODUCT_KERNEL, prefetch) = switches  # fmt: skip
                 set_prefetch(prefetch)
             if output.tokens.shape[1] != max_new_tokens:
                 raise RuntimeError(f"generated {output.tokens.shape[1]} tokens per sequence, expected {max_new_tokens}")

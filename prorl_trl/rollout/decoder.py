@@ -30,7 +30,8 @@ from .arena import Region
 from .decode_attention import gqa_decode_attention
 from .fused_weights import FusedLinear, copy_members, copyable, stack_copies
 from .lora_decode import (
-    LoraFactors, base_linear, fold_factors, fold_rows, frozen_joins, gated_mlp, project, refresh_folded, refresh_joined,
+    LoraFactors, base_linear, fold_factors, fold_rows, frozen_joins, gated_mlp, mlp_fold_factors, project,
+    refresh_folded, refresh_joined,
 )
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
@@ -135,13 +136,14 @@ def _down_projection(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
     return () if down is None else (down,)
 
 
-# group name -> its modules in a layer, whether its adapters' A products fold into its GEMM (gate/up's go to
-# `fused_mlp`'s kernel instead), whether it is fused without adapters (one projection: nothing to fuse)
+# group name -> its modules in a layer, the factors whose A products fold into its stack (gate/up's only for
+# `lora_a_product`'s kernel: their GEMM is `fused_mlp`'s), whether it is fused without adapters (one projection:
+# nothing to fuse)
 _GROUPS = (
-    ("fused_qkv", _attention_inputs, True, True),
-    ("fused_gate_up", _mlp_inputs, False, True),
-    ("fused_o", _output_projection, True, False),
-    ("fused_down", _down_projection, True, False),
+    ("fused_qkv", _attention_inputs, fold_factors, True),
+    ("fused_gate_up", _mlp_inputs, mlp_fold_factors, True),
+    ("fused_o", _output_projection, fold_factors, False),
+    ("fused_down", _down_projection, fold_factors, False),
 )
 
 
@@ -151,9 +153,9 @@ class StackGroup:
 
     Its base weights (and biases) are copied before every generation into a buffer (`regions`, `load_stacks`), with
     room after them for copies of the adapters' A weights where those products fold into the same GEMM
-    (`lora_decode.FOLD_LORA_A`: q/k/v, o and down; `extra_rows` 0 otherwise, as for gate/up, whose adapters go to
-    `fused_mlp`'s kernel). The buffers are the caller's to hold only while it generates (the engine's
-    `arena.GenerationArena`), and the Parameters are never touched. Why copies: re-pointing the members' Parameters
+    (`lora_decode.FOLD_LORA_A`: q/k/v, o and down; gate/up where `lora_a_product`'s kernel computes them from those
+    rows for `fused_mlp`'s kernel; `extra_rows` 0 otherwise). The buffers are the caller's to hold only while it
+    generates (the engine's `arena.GenerationArena`), and the Parameters are never touched. Why copies: re-pointing the members' Parameters
     into one persistent allocation (commits a0512db to b602886, 2026-11-26/27) freed their old storage in the middle
     of the weights' allocator segments, holes only small tensors fit, so training's large activations needed more memory
     than `compiled_generation`'s (out of memory under its reserved memory at the GSM8K recipe's reset-3, commit
@@ -204,7 +206,7 @@ def plan_fusions(parts: DecoderParts) -> list[StackGroup]:
     `load_stacks` sets them (None for good: separate GEMMs). Run before every generation (the adapters may have
     changed: a hard reset)."""
     stacks = []
-    for name, inputs, folds_here, always in _GROUPS:
+    for name, inputs, folded_factors, always in _GROUPS:
         entries: list[FusedLinear | None] = []
         for index, layer in enumerate(parts.layers if fused_weights.FUSE_BASE else ()):  # off: separate GEMMs
             modules = tuple(module for module in inputs(layer) if module is not None)
@@ -212,7 +214,7 @@ def plan_fusions(parts: DecoderParts) -> list[StackGroup]:
             entries.append(None)
             if not copyable(bases):
                 continue
-            adapted = fold_factors(modules) if folds_here else []
+            adapted = folded_factors(modules)
             if adapted:
                 joins = frozen_joins(modules, adapted, [base.weight.shape[0] for base in bases], bases[0].weight)
                 rows = fold_rows(adapted, bases[0].weight.dtype)

@@ -14,8 +14,7 @@ longest completion (so at most the cap).
 What makes a new capture (`capture_reasons`, logged with its time): the batch size, cache length (prompt budget + cap),
 the sampler's static layout, the autocast dtype, the A/B switches (`lora_decode.FUSE_LORA`, `fused_weights.FUSE_BASE`,
 `fused_mlp.FUSED_MLP`, `decode_attention.LIVE_SPLITS`, `lora_decode.FOLD_LORA_A`, `lora_decode.JOIN_FROZEN`,
-`sampler.RACE_KERNEL`,
-`sampler.SOFTMAX_KERNEL`), the model's parameter storage
+`lora_a_product.A_PRODUCT_KERNEL`, `sampler.RACE_KERNEL`, `sampler.SOFTMAX_KERNEL`), the model's parameter storage
 (data pointers, shapes, dtypes: a LoRA rank/target change, `.data` swaps) or LoRA state (merged, disabled, active
 adapter, scaling, variant, dropout, input casting), and the generation arena's layout and address
 (`arena.GenerationArena`: the KV buffers, the decode state and the stacked projections, `decoder.StackGroup`, whose
@@ -45,7 +44,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import arrivals, decode_attention, fused_mlp, fused_weights, lora_decode, lora_epilogue
+from . import arrivals, decode_attention, fused_mlp, fused_weights, lora_a_product, lora_decode, lora_epilogue
 from . import sampler as sampler_module
 from .arena import GenerationArena, Region
 from .compiled import raise_recompile_limit
@@ -206,6 +205,7 @@ class CaptureKey:
     live_splits: bool  # decode_attention.LIVE_SPLITS, likewise (read at capture)
     fold_lora_a: bool  # lora_decode.FOLD_LORA_A, likewise
     join_frozen: bool  # lora_decode.JOIN_FROZEN, likewise
+    a_product_kernel: bool  # lora_a_product.A_PRODUCT_KERNEL, likewise
     race_kernel: bool  # sampler.RACE_KERNEL, likewise
     softmax_kernel: bool  # sampler.SOFTMAX_KERNEL, likewise
 
@@ -476,6 +476,7 @@ class RolloutEngine:
             lora_epilogue=lora_epilogue.LORA_EPILOGUE, lora_epilogue_min_rank=lora_epilogue.MIN_RANK,
             live_splits=decode_attention.LIVE_SPLITS,
             fold_lora_a=lora_decode.FOLD_LORA_A, join_frozen=lora_decode.JOIN_FROZEN,
+            a_product_kernel=lora_a_product.A_PRODUCT_KERNEL,
             race_kernel=sampler_module.RACE_KERNEL, softmax_kernel=sampler_module.SOFTMAX_KERNEL,
         )  # fmt: skip
         kv_shape = (2, len(parts.layers), batch, parts.num_kv_heads, key.cache_len, parts.head_dim)

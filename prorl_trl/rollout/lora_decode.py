@@ -16,7 +16,8 @@ other layer (DoRA and other variants, several active adapters, merged or disable
 autocast) is called as a module. What it reads is covered by the engine's `model_fingerprint` (a change recaptures;
 dynamo's guards recompile). Uncompiled (CPU tests, a failed compile) the products materialise
 `rows x rank x features` temporaries: small at decode sizes. Where gate/up carry adapters, the MLP's first half is
-`fused_mlp`'s one kernel instead (gate/up GEMMs, their B products and SiLU(gate) * up in one pass); where a folded
+`fused_mlp`'s one kernel instead (gate/up GEMMs, their B products and SiLU(gate) * up in one pass), fed by
+`lora_a_product`'s kernel over gate/up's folded A rows (`mlp_fold_factors`); where a folded
 group carries an adapter of rank 64 or more, its B products, additions and rounding are `lora_epilogue`'s one kernel.
 
 Frozen factors of earlier hard resets (`prorl_trl.reset.frozen`) sit in a forward hook of the base layer, which adds
@@ -36,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 from ..reset.frozen import REFERENCE, frozen_delta_of
-from . import fused_mlp, lora_epilogue
+from . import fused_mlp, lora_a_product, lora_epilogue
 from .fused_weights import FusedLinear
 
 FUSE_LORA = True  # False: every projection is called as a module (tests, A/B benchmarks); read when a step is traced
@@ -188,6 +189,19 @@ def fold_factors(modules: Sequence[torch.nn.Module]) -> list[LoraFactors]:
         return []
     adapted = [factor for module, live in zip(modules, factors) for factor in stage_of(module, live)]
     return adapted if len({(f.down.dtype, f.up.dtype) for f in adapted}) == 1 else []
+
+
+def mlp_fold_factors(modules: Sequence[torch.nn.Module]) -> list[LoraFactors]:
+    """Gate/up's `fold_factors` where `lora_a_product` computes their A products from the folded rows (`folds`, and
+    `fused_mlp`'s kernel on), which needs one adapter per projection (no frozen parts); else empty (the A products
+    stay inductor's reduction)."""
+    if not fused_mlp.FUSED_MLP or any(frozen_delta_of(base_linear(module)) is not None for module in modules):
+        return []
+    adapted = fold_factors(modules)
+    weight = base_linear(modules[0]).weight if modules else None
+    if weight is None or not lora_a_product.folds(weight.is_cuda, weight.dtype, [f.down.dtype for f in adapted]):
+        return []
+    return adapted
 
 
 def fold_rows(adapted: Sequence[LoraFactors], base_dtype: torch.dtype) -> int:
@@ -408,6 +422,10 @@ def _fused_gated_activation(mlp: torch.nn.Module, x: torch.Tensor, fused: FusedL
     if not adapted:
         return None
     rows = x.reshape(-1, x.shape[-1])
-    per_module = iter(_per_module(_lora_hidden(rows, adapted), adapted))
+    if fused.extra_rows and fused.extra_rows == fold_rows(adapted, fused.weight.dtype):  # `mlp_fold_factors`' rows
+        hidden = lora_a_product.a_product(rows, fused.extra, sum(factor.down.shape[0] for factor in adapted))
+    else:
+        hidden = _lora_hidden(rows, adapted)
+    per_module = iter(_per_module(hidden, adapted))
     deltas = [None if f is None else fused_mlp.LoraDelta(next(per_module), f.up, f.scaling) for f in factors]
     return fused_mlp.gated_activation(rows, fused.weight, *deltas).view(*x.shape[:-1], -1)
