@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--block-k", default="64,128,256", help="input width a K-loop iteration")
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--stages", default="2,3,4")
-    parser.add_argument("--lora-precision", default="tf32x3,ieee",
-                        help="the LoRA deltas' products: tf32x3 (fused_mlp.LORA_TF32X3, the default) and/or ieee")
+    parser.add_argument("--lora-precision", default="bf16x3,tf32x3,ieee",
+                        help="the LoRA deltas' products (fused_mlp.LORA_PRECISIONS; bf16x3 the default)")
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--out", default=None, help="write the tables here (markdown)")
     parser.add_argument("--smoke", action="store_true", help="CPU: torch ops on a small layer, one setting")
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.smoke:
         hidden, intermediate = SMOKE_HIDDEN, SMOKE_INTERMEDIATE
         args.rows, args.rank, args.block_n, args.block_k, args.warps, args.stages = "4", 8, "32", "128", "4", "3"
-        args.lora_precision, args.replays = "tf32x3", 2
+        args.lora_precision, args.replays = "bf16x3", 2
     elif not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (or --smoke)")
     device = torch.device("cpu" if args.smoke else "cuda")
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 from prorl_trl.rollout.fused_mlp_triton import launch_gated_activation
 
                 return launch_gated_activation(x, weight, gate, up, (block_m, block_n), block_k, warps, stages,
-                                               lora_tf32x3=precision == "tf32x3")  # fmt: skip
+                                               lora_precision=precision)  # fmt: skip
 
             try:
                 output = launch()

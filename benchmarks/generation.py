@@ -34,9 +34,11 @@ GPU machine needs no TRL):
                        block's load waits instead of overlapping the previous block's arithmetic).
   rollout_engine_default_pool  A/B: rollout_engine with `arena.PRIVATE_POOL` off (the generation arena in the caching
                        allocator's default pool, cached between generations, instead of given back to the driver).
-  rollout_engine_ieee_mlp_lora  A/B: rollout_engine with `fused_mlp.LORA_TF32X3` off (the LoRA delta products of the
-                       fused MLP and `lora_epilogue` kernels in IEEE float32 on CUDA cores instead of three TF32
-                       tensor-core products).
+  rollout_engine_ieee_mlp_lora  A/B: rollout_engine with `fused_mlp.LORA_PRECISION` "ieee" (the LoRA delta products
+                       of the fused MLP and `lora_epilogue` kernels in IEEE float32 on CUDA cores instead of three bf16
+                       tensor-core products of the operands' high and low parts).
+  rollout_engine_tf32x3_lora  A/B: rollout_engine with `fused_mlp.LORA_PRECISION` "tf32x3" (those products as three
+                       TF32 tensor-core products, the engine's form before 2026-11-30).
   rollout_engine_lora_reductions  A/B: rollout_engine with `lora_epilogue.LORA_EPILOGUE` off (a folded group's LoRA B
                        products, additions and rounding as inductor's reductions instead of `lora_epilogue`'s kernel).
   rollout_engine_parts_apart  A/B: rollout_engine with `lora_decode.JOIN_FROZEN` off (in `lora_epilogue`'s kernel,
@@ -110,6 +112,7 @@ METHODS = (
     "rollout_engine_lora_reductions",
     "rollout_engine_parts_apart",
     "rollout_engine_a_reductions",
+    "rollout_engine_tf32x3_lora",
 )
 # Inductor options an engine method takes after '@' (joined with '+'), for A/B rows without a new method each.
 INDUCTOR_PRESETS = {
@@ -298,12 +301,13 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
         engine = RolloutEngine(prompt_budget=cache_len - max_new_tokens, compile_options=options)
 
         def run_engine() -> int:
-            switches = (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, fused_mlp.FUSED_MLP, fused_mlp.LORA_TF32X3,
+            switches = (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, fused_mlp.FUSED_MLP, fused_mlp.LORA_PRECISION,
                         decode_attention.LIVE_SPLITS, lora_decode.FOLD_LORA_A, sampler.RACE_KERNEL,
                         sampler.SOFTMAX_KERNEL, arena.PRIVATE_POOL, lora_epilogue.LORA_EPILOGUE,
                         lora_decode.JOIN_FROZEN, lora_a_product.A_PRODUCT_KERNEL, prefetch_switches())  # fmt: skip
             lora_epilogue.LORA_EPILOGUE = method != "rollout_engine_lora_reductions" and lora_epilogue.LORA_EPILOGUE
-            fused_mlp.LORA_TF32X3 = method != "rollout_engine_ieee_mlp_lora" and fused_mlp.LORA_TF32X3
+            fused_mlp.LORA_PRECISION = {"rollout_engine_ieee_mlp_lora": "ieee",
+                                        "rollout_engine_tf32x3_lora": "tf32x3"}.get(method, fused_mlp.LORA_PRECISION)
             lora_decode.FUSE_LORA = method != "rollout_engine_unfused"  # the A/B switches
             arena.PRIVATE_POOL = method != "rollout_engine_default_pool" and arena.PRIVATE_POOL
             fused_weights.FUSE_BASE = method != "rollout_engine_separate"
@@ -320,7 +324,7 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
             try:
                 output = engine.generate(model, input_ids, attention_mask, config)
             finally:
-                (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, fused_mlp.FUSED_MLP, fused_mlp.LORA_TF32X3,
+                (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, fused_mlp.FUSED_MLP, fused_mlp.LORA_PRECISION,
                  decode_attention.LIVE_SPLITS, lora_decode.FOLD_LORA_A, sampler.RACE_KERNEL,
                  sampler.SOFTMAX_KERNEL, arena.PRIVATE_POOL, lora_epilogue.LORA_EPILOGUE,
                  lora_decode.JOIN_FROZEN, lora_a_product.A_PRODUCT_KERNEL, prefetch) = switches  # fmt: skip

@@ -32,10 +32,12 @@ def test_reference_is_the_mlps_function():
 
 
 def check_kernel(device: str, dtypes: tuple[torch.dtype, ...]) -> None:
-    """The kernel against the reference on `device`; on CUDA also 20 graph replays, bit-identical."""
+    """The kernel against the reference on `device`; on CUDA also 20 graph replays, bit-identical. Under the CPU
+    interpreter the LoRA products are TF32 x 3 (its bf16 conversions are wrong), on CUDA the default bf16 x 3."""
     from prorl_trl.rollout.fused_mlp_triton import launch_gated_activation
 
     generator = torch.Generator().manual_seed(0)
+    precision = {"lora_precision": "tf32x3"} if device == "cpu" else {}
     cases = [(5, 40, 300, 8, 0), (64, 96, 64, 64, 64), (70, 33, 20, 0, 4), (32, 64, 256, 0, 0), (64, 4864, 896, 0, 64)]
     for dtype in dtypes:
         for rows, intermediate, depth, gate_rank, up_rank in cases:
@@ -51,8 +53,9 @@ def check_kernel(device: str, dtypes: tuple[torch.dtype, ...]) -> None:
             gate = LoraDelta(hidden[:, :gate_rank], lora_up(gate_rank), 2.0) if gate_rank else None
             up = LoraDelta(hidden[:, gate_rank : gate_rank + up_rank], lora_up(up_rank), 0.5) if up_rank else None
             layout = tile_layout(rows, intermediate)
-            first = launch_gated_activation(x, weight, gate, up, layout)
-            assert torch.equal(launch_gated_activation(x, weight, gate, up, layout), first), "not reproducible"
+            first = launch_gated_activation(x, weight, gate, up, layout, **precision)
+            again = launch_gated_activation(x, weight, gate, up, layout, **precision)
+            assert torch.equal(again, first), "not reproducible"
             want = gated_activation_reference(x, weight, gate, up)
             assert first.dtype == want.dtype == dtype and first.shape == want.shape
             if dtype == torch.float32:
@@ -88,12 +91,13 @@ def test_kernel_matches_reference_on_cuda_and_replays_from_a_graph():
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and triton_available()), reason="needs CUDA and Triton")
-@pytest.mark.parametrize("tf32x3", [True, False])
-def test_lora_deltas_keep_float32_precision_on_cuda(tf32x3):
+@pytest.mark.parametrize("precision", ["bf16x3", "tf32x3", "ieee"])
+def test_lora_deltas_keep_float32_precision_on_cuda(precision):
     """bf16 model, float32 r64 adapters on gate and up, 64 rows (the reset-4 shape), zero base weights so the outputs
     are the deltas alone: the kernel's outputs equal torch's (float32 cuBLAS products, TF32 off) except where a
-    summation order moves a 16-bit rounding, with the products as three TF32 products (`LORA_TF32X3`, the default) or
-    IEEE float32. One TF32 product (10 mantissa bits) would move about a tenth of them."""
+    summation order moves a 16-bit rounding, with the products as three bf16 products of high and low parts
+    (`LORA_PRECISION` "bf16x3", the default), three TF32 products or IEEE float32. One TF32 product (10 mantissa
+    bits) would move about a tenth of them."""
     from prorl_trl.rollout.fused_mlp_triton import launch_gated_activation
 
     generator = torch.Generator().manual_seed(3)
@@ -104,7 +108,7 @@ def test_lora_deltas_keep_float32_precision_on_cuda(tf32x3):
                           torch.randn(intermediate, rank, generator=generator).cuda() * 0.1, 2.0) for _ in range(2))  # fmt: skip
     assert not torch.backends.cuda.matmul.allow_tf32
     want = gated_activation_reference(x, weight, gate, up)
-    got = launch_gated_activation(x, weight, gate, up, tile_layout(rows, intermediate), lora_tf32x3=tf32x3)
+    got = launch_gated_activation(x, weight, gate, up, tile_layout(rows, intermediate), lora_precision=precision)
     differing = (got != want).float().mean().item()
     assert differing < 0.01, differing
     def tf32(t: torch.Tensor) -> torch.Tensor:  # float32 cut to TF32's 10 mantissa bits

@@ -199,7 +199,7 @@ class CaptureKey:
     fuse_lora: bool  # lora_decode.FUSE_LORA when traced (A/B benchmarks flip it)
     fuse_base: bool  # fused_weights.FUSE_BASE, likewise
     fused_mlp: bool  # fused_mlp.FUSED_MLP, likewise
-    mlp_lora_tf32x3: bool  # fused_mlp.LORA_TF32X3, likewise (read at capture)
+    lora_precision: str  # fused_mlp.LORA_PRECISION, likewise (read at capture)
     lora_epilogue: bool  # lora_epilogue.LORA_EPILOGUE, likewise
     lora_epilogue_min_rank: int  # lora_epilogue.MIN_RANK, likewise (which groups take that kernel)
     live_splits: bool  # decode_attention.LIVE_SPLITS, likewise (read at capture)
@@ -472,7 +472,7 @@ class RolloutEngine:
             device=str(device), batch=batch, cache_len=self.prompt_budget + chunks * self.steps_per_graph,
             chunks=chunks, layout=settings.layout, kv_dtype=prompt_kv[0][0].dtype, autocast_dtype=autocast_dtype,
             model=id(parts.model), cuda_graphs=use_graphs, fuse_lora=lora_decode.FUSE_LORA,
-            fuse_base=fused_weights.FUSE_BASE, fused_mlp=fused_mlp.FUSED_MLP, mlp_lora_tf32x3=fused_mlp.LORA_TF32X3,
+            fuse_base=fused_weights.FUSE_BASE, fused_mlp=fused_mlp.FUSED_MLP, lora_precision=fused_mlp.LORA_PRECISION,
             lora_epilogue=lora_epilogue.LORA_EPILOGUE, lora_epilogue_min_rank=lora_epilogue.MIN_RANK,
             live_splits=decode_attention.LIVE_SPLITS,
             fold_lora_a=lora_decode.FOLD_LORA_A, join_frozen=lora_decode.JOIN_FROZEN,

@@ -28,12 +28,26 @@ import torch
 from .decode_attention import triton_available
 
 FUSED_MLP = True  # `lora_decode.gated_mlp` runs its first half as `gated_activation` where that is its function
-# The LoRA deltas' float32 products on tensor cores as three TF32 products (~21 mantissa bits) where the model is
-# 16-bit, instead of IEEE float32 on CUDA cores: at 64 rows with r64 adapters on gate and up, the IEEE products were
-# 22 of the kernel's 29 us a layer on an H200 (7.4 us without adapters; benchmarks/results/rollout_engine.md, section
-# 2026-11-29). float32 models keep IEEE. `lora_epilogue`'s kernel follows the same switch. Read at each launch, part
-# of the engine's capture key; the A/B method is `benchmarks/generation.py`'s `rollout_engine_ieee_mlp_lora`.
-LORA_TF32X3 = True
+# The LoRA deltas' float32 products on tensor cores where the model is 16-bit (float32 models keep IEEE float32):
+# - "bf16x3": three bf16 products of the operands' high and low bf16 parts (high x high + high x low + low x high,
+#   ~16 mantissa bits, far below the 16-bit rounding the sum then goes through);
+# - "tf32x3": three TF32 products (~21 mantissa bits); at 64 rows with r64 adapters on gate and up the IEEE products
+#   had been 22 of the kernel's 29 us a layer on an H200 (7.4 us without adapters; benchmarks/results/
+#   rollout_engine.md, section 2026-11-29), TF32 x 3 13 us;
+# - "ieee": float32 on CUDA cores.
+# Why bf16: float32 operands go through TF32 conversions and layout changes that made small tiles' products slow
+# (the A products at 64 rows: 8.6-9.6 us a layer as TF32 x 3, 4.1-4.7 as two bf16 products; section 2026-11-30 from
+# 06:58 UTC). `lora_epilogue`'s kernel follows the same switch. Read at each launch, part of the engine's capture
+# key; the A/B methods are `benchmarks/generation.py`'s `rollout_engine_tf32x3_lora` and `rollout_engine_ieee_mlp_lora`.
+LORA_PRECISION = "bf16x3"
+LORA_PRECISIONS = ("bf16x3", "tf32x3", "ieee")
+
+
+def lora_precision(dtype: torch.dtype) -> str:
+    """The LoRA deltas' product precision for a model of `dtype` (`LORA_PRECISION`; IEEE for float32 models)."""
+    if LORA_PRECISION not in LORA_PRECISIONS:
+        raise ValueError(f"fused_mlp.LORA_PRECISION {LORA_PRECISION!r} is none of {LORA_PRECISIONS}")
+    return "ieee" if dtype == torch.float32 else LORA_PRECISION
 
 
 class LoraDelta(NamedTuple):
@@ -104,7 +118,7 @@ def _gated_activation_op(
     gate = LoraDelta(gate_hidden, gate_up, gate_scaling) if gate_hidden.numel() else None
     up = LoraDelta(up_hidden, up_up, up_scaling) if up_hidden.numel() else None
     return launch_gated_activation(x, weight, gate, up, tile_layout(x.shape[0], weight.shape[0] // 2),
-                                   lora_tf32x3=LORA_TF32X3)  # fmt: skip
+                                   lora_precision=lora_precision(x.dtype))  # fmt: skip
 
 
 @_gated_activation_op.register_fake

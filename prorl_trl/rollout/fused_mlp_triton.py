@@ -6,9 +6,10 @@ with float32 accumulation, float32 weights in IEEE float32), rounds each to the 
 returns), adds each LoRA delta `(hidden @ B.T) * scaling` in float32 and rounds again (PEFT), and stores
 `SiLU(gate) * up` computed in float32. Each weight element is read once a launch (per row tile).
 
-The deltas' float32 products: IEEE float32 (CUDA cores) for float32 models; for 16-bit models (`LORA_PRECISION`
-"tf32x3", `fused_mlp.LORA_TF32X3`) three TF32 tensor-core products (each operand as a TF32 part and its remainder,
-~21 mantissa bits against float32's 24), whose error is far below the 16-bit rounding the sum then goes through.
+The deltas' float32 products (`lora_dot`, `fused_mlp.LORA_PRECISION`): IEEE float32 (CUDA cores) for float32
+models; for 16-bit models three bf16 tensor-core products of each operand's high and low bf16 parts ("bf16x3", ~16
+mantissa bits) or three TF32 products ("tf32x3", ~21 bits), whose error is far below the 16-bit rounding the sum then
+goes through.
 """
 
 from __future__ import annotations
@@ -19,6 +20,23 @@ import triton.language as tl
 
 
 @triton.jit
+def lora_dot(a, b, PRECISION: tl.constexpr):
+    """`a @ b` of float32 tiles in float32: "bf16x3" as three bf16 tensor-core products of the operands' high parts
+    (rounded to bf16) and low parts (the remainders, rounded), the small terms first; else `tl.dot` at `PRECISION`
+    ("tf32x3", "ieee")."""
+    if PRECISION == "bf16x3":
+        a_high = a.to(tl.bfloat16)
+        a_low = (a - a_high.to(tl.float32)).to(tl.bfloat16)
+        b_high = b.to(tl.bfloat16)
+        b_low = (b - b_high.to(tl.float32)).to(tl.bfloat16)
+        product = tl.dot(a_low, b_high)
+        product = tl.dot(a_high, b_low, product)
+        return tl.dot(a_high, b_high, product)
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
 def _add_lora(base, Hidden, Up, rows, cols, M, N, stride_h, scaling, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
               PRECISION: tl.constexpr):  # fmt: skip
     ranks = tl.arange(0, BLOCK_R)
@@ -26,7 +44,7 @@ def _add_lora(base, Hidden, Up, rows, cols, M, N, stride_h, scaling, RANK: tl.co
                      mask=(rows < M)[:, None] & (ranks < RANK)[None, :], other=0.0)  # fmt: skip
     up_mask = (cols < N)[:, None] & (ranks < RANK)[None, :]
     up = tl.load(Up + cols[:, None] * RANK + ranks[None, :], mask=up_mask, other=0.0)
-    delta = tl.dot(hidden, tl.trans(up), input_precision=PRECISION) * scaling
+    delta = lora_dot(hidden, tl.trans(up), PRECISION) * scaling
     return (base.to(tl.float32) + delta).to(base.dtype)
 
 
@@ -78,12 +96,12 @@ def _rank_block(delta) -> tuple[int, int]:
 
 def launch_gated_activation(
     x: torch.Tensor, weight: torch.Tensor, gate, up, layout: tuple[int, int], block_k: int = 128, num_warps: int = 4,
-    num_stages: int = 3, lora_tf32x3: bool = True,
+    num_stages: int = 3, lora_precision: str = "bf16x3",
 ) -> torch.Tensor:
     """`x (rows, in)` with unit stride along `in`; `weight (2 x intermediate, in)` contiguous, gate rows first; LoRA
     `hidden (rows, rank)` float32 with unit stride along `rank`, `up (intermediate, rank)` float32 contiguous (each a
-    `fused_mlp.LoraDelta`, or None). `lora_tf32x3`: the deltas' products as three TF32 products where `x` is 16-bit
-    (IEEE float32 otherwise, and for float32 `x` always)."""
+    `fused_mlp.LoraDelta`, or None). `lora_precision`: the deltas' products where `x` is 16-bit ("bf16x3", "tf32x3"
+    or "ieee"; `lora_dot`); IEEE float32 for float32 `x` always."""
     rows, depth = x.shape
     intermediate = weight.shape[0] // 2
     if x.stride(1) != 1:
@@ -107,7 +125,7 @@ def launch_gated_activation(
         N=intermediate, K=depth, GATE_RANK=gate_rank, UP_RANK=up_rank,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, max(16, triton.next_power_of_2(depth))),
         GATE_BLOCK_R=gate_block, UP_BLOCK_R=up_block, IEEE=x.dtype == torch.float32,
-        LORA_PRECISION="tf32x3" if lora_tf32x3 and x.dtype != torch.float32 else "ieee",
+        LORA_PRECISION=lora_precision if x.dtype != torch.float32 else "ieee",
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

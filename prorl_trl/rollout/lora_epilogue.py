@@ -4,7 +4,7 @@ Why: where the A products fold into a group's base GEMM (`lora_decode._folded`),
 inductor's reductions `(hidden[:, None, :] * up).sum(-1)`, one output element per thread group, so every row re-reads
 every factor's `up` weight, and each frozen part of an earlier reset adds one more `up` to read. `lora_epilogue`
 computes the same from the GEMM's float32 output in one Triton kernel per group (`lora_epilogue_triton`) that reads
-each `up` once per row tile and multiplies on tensor cores (three TF32 products, as `fused_mlp.LORA_TF32X3`). At the
+each `up` once per row tile and multiplies on tensor cores (`fused_mlp.LORA_PRECISION`, as the fused MLP). At the
 GSM8K recipe's reset-4 shape (64 rows, r64 on all linear layers behind four frozen r32 q,k parts) it replaced the
 q/k/v, o and down reductions and a decode step took 1.87 instead of 1.97 GPU ms on an H200; where the
 adapters are r32 it lost (`MIN_RANK`; benchmarks/results/rollout_engine.md, section 2026-11-30).
@@ -12,8 +12,8 @@ adapters are r32 it lost (`MIN_RANK`; benchmarks/results/rollout_engine.md, sect
 The function, operation for operation, is `lora_decode._folded`'s: the base outputs rounded to the weights' dtype
 (after a float32 bias, F.linear's epilogue), the A products `high + low` in float32, then per module, in stage order
 (frozen parts, then the live adapter), `(hidden @ up.T) * scaling` added in float32, and one rounding. Only the
-products' summation order and their TF32 x 3 arithmetic differ (`epilogue_reference` is the torch form the tests
-hold the kernel to). On (`LORA_EPILOGUE`) for groups with a factor of rank `MIN_RANK` or more, 16-bit weights and
+products' summation order and their split-operand arithmetic (`fused_mlp.LORA_PRECISION`) differ
+(`epilogue_reference` is the torch form the tests hold the kernel to). On (`LORA_EPILOGUE`) for groups with a factor of rank `MIN_RANK` or more, 16-bit weights and
 float32 adapters, on CUDA; read when a step is traced (the switch is part of the engine's capture key); the A/B
 method is `benchmarks/generation.py`'s `rollout_engine_lora_reductions`.
 """
@@ -141,7 +141,7 @@ def _lora_epilogue_op(
     return launch_epilogue(
         product, bias if bias.numel() else None, list(ups), list(scalings), list(zip(starts, ends, hidden_offsets)),
         width, ranks, split, like.dtype, power_of_two(product.shape[0], 16, 64), block_n,
-        tf32x3=fused_mlp.LORA_TF32X3,
+        precision=fused_mlp.lora_precision(like.dtype),
     )  # fmt: skip
 
 

@@ -8,9 +8,9 @@ high part plus, where the A rows were split, the low part), multiplies it by the
 `product * scaling` in float32; one rounding at the store. Each `up` element is read once per row tile, where
 inductor's reduction read it once per row.
 
-The products: three TF32 tensor-core products (`PRECISION` "tf32x3": each operand as a TF32 part and its remainder,
-~21 mantissa bits against float32's 24) for 16-bit outputs, whose error is far below the 16-bit rounding the sum then
-goes through; IEEE float32 on CUDA cores otherwise.
+The products: `fused_mlp_triton.lora_dot` at `fused_mlp.LORA_PRECISION` for 16-bit outputs (three bf16 tensor-core
+products of each operand's high and low parts, or three TF32 products), whose error is far below the 16-bit rounding
+the sum then goes through; IEEE float32 on CUDA cores otherwise.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .fused_mlp_triton import lora_dot
 
 
 @triton.jit
@@ -46,14 +48,14 @@ def _epilogue_kernel(
             local = col0 - STARTS[index] + tl.arange(0, BLOCK_N)
             up_mask = (local < ENDS[index] - STARTS[index])[:, None] & (ranks < RANK[index])[None, :]
             up = tl.load(Ups[index] + local[:, None] * RANK[index] + ranks[None, :], mask=up_mask, other=0.0)
-            out = out + tl.dot(hidden, tl.trans(up), input_precision=PRECISION) * scalings[index]
+            out = out + lora_dot(hidden, tl.trans(up), PRECISION) * scalings[index]
     tl.store(Out + rows[:, None] * WIDTH + cols[None, :], out.to(Out.dtype.element_ty), mask=inside)
 
 
 def launch_epilogue(
     product: torch.Tensor, bias: torch.Tensor | None, ups: list[torch.Tensor], scalings: list[float],
     spans: list[tuple[int, int, int]], width: int, ranks: int, split: bool, dtype: torch.dtype,
-    block_m: int, block_n: int, num_warps: int = 4, tf32x3: bool = True,
+    block_m: int, block_n: int, num_warps: int = 4, precision: str = "bf16x3",
 ) -> torch.Tensor:
     """`product (rows, width + ranks [x 2 where split])` float32 with unit stride along columns; `ups[i] (end - start,
     rank)` float32 contiguous with `spans[i] = (start, end, hidden offset)` (the module's output columns and the
@@ -72,7 +74,7 @@ def launch_epilogue(
         STARTS=tuple(span[0] for span in spans), ENDS=tuple(span[1] for span in spans),
         HIDDEN=tuple(span[2] for span in spans), RANK=ranks_each,
         BLOCK_R=tuple(max(16, triton.next_power_of_2(rank)) for rank in ranks_each),
-        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="tf32x3" if tf32x3 and dtype != torch.float32 else "ieee",
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision if dtype != torch.float32 else "ieee",
         num_warps=num_warps,
     )  # fmt: skip
     return out
