@@ -39,6 +39,8 @@ GPU machine needs no TRL):
                        tensor-core products of the operands' high and low parts).
   rollout_engine_tf32x3_lora  A/B: rollout_engine with `fused_mlp.LORA_PRECISION` "tf32x3" (those products as three
                        TF32 tensor-core products, the engine's form before 2026-11-30).
+  rollout_engine_epilogue_all  A/B: rollout_engine with `lora_epilogue.MIN_RANK` 1 (every folded group's B products in
+                       `lora_epilogue`'s kernel, the r32 groups included, instead of inductor's reductions there).
   rollout_engine_lora_reductions  A/B: rollout_engine with `lora_epilogue.LORA_EPILOGUE` off (a folded group's LoRA B
                        products, additions and rounding as inductor's reductions instead of `lora_epilogue`'s kernel).
   rollout_engine_parts_apart  A/B: rollout_engine with `lora_decode.JOIN_FROZEN` off (in `lora_epilogue`'s kernel,
@@ -113,6 +115,7 @@ METHODS = (
     "rollout_engine_parts_apart",
     "rollout_engine_a_reductions",
     "rollout_engine_tf32x3_lora",
+    "rollout_engine_epilogue_all",
 )
 # Inductor options an engine method takes after '@' (joined with '+'), for A/B rows without a new method each.
 INDUCTOR_PRESETS = {
@@ -304,7 +307,8 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
             switches = (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, fused_mlp.FUSED_MLP, fused_mlp.LORA_PRECISION,
                         decode_attention.LIVE_SPLITS, lora_decode.FOLD_LORA_A, sampler.RACE_KERNEL,
                         sampler.SOFTMAX_KERNEL, arena.PRIVATE_POOL, lora_epilogue.LORA_EPILOGUE,
-                        lora_decode.JOIN_FROZEN, lora_a_product.A_PRODUCT_KERNEL, prefetch_switches())  # fmt: skip
+                        lora_decode.JOIN_FROZEN, lora_a_product.A_PRODUCT_KERNEL, lora_epilogue.MIN_RANK,
+                        prefetch_switches())  # fmt: skip
             lora_epilogue.LORA_EPILOGUE = method != "rollout_engine_lora_reductions" and lora_epilogue.LORA_EPILOGUE
             fused_mlp.LORA_PRECISION = {"rollout_engine_ieee_mlp_lora": "ieee",
                                         "rollout_engine_tf32x3_lora": "tf32x3"}.get(method, fused_mlp.LORA_PRECISION)
@@ -317,6 +321,7 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
             lora_decode.JOIN_FROZEN = method != "rollout_engine_parts_apart" and lora_decode.JOIN_FROZEN
             lora_a_product.A_PRODUCT_KERNEL = (method != "rollout_engine_a_reductions"
                                                and lora_a_product.A_PRODUCT_KERNEL)  # fmt: skip
+            lora_epilogue.MIN_RANK = 1 if method == "rollout_engine_epilogue_all" else lora_epilogue.MIN_RANK
             sampler.RACE_KERNEL = method != "rollout_engine_torch_race" and sampler.RACE_KERNEL
             sampler.SOFTMAX_KERNEL = method != "rollout_engine_torch_softmax" and sampler.SOFTMAX_KERNEL
             if method == "rollout_engine_no_prefetch" and switches[-1] is not None:
@@ -327,7 +332,8 @@ def make_runner(method: str, model, args, shape, eos: int, pad: int, device):
                 (lora_decode.FUSE_LORA, fused_weights.FUSE_BASE, fused_mlp.FUSED_MLP, fused_mlp.LORA_PRECISION,
                  decode_attention.LIVE_SPLITS, lora_decode.FOLD_LORA_A, sampler.RACE_KERNEL,
                  sampler.SOFTMAX_KERNEL, arena.PRIVATE_POOL, lora_epilogue.LORA_EPILOGUE,
-                 lora_decode.JOIN_FROZEN, lora_a_product.A_PRODUCT_KERNEL, prefetch) = switches  # fmt: skip
+                 lora_decode.JOIN_FROZEN, lora_a_product.A_PRODUCT_KERNEL, lora_epilogue.MIN_RANK,
+                 prefetch) = switches  # fmt: skip
                 set_prefetch(prefetch)
             if output.tokens.shape[1] != max_new_tokens:
                 raise RuntimeError(f"generated {output.tokens.shape[1]} tokens per sequence, expected {max_new_tokens}")

@@ -22,7 +22,7 @@ def test_smoke_run_measures_every_method_and_renders_the_table(bench, tmp_path, 
                  "rollout_engine_torch_race", "rollout_engine_torch_softmax", "rollout_engine_no_prefetch",
                  "rollout_engine_default_pool", "rollout_engine_ieee_mlp_lora",
                  "rollout_engine_lora_reductions", "rollout_engine_parts_apart", "rollout_engine_a_reductions",
-                 "rollout_engine_tf32x3_lora")}
+                 "rollout_engine_tf32x3_lora", "rollout_engine_epilogue_all")}
     assert {(row["model"], row["method"]) for row in rows} == expected
     for row in rows:
         assert "error" not in row, row

@@ -35,7 +35,9 @@ LORA_EPILOGUE = True  # `lora_decode._folded` hands its B products to `lora_epil
 # at 64 rows, +10.8 % at validation's 100 rows; without frozen parts a tie at 64 rows) and lost with r32 q,k adapters
 # at every row count and number of frozen parts tried (32 rows: -1.9 %, and -6.6 % behind three frozen parts;
 # 100 rows: -1.9 %, and -2.6 % behind three): there a group's factors are many small products run one after another,
-# and inductor's reductions finish as fast. The rows were not the rule: the same r32 groups lost at 100 rows.
+# and inductor's reductions finish as fast. The rows were not the rule: the same r32 groups lost at 100 rows. With
+# the products as three bf16 products they still lost (-3.1 % at the Initial shape, -4.8 % at reset-3's; section
+# 2026-11-30 from 06:58 UTC, `generation.py`'s `rollout_engine_epilogue_all`).
 MIN_RANK = 64
 MAX_FACTORS = 16  # factors in one launch (the GSM8K recipe's reset-4 q/k/v: 11, with 4 frozen parts on q and k)
 
