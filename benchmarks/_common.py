@@ -83,6 +83,13 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def error_line(error: BaseException) -> str:
+    """An exception as one table cell: `Type: its first line` (200 characters at most), or its repr where it has no
+    message (a bare `str(error).splitlines()[0]` raises on an empty message)."""
+    text = str(error)
+    return f"{type(error).__name__}: {text.splitlines()[0][:200]}" if text.strip() else repr(error)
+
+
 def replay_microseconds(launch, launches: int = 1, samples: int = 5, warm_replay: bool = False) -> float:
     """Microseconds per `launch()`: called once eagerly, then `launches` calls captured in one CUDA graph (no warm-up
     work inside it), replayed `samples` times (after one untimed replay with `warm_replay`), the median; on CPU

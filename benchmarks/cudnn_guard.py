@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import DEFAULT_RECIPE, device_name, publish, read_runs, utc_now  # first: the repository on sys.path
+from _common import DEFAULT_RECIPE, device_name, error_line, publish, read_runs, utc_now  # first: repository on path
 
 import torch  # noqa: E402
 from memory import load_settings, prompt_dataset  # noqa: E402
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
             try:
                 results.append(run_shape(shape, guarded_length, options, device, tokenizer))
             except Exception as error:  # one failing shape must not hide the others' numbers
-                results.append({"shape": shape, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"})
+                results.append({"shape": shape, "error": error_line(error)})
                 print(f"[cudnn_guard] {shape} FAILED: {results[-1]['error']}", flush=True)
     payload = {
         "meta": meta,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 
-from _common import device_name, publish, replay_microseconds, utc_now  # first: the repository on sys.path
+from _common import device_name, error_line, publish, replay_microseconds, utc_now  # first: the repository on sys.path
 
 import torch  # noqa: E402
 
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
                 row[live] = replay_microseconds(launch, **TIMING) / layers
         except Exception as error:  # one failing setting must not hide the others' numbers
-            row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}" if str(error) else repr(error)
+            row["error"] = error_line(error)
         results.append(row)
         print(row, flush=True)
     kv_bytes = rows * KV_HEADS * HEAD_DIM * 2 * torch.finfo(dtype).bits // 8  # a live column's keys and values

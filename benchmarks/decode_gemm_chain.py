@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import argparse
 
-from _common import device_name, publish, replay_microseconds, utc_now  # first: the repository on sys.path
+from _common import device_name, error_line, publish, replay_microseconds, utc_now  # first: the repository on sys.path
 
 import torch  # noqa: E402
 
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 alone = replay_microseconds(lambda: chain(x, weights, outputs, linear, only=name), **TIMING)
                 row[name] = alone / layers
         except Exception as error:  # one failing variant must not hide the others' numbers
-            row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}" if str(error) else repr(error)
+            row["error"] = error_line(error)
         rows_out.append(row)
         print(row, flush=True)
     lines = [

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import itertools
 
-from _common import device_name, publish, replay_microseconds, utc_now  # first: the repository on sys.path
+from _common import device_name, error_line, publish, replay_microseconds, utc_now  # first: the repository on sys.path
 
 import torch  # noqa: E402
 
@@ -109,7 +109,7 @@ def run(rows: int, settings: list[tuple[int, int, int, int]], device) -> list[di
                          for n, l in zip(normed, layers)], **TIMING)  # fmt: skip
             row["matches"] = matches(with_kernel())
         except Exception as error:  # one failing setting must not hide the others' numbers
-            row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}" if str(error) else repr(error)
+            row["error"] = error_line(error)
         results.append(row)
         print(row, flush=True)
     return results
@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     lines = [
         f"Device: {device_name(device)} | {utc_now()} | torch {torch.__version__} | {LAYERS} layers of hidden size "
         f"{HIDDEN}, gate and up r{RANK} adapters (float32 A weights; the kernel: their bf16 high and low rows), bf16 "
-        "inputs | microseconds a layer, CUDA-graph replays of all layers; per row count the first kernel line is the engine's setting",
+        "inputs | microseconds a layer, CUDA-graph replays of all layers; per row count the first kernel line is the "
+        "engine's setting",
         "",
         "| rows | method | BLOCK_M, BLOCK_R, BLOCK_K, warps | us a layer | kernel alone (us) | matches |",
         "|---:|---|---|---:|---:|---|",

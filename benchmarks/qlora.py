@@ -38,7 +38,7 @@ import time
 import warnings
 from pathlib import Path
 
-from _common import DEFAULT_RECIPE, device_name, fmt, publish, synchronize, utc_now, versions  # first
+from _common import DEFAULT_RECIPE, device_name, error_line, fmt, publish, synchronize, utc_now, versions  # first
 
 import torch  # noqa: E402
 
@@ -168,7 +168,7 @@ def run_in_process(base: str, options, model_dir: str) -> dict:
     try:
         return worker(base, options, model_dir)
     except Exception as error:  # one failing base must not hide the others' numbers
-        return {"base": base, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+        return {"base": base, "error": error_line(error)}
 
 
 def run_in_subprocess(base: str, options, model_dir: str, folder: Path) -> dict:

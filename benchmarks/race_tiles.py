@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import itertools
 
-from _common import device_name, publish, replay_microseconds, utc_now  # first: the repository on sys.path
+from _common import device_name, error_line, publish, replay_microseconds, utc_now  # first: the repository on sys.path
 
 import torch  # noqa: E402
 
@@ -65,7 +65,7 @@ def run(rows: int, settings: list[tuple[int, int, int]], device) -> list[dict]:
                 row[name] = replay_microseconds(call, **TIMING)
                 row[name + " same"] = bool(torch.equal(tokens(call), wanted[name]))
         except Exception as error:  # one failing setting must not hide the others' numbers
-            row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}" if str(error) else repr(error)
+            row["error"] = error_line(error)
         finally:
             race_triton.TARGET_PROGRAMS, race_triton.BLOCK, race_triton.NUM_WARPS = engine
         results.append(row)

@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import device_name, utc_now  # first: the repository on sys.path, the Hub offline
+from _common import device_name, error_line, utc_now  # first: the repository on sys.path, the Hub offline
 
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
@@ -584,7 +584,7 @@ def main(argv: list[str] | None = None) -> dict:
             try:
                 results.append(run_path(path, options, device, tokenizer, workdir))
             except Exception as error:  # one failing path must not hide the others' numbers
-                results.append({"path": path, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"})
+                results.append({"path": path, "error": error_line(error)})
                 print(f"[step_time] {path} FAILED: {results[-1]['error']}", flush=True)
     result = {"meta": meta, "results": results}
     if options.json:

@@ -13,3 +13,12 @@ def test_settings_grid_and_smoke_table(tmp_path):
     table = (tmp_path / "a.md").read_text()
     assert "| rows | method | BLOCK_M, BLOCK_R, BLOCK_K, warps | us a layer | kernel alone (us) | matches |" in table
     assert "2 settings not run" in table
+
+
+def test_a_failing_setting_is_one_table_cell():
+    """`_common.error_line`, which the tile scripts put in a failed setting's row: the type and the first line, cut
+    to 200 characters; an exception without a message (where `splitlines()[0]` would raise) gives its repr."""
+    common = load_benchmark("_common")
+    assert common.error_line(RuntimeError("out of resources\nshared memory 232448")) == "RuntimeError: out of resources"
+    assert common.error_line(ValueError("x" * 300)) == "ValueError: " + "x" * 200
+    assert common.error_line(AssertionError()) == "AssertionError()"

@@ -155,11 +155,11 @@ class StackGroup:
     room after them for copies of the adapters' A weights where those products fold into the same GEMM
     (`lora_decode.FOLD_LORA_A`: q/k/v, o and down; gate/up where `lora_a_product`'s kernel computes them from those
     rows for `fused_mlp`'s kernel; `extra_rows` 0 otherwise). The buffers are the caller's to hold only while it
-    generates (the engine's `arena.GenerationArena`), and the Parameters are never touched. Why copies: re-pointing the members' Parameters
-    into one persistent allocation (commits a0512db to b602886, 2026-11-26/27) freed their old storage in the middle
-    of the weights' allocator segments, holes only small tensors fit, so training's large activations needed more memory
-    than `compiled_generation`'s (out of memory under its reserved memory at the GSM8K recipe's reset-3, commit
-    115e9bb); and A rows kept after the base weights stayed allocated beside training (+6.5 / +60 MiB at reset-3 /
+    generates (the engine's `arena.GenerationArena`), and the Parameters are never touched. Why copies: re-pointing
+    the members' Parameters into one persistent allocation (commits a0512db to b602886, 2026-11-26/27) freed their old
+    storage in the middle of the weights' allocator segments, holes only small tensors fit, so training's large
+    activations needed more memory than `compiled_generation`'s (out of memory under its reserved memory at the GSM8K
+    recipe's reset-3, commit 115e9bb); and A rows kept after the base weights stayed allocated beside training (+6.5 / +60 MiB at reset-3 /
     reset-4, commit cb9bd0d). A copy costs memory only while generating."""
 
     group: str  # the `DecoderParts` field: "fused_qkv", "fused_gate_up", "fused_o" or "fused_down"

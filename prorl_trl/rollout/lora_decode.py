@@ -192,16 +192,17 @@ def fold_factors(modules: Sequence[torch.nn.Module]) -> list[LoraFactors]:
 
 
 def mlp_fold_factors(modules: Sequence[torch.nn.Module]) -> list[LoraFactors]:
-    """Gate/up's `fold_factors` where `lora_a_product` computes their A products from the folded rows (`folds`, and
-    `fused_mlp`'s kernel on), which needs one adapter per projection (no frozen parts); else empty (the A products
-    stay inductor's reduction)."""
-    if not fused_mlp.FUSED_MLP or any(frozen_delta_of(base_linear(module)) is not None for module in modules):
+    """Gate/up's `fold_factors` where `lora_a_product` computes their A products from the folded rows for `fused_mlp`'s
+    kernel (`lora_a_product.folds`, that kernel switched on, one adapter per projection: no frozen parts); else
+    empty (the A products stay inductor's reduction). An MLP the kernel then declines (another activation) runs
+    `project`, whose folded GEMM reads the same rows, as q/k/v's does."""
+    if not modules or not fused_mlp.FUSED_MLP:
+        return []
+    if any(frozen_delta_of(base_linear(module)) is not None for module in modules):
         return []
     adapted = fold_factors(modules)
-    weight = base_linear(modules[0]).weight if modules else None
-    if weight is None or not lora_a_product.folds(weight.is_cuda, weight.dtype, [f.down.dtype for f in adapted]):
-        return []
-    return adapted
+    weight = base_linear(modules[0]).weight
+    return adapted if lora_a_product.folds(weight.is_cuda, weight.dtype, [f.down.dtype for f in adapted]) else []
 
 
 def fold_rows(adapted: Sequence[LoraFactors], base_dtype: torch.dtype) -> int:

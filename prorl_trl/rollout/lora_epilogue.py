@@ -13,9 +13,9 @@ The function, operation for operation, is `lora_decode._folded`'s: the base outp
 (after a float32 bias, F.linear's epilogue), the A products `high + low` in float32, then per module, in stage order
 (frozen parts, then the live adapter), `(hidden @ up.T) * scaling` added in float32, and one rounding. Only the
 products' summation order and their split-operand arithmetic (`fused_mlp.LORA_PRECISION`) differ
-(`epilogue_reference` is the torch form the tests hold the kernel to). On (`LORA_EPILOGUE`) for groups with a factor of rank `MIN_RANK` or more, 16-bit weights and
-float32 adapters, on CUDA; read when a step is traced (the switch is part of the engine's capture key); the A/B
-method is `benchmarks/generation.py`'s `rollout_engine_lora_reductions`.
+(`epilogue_reference` is the torch form the tests hold the kernel to). On (`LORA_EPILOGUE`) for groups with a factor
+of rank `MIN_RANK` or more, 16-bit weights and float32 adapters, on CUDA; read when a step is traced (the switch is
+part of the engine's capture key); the A/B method is `benchmarks/generation.py`'s `rollout_engine_lora_reductions`.
 """
 
 from __future__ import annotations
