@@ -31,6 +31,17 @@ def test_reference_is_the_mlps_function():
     assert tile_layout(32, 4864) == (32, 32) and tile_layout(70, 100) == (64, 32) and tile_layout(1, 8)[0] == 16
 
 
+def test_lora_precision_is_the_switch_for_16_bit_models_and_ieee_for_float32(monkeypatch):
+    from prorl_trl.rollout import fused_mlp
+
+    assert fused_mlp.lora_precision(torch.bfloat16) == "bf16x3" and fused_mlp.lora_precision(torch.float32) == "ieee"
+    monkeypatch.setattr(fused_mlp, "LORA_PRECISION", "tf32x3")
+    assert fused_mlp.lora_precision(torch.float16) == "tf32x3"
+    monkeypatch.setattr(fused_mlp, "LORA_PRECISION", "tf32")  # one TF32 product: too coarse, refused at launch
+    with pytest.raises(ValueError, match="none of"):
+        fused_mlp.lora_precision(torch.bfloat16)
+
+
 def check_kernel(device: str, dtypes: tuple[torch.dtype, ...]) -> None:
     """The kernel against the reference on `device`; on CUDA also 20 graph replays, bit-identical. Under the CPU
     interpreter the LoRA products are TF32 x 3 (its bf16 conversions are wrong), on CUDA the default bf16 x 3."""

@@ -23,7 +23,7 @@ from transformers.generation.logits_process import (
 )
 
 from prorl_trl.reset import freeze_lora_delta, frozen_layers, reinit_adapter
-from prorl_trl.rollout import decode_attention, fused_mlp, lora_decode, sampler
+from prorl_trl.rollout import decode_attention, fused_mlp, lora_a_product, lora_decode, sampler
 from prorl_trl.rollout.decode_attention import gqa_decode_attention_reference, triton_available
 from prorl_trl.rollout.engine import RolloutEngine, resolved_generation_config, unsupported_reason
 from prorl_trl.rollout.sampler import (
@@ -460,6 +460,10 @@ def test_recapture_decisions(tiny, monkeypatch):
     assert any(r.startswith("race_kernel True -> False") for r in reasons(base))
     monkeypatch.setattr(sampler, "SOFTMAX_KERNEL", False)
     assert any(r.startswith("softmax_kernel True -> False") for r in reasons(base))
+    monkeypatch.setattr(lora_a_product, "A_PRODUCT_KERNEL", False)
+    assert any(r.startswith("a_product_kernel True -> False") for r in reasons(base))
+    monkeypatch.setattr(fused_mlp, "LORA_PRECISION", "tf32x3")
+    assert any(r.startswith("lora_precision bf16x3 -> tf32x3") for r in reasons(base))
     model.delete_adapter("default")
     model.add_adapter("default", LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
     model.set_adapter("default")

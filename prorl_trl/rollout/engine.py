@@ -13,8 +13,9 @@ longest completion (so at most the cap).
 
 What makes a new capture (`capture_reasons`, logged with its time): the batch size, cache length (prompt budget + cap),
 the sampler's static layout, the autocast dtype, the A/B switches (`lora_decode.FUSE_LORA`, `fused_weights.FUSE_BASE`,
-`fused_mlp.FUSED_MLP`, `decode_attention.LIVE_SPLITS`, `lora_decode.FOLD_LORA_A`, `lora_decode.JOIN_FROZEN`,
-`lora_a_product.A_PRODUCT_KERNEL`, `sampler.RACE_KERNEL`, `sampler.SOFTMAX_KERNEL`), the model's parameter storage
+`fused_mlp.FUSED_MLP`, `fused_mlp.LORA_PRECISION`, `lora_epilogue.LORA_EPILOGUE` and `MIN_RANK`,
+`decode_attention.LIVE_SPLITS`, `lora_decode.FOLD_LORA_A`, `lora_decode.JOIN_FROZEN`, `lora_a_product.A_PRODUCT_KERNEL`,
+`sampler.RACE_KERNEL`, `sampler.SOFTMAX_KERNEL`), the model's parameter storage
 (data pointers, shapes, dtypes: a LoRA rank/target change, `.data` swaps) or LoRA state (merged, disabled, active
 adapter, scaling, variant, dropout, input casting), and the generation arena's layout and address
 (`arena.GenerationArena`: the KV buffers, the decode state and the stacked projections, `decoder.StackGroup`, whose
