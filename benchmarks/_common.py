@@ -1,5 +1,6 @@
 """What every benchmark shares: the repository on `sys.path` with the Hub offline, the device's name, a table
-header's date and package versions, number cells, printing a table (and its JSON) and joining saved runs.
+header's date and package versions, number cells, command-line integer lists, printing a table (and its JSON) and
+joining saved runs.
 
 Importing this module sets the environment up, so each script imports it first and then runs the same from
 `python benchmarks/X.py`, from `accelerate launch` and from a test: this checkout's `prorl_trl` wins over an
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import json
 import os
 import sys
@@ -81,6 +83,16 @@ def synchronize(device) -> None:
 
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def int_list(text: str) -> list[int]:
+    """Comma-separated integers (blanks skipped): a command-line list such as `--rows 32,64`."""
+    return [int(value) for value in text.split(",") if value.strip()]
+
+
+def int_grid(*texts: str) -> list[tuple[int, ...]]:
+    """Every combination of the comma-separated integer lists `texts`, in order: a tile script's settings grid."""
+    return list(itertools.product(*(int_list(text) for text in texts)))
 
 
 def error_line(error: BaseException) -> str:

@@ -84,7 +84,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import device_name, publish, read_runs, synchronize, utc_now  # first: the repository on sys.path
+from _common import device_name, int_list, publish, read_runs, synchronize, utc_now  # first: the repository on sys.path
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -588,7 +588,7 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 def _step_list(text: str) -> tuple[int, ...]:
     """`--replay-steps`: decode steps from 1, comma separated."""
-    steps = tuple(int(value) for value in text.split(",") if value.strip())
+    steps = tuple(int_list(text))
     if not steps or min(steps) < 1:
         raise argparse.ArgumentTypeError(f"decode steps from 1, comma separated; got {text!r}")
     return steps

@@ -18,9 +18,8 @@ and checks every method's products against float64 products of its own normed ro
 from __future__ import annotations
 
 import argparse
-import itertools
 
-from _common import device_name, error_line, publish, replay_microseconds, utc_now  # first: the repository on sys.path
+from _common import device_name, error_line, int_grid, int_list, publish, replay_microseconds, utc_now  # first
 
 import torch  # noqa: E402
 
@@ -32,8 +31,7 @@ TIMING = {"launches": 1, "samples": 10, "warm_replay": True}
 
 def settings_grid(blocks_m: str, blocks_r: str, blocks_k: str, warps: str) -> list[tuple[int, int, int, int]]:
     """(BLOCK_M, BLOCK_R, BLOCK_K, warps) combinations of the comma-separated values."""
-    values = [[int(v) for v in text.split(",") if v.strip()] for text in (blocks_m, blocks_r, blocks_k, warps)]
-    return list(itertools.product(*values))
+    return int_grid(blocks_m, blocks_r, blocks_k, warps)
 
 
 def add_and_norm(hidden: torch.Tensor, attended: torch.Tensor, weight: torch.Tensor):
@@ -129,7 +127,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     settings = settings_grid(args.blocks_m, args.blocks_r, args.blocks_k, args.warps)
     results = []
     if device.type == "cuda" and triton_available():
-        for rows in [int(v) for v in args.rows.split(",") if v.strip()]:
+        for rows in int_list(args.rows):
             results += run(rows, settings, device)
     lines = [
         f"Device: {device_name(device)} | {utc_now()} | torch {torch.__version__} | {LAYERS} layers of hidden size "

@@ -15,9 +15,8 @@ same tokens as the engine's (the draw does not depend on the split: on equal key
 from __future__ import annotations
 
 import argparse
-import itertools
 
-from _common import device_name, error_line, publish, replay_microseconds, utc_now  # first: the repository on sys.path
+from _common import device_name, error_line, int_grid, int_list, publish, replay_microseconds, utc_now  # first
 
 import torch  # noqa: E402
 
@@ -29,14 +28,13 @@ TIMING = {"launches": 10, "samples": 10, "warm_replay": True}
 
 def settings_grid(programs: str, blocks: str, warps: str) -> list[tuple[int, int, int]]:
     """(programs, block, warps) combinations of the comma-separated values."""
-    values = [[int(v) for v in text.split(",") if v.strip()] for text in (programs, blocks, warps)]
-    return list(itertools.product(*values))
+    return int_grid(programs, blocks, warps)
 
 
 def run(rows: int, settings: list[tuple[int, int, int]], device) -> list[dict]:
     """Each setting's microseconds a call of both kernels and whether it drew the engine setting's tokens."""
     from prorl_trl.rollout import race_triton
-    from prorl_trl.rollout.sampler import row_keys
+    from prorl_trl.rollout.sampler import race_winner, row_keys
 
     generator = torch.Generator(device=device).manual_seed(0)
     logits = (torch.randn(rows, VOCAB, device=device, generator=generator) * 3).to(torch.bfloat16)
@@ -52,8 +50,7 @@ def run(rows: int, settings: list[tuple[int, int, int]], device) -> list[dict]:
     engine = (race_triton.TARGET_PROGRAMS, race_triton.BLOCK, race_triton.NUM_WARPS)
 
     def tokens(call) -> torch.Tensor:
-        best_key, best_token = call()
-        return best_token.gather(-1, best_key.argmax(-1, keepdim=True))[:, 0]
+        return race_winner(*call())
 
     wanted = {name: tokens(call) for name, call in calls.items()}
     results = []
@@ -86,7 +83,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     settings = settings_grid(args.programs, args.blocks, args.warps)
     results = []
     if device.type == "cuda" and triton_available():
-        for rows in [int(v) for v in args.rows.split(",") if v.strip()]:
+        for rows in int_list(args.rows):
             results += run(rows, settings, device)
     lines = [
         f"Device: {device_name(device)} | {utc_now()} | torch {torch.__version__} | vocabulary {VOCAB:,}, bf16 logits "

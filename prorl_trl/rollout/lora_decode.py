@@ -423,7 +423,7 @@ def _fused_gated_activation(mlp: torch.nn.Module, x: torch.Tensor, fused: FusedL
     if not adapted:
         return None
     rows = x.reshape(-1, x.shape[-1])
-    if fused.extra_rows and fused.extra_rows == fold_rows(adapted, fused.weight.dtype):  # `mlp_fold_factors`' rows
+    if fused.extra_rows == fold_rows(adapted, fused.weight.dtype):  # `mlp_fold_factors`' rows (none: 0 < fold_rows)
         hidden = lora_a_product.a_product(rows, fused.extra, sum(factor.down.shape[0] for factor in adapted))
     else:
         hidden = _lora_hidden(rows, adapted)

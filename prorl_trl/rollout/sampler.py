@@ -422,9 +422,22 @@ def uses_race_kernel(logits: torch.Tensor, layout: SamplerLayout) -> bool:
 def race_tokens(probs: torch.Tensor, tau: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Per row `argmax_j p_j / E_j` over `p_j >= tau` (the first on ties), `E = -log(noise_from_keys(keys))`."""
     if probs.is_cuda and triton_available():
-        best_key, best_token = torch.ops.prorl_rollout.race(probs.contiguous(), tau, keys)
-        return best_token.gather(-1, best_key.argmax(-1, keepdim=True))[:, 0].long()
+        return race_winner(*torch.ops.prorl_rollout.race(probs.contiguous(), tau, keys))
     return race_tokens_reference(probs, tau, keys)
+
+
+def race_winner(best_key: torch.Tensor, best_token: torch.Tensor) -> torch.Tensor:
+    """Per row the token of the first split holding the row's best key (the race kernels' `(rows, splits)` results)."""
+    return best_token.gather(-1, best_key.argmax(-1, keepdim=True))[:, 0].long()
+
+
+def _race_results_like(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The race kernels' outputs for `(rows, vocab)` scores, shapes only (their ops' fake implementation)."""
+    from .race_triton import splits_for
+
+    splits = splits_for(*scores.shape)
+    best_key = scores.new_empty(scores.shape[0], splits, dtype=torch.float32)
+    return best_key, best_key.new_empty(best_key.shape, dtype=torch.int32)
 
 
 def race_tokens_reference(probs: torch.Tensor, tau: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -443,10 +456,7 @@ def _race_op(probs: torch.Tensor, tau: torch.Tensor, keys: torch.Tensor) -> tupl
 
 @_race_op.register_fake
 def _(probs, tau, keys):
-    from .race_triton import splits_for
-
-    splits = splits_for(*probs.shape)
-    return probs.new_empty(probs.shape[0], splits), probs.new_empty(probs.shape[0], splits, dtype=torch.int32)
+    return _race_results_like(probs)
 
 
 def uses_logits_race(logits: torch.Tensor, layout: SamplerLayout) -> bool:
@@ -464,9 +474,8 @@ def logits_race_tokens(
     """`choose_tokens(process_logits(...))` for sampling without top-p, top-k or min-p, as one kernel on the logits in
     their own dtype: `argmax scores - log(E)` from the same uniforms (`race_triton.launch_logits_race`)."""
     keys = row_keys(tensors.seed, step, logits.shape[0])
-    best_key, best_token = torch.ops.prorl_rollout.logits_race(logits.contiguous(), tensors.temperature,
-                                                               *eos_mask(layout, tensors, step), keys)  # fmt: skip
-    return best_token.gather(-1, best_key.argmax(-1, keepdim=True))[:, 0].long()
+    return race_winner(*torch.ops.prorl_rollout.logits_race(logits.contiguous(), tensors.temperature,
+                                                             *eos_mask(layout, tensors, step), keys))  # fmt: skip
 
 
 @torch.library.custom_op("prorl_rollout::logits_race", mutates_args=())
@@ -481,12 +490,7 @@ def _logits_race_op(
 
 @_logits_race_op.register_fake
 def _(logits, temperature, eos, too_early, keys):
-    from .race_triton import splits_for
-
-    splits = splits_for(*logits.shape)
-    return logits.new_empty(logits.shape[0], splits, dtype=torch.float32), logits.new_empty(
-        logits.shape[0], splits, dtype=torch.int32
-    )
+    return _race_results_like(logits)
 
 
 def choose_tokens(scores: torch.Tensor, layout: SamplerLayout, tensors: SamplerTensors, step: torch.Tensor) -> torch.Tensor:
